@@ -1,0 +1,72 @@
+// The device interface: everything the allocator core asks of a GPU.
+//
+// The core never talks to CUDA directly. It goes through this small interface so that the
+// same rules run on a real GPU (backends/cuda_device.*, the driver loaded at run time) and on
+// the simulated device (backends/sim_device.*) used by tests and trace replay.
+//
+// Calls that can run out of device memory return false instead of throwing: the core has an
+// out-of-memory path (free cached blocks, retry) and must decide what to do. Any other failure
+// is a bug or a broken device and throws DeviceError.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace allocwatch {
+
+// A stream as the caller names it (a cudaStream_t cast to an integer; 0 is the default stream).
+using StreamId = std::uint64_t;
+// An event recorded on a stream; opaque to the core.
+using EventId = std::uint64_t;
+// A physical allocation that can be mapped into reserved address space.
+using PhysicalHandle = std::uint64_t;
+
+class DeviceError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct MemoryInfo {
+  std::size_t free = 0;
+  std::size_t total = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  virtual int index() const = 0;
+  virtual MemoryInfo memory_info() = 0;
+
+  // Plain segments (cudaMalloc / cudaFree). malloc returns false when the device is out of memory.
+  virtual bool malloc(std::size_t size, void** ptr) = 0;
+  virtual void free(void* ptr, std::size_t size) = 0;
+
+  // Virtual memory, for expandable segments (cuMemAddressReserve, cuMemCreate, cuMemMap +
+  // cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree).
+  virtual bool supports_virtual_memory() const = 0;
+  virtual std::uintptr_t reserve_address(std::size_t size, std::size_t alignment) = 0;
+  virtual void free_address(std::uintptr_t base, std::size_t size) = 0;
+  virtual bool create_physical(std::size_t size, PhysicalHandle* handle) = 0;
+  virtual void release_physical(PhysicalHandle handle, std::size_t size) = 0;
+  virtual void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) = 0;
+  virtual void unmap(std::uintptr_t addr, std::size_t size) = 0;
+
+  // Streams and events. record_event returns an event that completes once the work queued on
+  // the stream so far has completed.
+  virtual EventId record_event(StreamId stream) = 0;
+  virtual bool query_event(EventId event) = 0;
+  virtual void release_event(EventId event) = 0;
+
+  // A device-wide synchronisation (cudaDeviceSynchronize): the expensive call that releasing
+  // cached memory needs, and that a well-tuned allocator makes rarely.
+  virtual void synchronize() = 0;
+
+  // True while the calling thread's stream is being captured into a CUDA graph: during capture
+  // the core must not call anything that synchronises or queries events.
+  virtual bool is_capturing(StreamId stream) { return false; }
+};
+
+}  // namespace allocwatch
