@@ -63,6 +63,10 @@ class Device {
   // A device-wide synchronisation (cudaDeviceSynchronize): the expensive call that releasing
   // cached memory needs, and that a well-tuned allocator makes rarely.
   virtual void synchronize() = 0;
+  // Waits for the work queued on one stream (cudaStreamSynchronize). Unmapping pages of an
+  // expandable segment only needs its own stream to be idle; back ends without a cheaper
+  // call fall back to a device-wide synchronisation.
+  virtual void synchronize_stream(StreamId stream) { synchronize(); }
 
   // True while the calling thread's stream is being captured into a CUDA graph: during capture
   // the core must not call anything that synchronises or queries events.
