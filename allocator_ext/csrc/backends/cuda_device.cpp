@@ -1,0 +1,217 @@
+#include "backends/cuda_device.h"
+
+#include "backends/cuda_context_guard.h"
+
+namespace allocwatch {
+
+using namespace cuda;  // the driver's own names read best unqualified here
+
+namespace {
+
+CUmemLocation this_device(CUdevice device) {
+  CUmemLocation location{};
+  location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  location.id = device;
+  return location;
+}
+
+// Physical memory on this device, not exportable to other processes (no handle type): the
+// cheapest kind to create, as PyTorch's expandable segments use.
+CUmemAllocationProp device_allocation(CUdevice device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop.location = this_device(device);
+  return prop;
+}
+
+CUdeviceptr as_device_pointer(std::uintptr_t address) {
+  return static_cast<CUdeviceptr>(address);
+}
+
+}  // namespace
+
+CudaDevice::CudaDevice(int index)
+    : driver_(cuda_driver()), index_(index), events_(driver_) {
+  check_result(driver_.cuDeviceGet(&device_, index), "cuDeviceGet");
+  check_result(driver_.cuDevicePrimaryCtxRetain(&context_, device_), "cuDevicePrimaryCtxRetain");
+  try {
+    check_result(driver_.cuDriverGetVersion(&driver_version_), "cuDriverGetVersion");
+    char name[256] = {};
+    check_result(driver_.cuDeviceGetName(name, sizeof(name) - 1, device_), "cuDeviceGetName");
+    name_ = name;
+
+    int vmm = 0;
+    check_result(driver_.cuDeviceGetAttribute(
+                     &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device_),
+                 "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
+    if (vmm != 0) {
+      ContextGuard guard(driver_, context_);
+      CUmemAllocationProp prop = device_allocation(device_);
+      check_result(driver_.cuMemGetAllocationGranularity(&granularity_, &prop,
+                                                         CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                   "cuMemGetAllocationGranularity");
+      supports_virtual_memory_ = granularity_ != 0;
+    }
+  } catch (...) {
+    driver_.cuDevicePrimaryCtxRelease(device_);
+    throw;
+  }
+}
+
+CudaDevice::~CudaDevice() {
+  // Events first: they belong to the context, which the release below may destroy.
+  events_.destroy_idle();
+  // Balances the retain. PyTorch's runtime holds its own reference, so this never destroys
+  // the context under a running training job; standalone, it tears the context down.
+  driver_.cuDevicePrimaryCtxRelease(device_);
+}
+
+MemoryInfo CudaDevice::memory_info() {
+  ContextGuard guard(driver_, context_);
+  MemoryInfo info;
+  check_result(driver_.cuMemGetInfo(&info.free, &info.total), "cuMemGetInfo_v2");
+  return info;
+}
+
+bool CudaDevice::malloc(std::size_t size, void** ptr) {
+  ContextGuard guard(driver_, context_);
+  CUdeviceptr address = 0;
+  CUresult result = driver_.cuMemAlloc(&address, size);
+  if (result == CUDA_ERROR_OUT_OF_MEMORY) return false;
+  check_result(result, "cuMemAlloc_v2");
+  *ptr = reinterpret_cast<void*>(static_cast<std::uintptr_t>(address));
+  return true;
+}
+
+void CudaDevice::free(void* ptr, std::size_t /*size*/) {
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuMemFree(as_device_pointer(reinterpret_cast<std::uintptr_t>(ptr))),
+               "cuMemFree_v2");
+}
+
+void CudaDevice::require_granular(std::size_t value, const char* what, const char* call) const {
+  // The driver answers a misaligned size with a bare CUDA_ERROR_INVALID_VALUE; say why.
+  if (!supports_virtual_memory_) {
+    throw DeviceError(std::string(call) + ": device " + std::to_string(index_) +
+                      " does not support virtual memory management");
+  }
+  if (value % granularity_ != 0) {
+    throw DeviceError(std::string(call) + ": " + what + " " + std::to_string(value) +
+                      " is not a multiple of the allocation granularity " +
+                      std::to_string(granularity_));
+  }
+}
+
+std::uintptr_t CudaDevice::reserve_address(std::size_t size, std::size_t alignment) {
+  require_granular(size, "size", "cuMemAddressReserve");
+  ContextGuard guard(driver_, context_);
+  CUdeviceptr base = 0;
+  // Address space is plentiful (tens of TiB), so running out of it is a failure, not an
+  // out-of-memory the core could recover from: every error throws.
+  check_result(driver_.cuMemAddressReserve(&base, size, alignment, 0, 0), "cuMemAddressReserve");
+  return static_cast<std::uintptr_t>(base);
+}
+
+void CudaDevice::free_address(std::uintptr_t base, std::size_t size) {
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuMemAddressFree(as_device_pointer(base), size), "cuMemAddressFree");
+}
+
+bool CudaDevice::create_physical(std::size_t size, PhysicalHandle* handle) {
+  require_granular(size, "size", "cuMemCreate");
+  ContextGuard guard(driver_, context_);
+  CUmemAllocationProp prop = device_allocation(device_);
+  CUmemGenericAllocationHandle created = 0;
+  CUresult result = driver_.cuMemCreate(&created, size, &prop, 0);
+  if (result == CUDA_ERROR_OUT_OF_MEMORY) return false;
+  check_result(result, "cuMemCreate");
+  *handle = static_cast<PhysicalHandle>(created);
+  return true;
+}
+
+void CudaDevice::release_physical(PhysicalHandle handle, std::size_t /*size*/) {
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)),
+               "cuMemRelease");
+}
+
+void CudaDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {
+  require_granular(addr, "address", "cuMemMap");
+  require_granular(size, "size", "cuMemMap");
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuMemMap(as_device_pointer(addr), size, 0,
+                                static_cast<CUmemGenericAllocationHandle>(handle), 0),
+               "cuMemMap");
+  // A mapping is unusable until access is granted; grant read-write to this device only.
+  CUmemAccessDesc access{};
+  access.location = this_device(device_);
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUresult result = driver_.cuMemSetAccess(as_device_pointer(addr), size, &access, 1);
+  if (result != CUDA_SUCCESS) {
+    driver_.cuMemUnmap(as_device_pointer(addr), size);  // leave no half-made mapping behind
+    check_result(result, "cuMemSetAccess");
+  }
+}
+
+void CudaDevice::unmap(std::uintptr_t addr, std::size_t size) {
+  require_granular(addr, "address", "cuMemUnmap");
+  require_granular(size, "size", "cuMemUnmap");
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuMemUnmap(as_device_pointer(addr), size), "cuMemUnmap");
+}
+
+EventId CudaDevice::record_event(StreamId stream) {
+  ContextGuard guard(driver_, context_);
+  CUevent event = events_.acquire();
+  // The stream id is the runtime's cudaStream_t, which is the driver's CUstream (0 is the
+  // legacy default stream, as for the runtime).
+  CUresult result = driver_.cuEventRecord(event, reinterpret_cast<CUstream>(stream));
+  if (result != CUDA_SUCCESS) {
+    events_.release(event);
+    check_result(result, "cuEventRecord");
+  }
+  return reinterpret_cast<EventId>(event);
+}
+
+bool CudaDevice::query_event(EventId event) {
+  ContextGuard guard(driver_, context_);
+  CUresult result = driver_.cuEventQuery(reinterpret_cast<CUevent>(event));
+  if (result == CUDA_ERROR_NOT_READY) return false;
+  check_result(result, "cuEventQuery");
+  return true;
+}
+
+void CudaDevice::release_event(EventId event) {
+  events_.release(reinterpret_cast<CUevent>(event));
+}
+
+void CudaDevice::wait_event(EventId event) {
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuEventSynchronize(reinterpret_cast<CUevent>(event)), "cuEventSynchronize");
+}
+
+void CudaDevice::synchronize() {
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuCtxSynchronize(), "cuCtxSynchronize");
+}
+
+void CudaDevice::synchronize_stream(StreamId stream) {
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)),
+               "cuStreamSynchronize");
+}
+
+bool CudaDevice::is_capturing(StreamId stream) {
+  ContextGuard guard(driver_, context_);
+  int status = CU_STREAM_CAPTURE_STATUS_NONE;
+  CUresult result = driver_.cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &status);
+  // Asked about the legacy default stream while another (blocking) stream captures: the
+  // default stream cannot be used until that capture ends, so treat it as capturing.
+  if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+  check_result(result, "cuStreamIsCapturing");
+  // An invalidated capture is still a capture until cuStreamEndCapture: stay capture-safe.
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+}  // namespace allocwatch
