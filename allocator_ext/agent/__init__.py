@@ -1,0 +1,183 @@
+"""The in-process agent: publishes the allocator's figures to the allocwatch sidecar.
+
+    import allocator_ext
+    agent = allocator_ext.start_agent("unix:///run/allocwatch/agent.sock")
+
+or, with no code change, set ALLOCWATCH_TARGET and call maybe_start_from_env() (what
+`allocwatch run` and allocator_ext.install() do). Environment variables:
+
+| variable                 | meaning                                                          |
+| ------------------------ | ---------------------------------------------------------------- |
+| ALLOCWATCH_TARGET        | the sidecar: unix:///path/agent.sock or host:port; unset: no agent |
+| ALLOCWATCH_INTERVAL      | seconds between reports (default 1)                              |
+| ALLOCWATCH_SOURCE        | auto (default), allocwatch, pytorch                              |
+| ALLOCWATCH_SNAPSHOT_DIR  | where snapshots are written (default: beside the Unix socket,    |
+|                          | in snapshots/; else the temp dir)                                |
+| ALLOCWATCH_AGENT_NVML    | 0 to stop the agent reading NVML                                 |
+
+The process's identity comes from the environment too: see allocator_ext.agent.identity.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from allocator_ext.agent.backoff import Backoff
+from allocator_ext.agent.client import Agent
+from allocator_ext.agent.identity import build_identity, visible_device_entry
+from allocator_ext.agent.sources import AllocatorSource, Source, TorchSource, UnsupportedCommand
+from exporter.nvml import NvmlReader
+
+__all__ = [
+    "Agent",
+    "AllocatorSource",
+    "Source",
+    "TorchSource",
+    "UnsupportedCommand",
+    "maybe_start_from_env",
+    "set_default_source_factory",
+    "start_agent",
+]
+
+log = logging.getLogger("allocator_ext.agent")
+
+# Set by allocator_ext.install() when allocwatch's allocator serves torch: returns its Source.
+_default_source_factory: Callable[[], Source] | None = None
+_lock = threading.Lock()
+_env_agent: Agent | None = None
+
+
+def set_default_source_factory(factory: Callable[[], Source] | None) -> None:
+    """Register what `source=None` / "allocwatch" means (called by allocator_ext.install())."""
+    global _default_source_factory
+    _default_source_factory = factory
+
+
+def _resolve_source(source: Any) -> Source:
+    if isinstance(source, str):
+        if source == "pytorch":
+            return TorchSource()
+        if source == "allocwatch":
+            if _default_source_factory is None:
+                raise ValueError("source 'allocwatch': allocwatch's allocator is not installed in "
+                                 "this process (call allocator_ext.install() first)")
+            return _default_source_factory()
+        if source == "auto":
+            source = None
+        else:
+            raise ValueError(f"source must be 'auto', 'allocwatch' or 'pytorch', got {source!r}")
+    if source is None:
+        if _default_source_factory is not None:
+            return _default_source_factory()
+        return TorchSource()
+    if isinstance(source, Source):
+        return source
+    if hasattr(source, "stats") and hasattr(source, "malloc"):  # an allocator_ext.Allocator
+        return AllocatorSource(source)
+    if isinstance(source, Mapping):  # {device: Allocator}
+        return AllocatorSource(source)
+    raise TypeError(f"cannot use {type(source).__name__} as an agent source")
+
+
+def _default_snapshot_dir(target: str) -> Path:
+    explicit = os.environ.get("ALLOCWATCH_SNAPSHOT_DIR")
+    if explicit:
+        return Path(explicit)
+    if target.startswith("unix://"):
+        return Path(target[len("unix://"):]).parent / "snapshots"
+    return Path(tempfile.gettempdir()) / "allocwatch-snapshots"
+
+
+def _nvml_uuid(nvml: NvmlReader, device: int) -> str:
+    entry = visible_device_entry(os.environ, device)
+    if entry is None:
+        return ""
+    if entry.startswith(("GPU-", "MIG-")):
+        return entry
+    try:
+        gpu = nvml.find(index=int(entry))
+    except ValueError:
+        return ""
+    return gpu.uuid if gpu is not None else ""
+
+
+def start_agent(
+    target: str | None = None,
+    interval: float = 1.0,
+    source: Any = None,
+    identity: Mapping[str, Any] | None = None,
+    *,
+    cuda_device: int | None = None,
+    snapshot_dir: str | Path | None = None,
+    nvml: bool | Any = True,
+    buffer_reports: int = 32,
+    backoff: Backoff | None = None,
+    stop_at_exit: bool = True,
+) -> Agent:
+    """Start publishing to the sidecar at `target` (default: ALLOCWATCH_TARGET).
+
+    source: None/"auto" (allocwatch's allocator if installed, else PyTorch's), "allocwatch",
+    "pytorch", an allocator_ext.Allocator, a {device: Allocator} mapping, or any Source.
+    identity: overrides of Identity fields (e.g. {"training_job": "llm-7b"}).
+    nvml: False to skip NVML; True to read it; or a pynvml-like module (tests).
+    Never raises for an unreachable sidecar: the agent keeps retrying in the background.
+    """
+    target = target or os.environ.get("ALLOCWATCH_TARGET")
+    if not target:
+        raise ValueError("no sidecar target: pass target= or set ALLOCWATCH_TARGET")
+    if interval <= 0:
+        raise ValueError(f"interval must be > 0 seconds, got {interval}")
+    resolved = _resolve_source(source)
+    reader: NvmlReader | None = None
+    if nvml:
+        reader = NvmlReader(None if nvml is True else nvml, cache_seconds=interval / 2)
+        if not reader.start():
+            reader = None
+    devices = resolved.devices()
+    if cuda_device is None:
+        env_device = os.environ.get("ALLOCWATCH_CUDA_DEVICE")
+        cuda_device = int(env_device) if env_device else (devices[0] if devices else -1)
+    uuid = resolved.gpu_uuid(cuda_device) if cuda_device >= 0 else ""
+    if not uuid and reader is not None and cuda_device >= 0:
+        uuid = _nvml_uuid(reader, cuda_device)
+    torch_version, cuda_version = resolved.versions()
+    ident = build_identity(backend=resolved.backend, cuda_device=cuda_device, gpu_uuid=uuid,
+                           torch_version=torch_version, cuda_version=cuda_version,
+                           overrides=identity)
+    agent = Agent(
+        target, resolved, ident, interval=interval,
+        snapshot_dir=Path(snapshot_dir) if snapshot_dir else _default_snapshot_dir(target),
+        nvml=reader, buffer_reports=buffer_reports, backoff=backoff)
+    agent.start()
+    if stop_at_exit:
+        atexit.register(agent.stop, 1.0)
+    log.info("agent started", extra={"target": target, "backend": resolved.backend,
+                                     "interval": interval})
+    return agent
+
+
+def maybe_start_from_env(source: Any = None) -> Agent | None:
+    """Start the agent if ALLOCWATCH_TARGET is set (once per process); never raises."""
+    global _env_agent
+    target = os.environ.get("ALLOCWATCH_TARGET")
+    if not target:
+        return None
+    with _lock:
+        if _env_agent is not None:
+            return _env_agent
+        try:
+            interval = float(os.environ.get("ALLOCWATCH_INTERVAL", "1"))
+            chosen = source if source is not None else os.environ.get("ALLOCWATCH_SOURCE", "auto")
+            use_nvml = os.environ.get("ALLOCWATCH_AGENT_NVML", "1") != "0"
+            _env_agent = start_agent(target, interval=interval, source=chosen, nvml=use_nvml)
+        except Exception as err:  # a bad setting must not stop the training job
+            log.warning("allocwatch agent not started", extra={"reason": repr(err)})
+            return None
+        return _env_agent

@@ -1,0 +1,232 @@
+"""The in-process agent: a sampler thread and a connection thread, both daemons.
+
+Training is never blocked: sampling runs on its own thread at the report interval; reports go
+through a bounded outbox (oldest dropped and counted when the sidecar is slow or away); the
+connection thread reconnects with exponential backoff and jitter, and carries out commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from allocator_ext.agent import convert
+from allocator_ext.agent.backoff import Backoff
+from allocator_ext.agent.commands import execute
+from allocator_ext.agent.outbox import Outbox
+from allocator_ext.agent.sources import Source
+from exporter.nvml import NvmlReader
+from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.proto.allocwatch.v1 import agent_pb2_grpc
+from exporter.protocol import DEFAULT_MAX_MESSAGE_BYTES, incompatibility, local_version
+
+log = logging.getLogger("allocator_ext.agent")
+
+
+class Agent:
+    def __init__(
+        self,
+        target: str,
+        source: Source,
+        identity: pb.Identity,
+        *,
+        interval: float = 1.0,
+        snapshot_dir: Path,
+        nvml: NvmlReader | None = None,
+        buffer_reports: int = 32,
+        backoff: Backoff | None = None,
+        protocol_version: pb.ProtocolVersion | None = None,
+    ):
+        self.target = target
+        self.source = source
+        self.identity = identity
+        self.interval = interval
+        self.snapshot_dir = snapshot_dir
+        self.nvml = nvml
+        self.outbox = Outbox(buffer_reports)
+        self.backoff = backoff or Backoff()
+        self.protocol_version = protocol_version or local_version()
+        self.sequence = 0
+        self.sample_errors = 0
+        self.reconnects = 0
+        self.connected = threading.Event()
+        self.last_error: str | None = None
+        self.agent_key: str | None = None
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._call_lock = threading.Lock()
+        self._sample_lock = threading.Lock()
+        self._sampler = threading.Thread(target=self._sample_loop, name="allocwatch-agent-sampler",
+                                         daemon=True)
+        self._connector = threading.Thread(target=self._connect_loop, name="allocwatch-agent",
+                                           daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Agent:
+        self._sampler.start()
+        self._connector.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Send a goodbye where connected, then end both threads (bounded wait)."""
+        if self._stop.is_set():
+            return
+        if self.connected.is_set():
+            self.outbox.put_result(pb.AgentMessage(goodbye=pb.Goodbye(reason="process exiting")))
+            deadline = time.monotonic() + min(timeout, 0.5)
+            while len(self.outbox) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self._stop.set()
+        self.outbox.wake()
+        with self._call_lock:
+            if self._call is not None:
+                self._call.cancel()
+        self._sampler.join(timeout)
+        self._connector.join(timeout)
+
+    @property
+    def dropped(self) -> int:
+        return self.outbox.dropped
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample_loop(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self.sample_once()
+            next_at += self.interval
+            delay = next_at - time.monotonic()
+            if delay < 0:  # fell behind (suspended process): skip, never burst
+                next_at = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
+
+    def sample_once(self) -> pb.Report | None:
+        try:
+            with self._sample_lock:
+                report = self._build_report()
+        except Exception as err:
+            self.sequence -= 1
+            self.sample_errors += 1
+            if self.sample_errors == 1 or self.sample_errors % 100 == 0:
+                log.warning("sampling the allocator failed", extra={"reason": repr(err),
+                                                                   "errors": self.sample_errors})
+            return None
+        self.outbox.put_report(pb.AgentMessage(report=report))
+        return report
+
+    def _build_report(self) -> pb.Report:
+        self.sequence += 1
+        report = pb.Report(sequence=self.sequence, timestamp_seconds=time.time())
+        for device in self.source.devices():
+            uuid = self.source.gpu_uuid(device) or (
+                self.identity.gpu_uuid if device == self.identity.cuda_device else "")
+            entry = report.devices.add(
+                cuda_device=device, gpu_uuid=uuid,
+                allocator=convert.allocator_stats(self.source.memory_stats(device)),
+                settings=self.source.settings(device))
+            gpu = self.nvml.find(uuid=uuid, index=device) if self.nvml is not None else None
+            if gpu is not None:
+                if not entry.gpu_uuid:
+                    entry.gpu_uuid = gpu.uuid
+                entry.device_memory.total_bytes = gpu.total_bytes
+                entry.device_memory.used_bytes = gpu.used_bytes
+                own = gpu.process_used_bytes.get(self.identity.pid)
+                if own is not None:  # NVML lists host PIDs: matches only in the host PID space
+                    entry.device_memory.has_process_used_bytes = True
+                    entry.device_memory.process_used_bytes = own
+        report.agent.reports_sampled_total = self.sequence
+        # Dropped counts up to the previous report: this one may itself be dropped later.
+        report.agent.reports_dropped_total = self.outbox.dropped
+        report.agent.sample_errors_total = self.sample_errors
+        report.agent.reconnects_total = self.reconnects
+        return report
+
+    # ------------------------------------------------------------------ connection
+
+    def _connect_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._run_stream()
+            except Exception as err:  # a bug here must not end the agent, nor the process
+                log.exception("agent stream failed unexpectedly")
+                self.last_error = repr(err)
+            self.connected.clear()
+            if self._stop.is_set():
+                break
+            self.reconnects += 1
+            self._stop.wait(self.backoff.next_delay())
+
+    def _requests(self, hello: pb.AgentMessage, stream_done: threading.Event
+                  ) -> Iterator[pb.AgentMessage]:
+        yield hello
+        # Reports only after the sidecar accepted us (Welcome), so none is spent on a refusal.
+        while not self.connected.wait(0.1):
+            if stream_done.is_set() or self._stop.is_set():
+                return
+        while not stream_done.is_set():
+            message = self.outbox.get(timeout=0.2)
+            if message is not None:
+                yield message
+            if self._stop.is_set() and not len(self.outbox):
+                return
+
+    def _run_stream(self) -> None:
+        hello = pb.AgentMessage(hello=pb.Hello(protocol_version=self.protocol_version,
+                                               identity=self.identity))
+        stream_done = threading.Event()
+        options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+                   ("grpc.enable_retries", 0)]
+        with grpc.insecure_channel(self.target, options=options) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            call = stub.Connect(self._requests(hello, stream_done))
+            with self._call_lock:
+                self._call = call
+            try:
+                for message in call:
+                    self._handle(message)
+                self.last_error = "the sidecar ended the stream"
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                if code != grpc.StatusCode.CANCELLED or not self._stop.is_set():
+                    self._note_error(f"{code.name if code else 'error'}: "
+                                     f"{err.details() if hasattr(err, 'details') else err}")
+            finally:
+                stream_done.set()
+                with self._call_lock:
+                    self._call = None
+
+    def _note_error(self, text: str) -> None:
+        if text != self.last_error:  # one line per distinct problem, not one per retry
+            log.warning("agent cannot reach the sidecar", extra={"target": self.target,
+                                                                 "reason": text})
+        self.last_error = text
+
+    def _handle(self, message: pb.SidecarMessage) -> None:
+        kind = message.WhichOneof("body")
+        if kind == "welcome":
+            why = incompatibility(message.welcome.protocol_version, self.protocol_version)
+            if why is not None:
+                self._note_error(f"sidecar {why}")
+                with self._call_lock:
+                    if self._call is not None:
+                        self._call.cancel()
+                return
+            self.agent_key = message.welcome.agent_key
+            self.backoff.reset()
+            self.connected.set()
+            log.info("agent connected to the sidecar", extra={"target": self.target,
+                                                              "agent": self.agent_key})
+            self.last_error = None
+            # The sidecar gets our figures right away, not an interval later.
+            self.sample_once()
+        elif kind == "command":
+            result = execute(message.command, self.source, self.snapshot_dir, self.identity.rank)
+            self.outbox.put_result(pb.AgentMessage(command_result=result))

@@ -1,0 +1,50 @@
+"""Allocator snapshots written by the agent for the sidecar to fetch.
+
+Files are gzip-compressed pickles in the layout of torch.cuda.memory._snapshot(), so PyTorch's
+memory viewer opens them. Stack frames (which hold source paths) are removed unless asked for;
+the files are readable by owner and group only (the pod's containers share the group).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MAX_BYTES = 256 << 20
+FILE_MODE = 0o640
+
+
+def strip_frames(value: Any) -> Any:
+    """A copy without any 'frames' entries (blocks, trace entries)."""
+    if isinstance(value, dict):
+        return {k: ([] if k == "frames" else strip_frames(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [strip_frames(v) for v in value]
+    return value
+
+
+def write_snapshot(directory: Path, snapshot: dict[str, Any], *, rank: int, device: int,
+                   include_frames: bool, max_bytes: int) -> tuple[Path, int]:
+    """Write the snapshot; returns (path, size). ValueError when larger than max_bytes."""
+    if not include_frames:
+        snapshot = strip_frames(snapshot)
+    data = gzip.compress(pickle.dumps(snapshot, protocol=4), compresslevel=6)
+    if len(data) > max_bytes:
+        raise ValueError(f"the snapshot is {len(data)} bytes compressed, above the cap of "
+                         f"{max_bytes} bytes")
+    directory.mkdir(mode=0o750, parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    rank_part = f"rank{rank}" if rank >= 0 else "norank"
+    name = f"snapshot-{socket.gethostname()}-{os.getpid()}-{rank_part}-cuda{device}-{stamp}.pickle.gz"
+    path = directory / name
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)  # the sidecar never sees a half-written file
+    return path, len(data)

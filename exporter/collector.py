@@ -1,0 +1,264 @@
+"""The one Prometheus collector of the sidecar, building every family fresh on each scrape.
+
+Names follow DESIGN.md "Metric names". Allocator series are labelled by
+rank, local_rank, cuda_device, gpu_uuid (unknown values are empty labels); two agents with the
+same labels (e.g. a restarted process before its predecessor expired) show the latest reporter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from exporter import __version__
+from exporter.nvml import GpuMemory, NvmlReader
+from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from exporter.registry import AgentState, Registry
+
+log = logging.getLogger("exporter.collector")
+
+ALLOC = "torch_cuda_allocator"
+SERIES_LABELS = ["rank", "local_rank", "cuda_device", "gpu_uuid"]
+
+# (metric suffix, help, field of PoolStats) for the totals over both pools.
+_POOL_GAUGES = [
+    ("allocated_bytes", "Bytes in blocks handed out to tensors", "allocated_bytes"),
+    ("reserved_bytes", "Bytes of device memory held by the allocator", "reserved_bytes"),
+    ("active_bytes", "Bytes in active blocks (allocated, or freed with pending stream uses)",
+     "active_bytes"),
+    ("requested_bytes", "Bytes requested by tensors, before rounding", "requested_bytes"),
+    ("inactive_split_bytes", "Free bytes inside split segments (not releasable)",
+     "inactive_split_bytes"),
+    ("segments", "Device allocations (segments) held", "segments"),
+    ("peak_allocated_bytes", "Peak allocated bytes since the last peak reset",
+     "peak_allocated_bytes"),
+    ("peak_reserved_bytes", "Peak reserved bytes since the last peak reset", "peak_reserved_bytes"),
+]
+# The pool split, for the figures where it says something (small pool vs large pool).
+_POOL_SPLIT = ["allocated_bytes", "reserved_bytes", "inactive_split_bytes", "segments"]
+
+_COUNTERS = [
+    ("alloc_retries", "Allocations that freed cached blocks and retried", "alloc_retries"),
+    ("ooms", "Out-of-memory errors raised", "ooms"),
+    ("device_mallocs", "Device memory allocations (cudaMalloc or mappings)", "device_mallocs"),
+    ("device_frees", "Device memory releases", "device_frees"),
+    ("sync_all_streams", "Device-wide synchronisations by the allocator", "sync_all_streams"),
+    ("gc_reclaims", "Garbage-collection reclaims run", "gc_reclaims"),
+    ("gc_reclaimed_bytes", "Bytes released by garbage collection", "gc_reclaimed_bytes"),
+    ("empty_cache_calls", "empty_cache() calls", "empty_cache_calls"),
+    ("allocations", "Allocations served", "allocations"),
+]
+
+
+def _label(value: int) -> str:
+    return str(value) if value >= 0 else ""
+
+
+def fragmentation_ratio(reserved: int, allocated: int) -> float:
+    return (reserved - allocated) / reserved if reserved > 0 else 0.0
+
+
+class AllocwatchCollector(Collector):
+    def __init__(
+        self,
+        registry: Registry,
+        nvml: NvmlReader | None = None,
+        extra_families: Callable[[], Iterable[Metric]] | None = None,
+    ):
+        self._registry = registry
+        self._nvml = nvml
+        # Lets other parts (the policy engine) add families, e.g. allocwatch_policy_actions_total.
+        self._extra_families = extra_families
+
+    def describe(self) -> list[Metric]:
+        return []  # families vary per scrape: unchecked collector
+
+    def collect(self) -> Iterator[Metric]:
+        agents = self._registry.agents()
+        device_rows = self._latest_device_rows(agents)
+        yield from self._allocator_families(device_rows)
+        yield from self._info_family(agents)
+        yield from self._device_families(agents, device_rows)
+        yield from self._sidecar_families(agents)
+        if self._extra_families is not None:
+            yield from self._extra_families()
+        else:  # no policy engine: the family exists, without samples
+            yield CounterMetricFamily("allocwatch_policy_actions",
+                                      "Actions decided by the policy engine",
+                                      labels=["rule", "action"])
+
+    @staticmethod
+    def _latest_device_rows(
+        agents: list[AgentState],
+    ) -> list[tuple[list[str], AgentState, pb.DeviceReport]]:
+        rows: dict[tuple[str, ...], tuple[float, AgentState, pb.DeviceReport]] = {}
+        for agent in agents:
+            report, when = agent.last_report, agent.last_report_time
+            if report is None or when is None:
+                continue
+            ident = agent.identity
+            for device in report.devices:
+                labels = (_label(ident.rank), _label(ident.local_rank),
+                          _label(device.cuda_device), device.gpu_uuid)
+                if labels not in rows or rows[labels][0] <= when:
+                    rows[labels] = (when, agent, device)
+        return [(list(k), agent, device) for k, (_, agent, device) in rows.items()]
+
+    def _allocator_families(self, rows) -> Iterator[Metric]:
+        for suffix, doc, field in _POOL_GAUGES:
+            family = GaugeMetricFamily(f"{ALLOC}_{suffix}", doc, labels=SERIES_LABELS)
+            for labels, _, device in rows:
+                family.add_metric(labels, getattr(device.allocator.all, field))
+            yield family
+        for suffix in _POOL_SPLIT:
+            family = GaugeMetricFamily(
+                f"{ALLOC}_pool_{suffix}",
+                f"{suffix.replace('_', ' ')} per pool (small: requests up to 1 MiB)",
+                labels=[*SERIES_LABELS, "pool"],
+            )
+            for labels, _, device in rows:
+                family.add_metric([*labels, "small"], getattr(device.allocator.small_pool, suffix))
+                family.add_metric([*labels, "large"], getattr(device.allocator.large_pool, suffix))
+            yield family
+
+        pending_free = GaugeMetricFamily(
+            f"{ALLOC}_pending_free_bytes",
+            "Freed bytes waiting for stream events before reuse", labels=SERIES_LABELS)
+        pending_events = GaugeMetricFamily(
+            f"{ALLOC}_pending_events", "Stream events not yet completed", labels=SERIES_LABELS)
+        frag = GaugeMetricFamily(
+            f"{ALLOC}_fragmentation_ratio",
+            "(reserved - allocated) / reserved; 0 when nothing is reserved", labels=SERIES_LABELS)
+        gc = GaugeMetricFamily(
+            f"{ALLOC}_gc_threshold_ratio",
+            "garbage_collection_threshold in force (0: off)", labels=SERIES_LABELS)
+        max_split = GaugeMetricFamily(
+            f"{ALLOC}_max_split_size_bytes",
+            "max_split_size in force (+Inf: unlimited)", labels=SERIES_LABELS)
+        expandable = GaugeMetricFamily(
+            f"{ALLOC}_expandable_segments",
+            "1 when expandable segments are on", labels=SERIES_LABELS)
+        for labels, _, device in rows:
+            stats, settings = device.allocator, device.settings
+            pending_free.add_metric(labels, stats.pending_free_bytes)
+            pending_events.add_metric(labels, stats.pending_events)
+            frag.add_metric(labels, fragmentation_ratio(stats.all.reserved_bytes,
+                                                        stats.all.allocated_bytes))
+            gc.add_metric(labels, settings.garbage_collection_threshold)
+            max_split.add_metric(labels, settings.max_split_size_bytes or math.inf)
+            expandable.add_metric(labels, 1.0 if settings.expandable_segments else 0.0)
+        yield from (pending_free, pending_events, frag, gc, max_split, expandable)
+
+        for suffix, doc, field in _COUNTERS:
+            counter = CounterMetricFamily(f"{ALLOC}_{suffix}", doc, labels=SERIES_LABELS)
+            for labels, _, device in rows:
+                counter.add_metric(labels, getattr(device.allocator, field))
+            yield counter
+
+    @staticmethod
+    def _info_family(agents: list[AgentState]) -> Iterator[Metric]:
+        info = InfoMetricFamily(
+            ALLOC, "The training process behind the allocator series",
+            labels=SERIES_LABELS,
+        )
+        seen: set[tuple[str, ...]] = set()
+        for agent in reversed(agents):  # newest first: it wins a label clash
+            ident = agent.identity
+            labels = [_label(ident.rank), _label(ident.local_rank),
+                      _label(ident.cuda_device), ident.gpu_uuid]
+            if tuple(labels) in seen:
+                continue
+            seen.add(tuple(labels))
+            info.add_metric(labels, {
+                "backend": ident.backend,
+                "torch_version": ident.torch_version,
+                "cuda_version": ident.cuda_version,
+                "pid": str(ident.pid),
+                "host": ident.host,
+                "training_job": ident.training_job,
+                "world_size": _label(ident.world_size),
+                "agent_version": ident.agent_version,
+                "protocol": agent.protocol,
+            })
+        yield info
+
+    def _device_families(self, agents: list[AgentState], rows) -> Iterator[Metric]:
+        total = GaugeMetricFamily("allocwatch_gpu_memory_total_bytes",
+                                  "GPU memory, from NVML", labels=["gpu_uuid"])
+        used = GaugeMetricFamily("allocwatch_gpu_memory_used_bytes",
+                                 "GPU memory in use by every process, from NVML",
+                                 labels=["gpu_uuid"])
+        process = GaugeMetricFamily(
+            "allocwatch_process_gpu_memory_used_bytes",
+            "GPU memory used by the training process, from NVML", labels=SERIES_LABELS)
+        own: dict[str, GpuMemory] = {g.uuid: g for g in (self._nvml.read() if self._nvml else [])}
+        gpus: dict[str, tuple[int, int]] = {u: (g.total_bytes, g.used_bytes) for u, g in own.items()}
+        for labels, agent, device in rows:
+            uuid = device.gpu_uuid
+            mem = device.device_memory if device.HasField("device_memory") else None
+            if uuid and uuid not in own and mem is not None:
+                gpus[uuid] = (mem.total_bytes, mem.used_bytes)
+            # The agent sees its own PID; the sidecar's NVML matches only in a shared PID space.
+            if mem is not None and mem.has_process_used_bytes:
+                process.add_metric(labels, mem.process_used_bytes)
+            elif uuid in own and agent.identity.pid in own[uuid].process_used_bytes:
+                process.add_metric(labels, own[uuid].process_used_bytes[agent.identity.pid])
+        for uuid, (total_bytes, used_bytes) in sorted(gpus.items()):
+            total.add_metric([uuid], total_bytes)
+            used.add_metric([uuid], used_bytes)
+        yield from (total, used, process)
+
+    def _sidecar_families(self, agents: list[AgentState]) -> Iterator[Metric]:
+        received, commands, errors = self._registry.counters()
+        connected = GaugeMetricFamily("allocwatch_agents_connected",
+                                      "Agents with an open stream")
+        connected.add_metric([], sum(1 for a in agents if a.connected))
+        yield connected
+
+        last = GaugeMetricFamily("allocwatch_agent_last_report_timestamp_seconds",
+                                 "When the sidecar last received a report from the agent",
+                                 labels=SERIES_LABELS)
+        dropped = CounterMetricFamily("allocwatch_agent_dropped_reports",
+                                      "Reports the agent sampled but could not send",
+                                      labels=SERIES_LABELS)
+        seen: set[tuple[str, ...]] = set()
+        for agent in reversed(agents):
+            ident = agent.identity
+            labels = [_label(ident.rank), _label(ident.local_rank),
+                      _label(ident.cuda_device), ident.gpu_uuid]
+            if tuple(labels) in seen or agent.last_report is None:
+                continue
+            seen.add(tuple(labels))
+            last.add_metric(labels, agent.last_report_time or 0.0)
+            dropped.add_metric(labels, agent.last_report.agent.reports_dropped_total)
+        yield from (last, dropped)
+
+        total = CounterMetricFamily("allocwatch_reports_received",
+                                    "Reports received from all agents since the sidecar started")
+        total.add_metric([], received)
+        yield total
+        cmd = CounterMetricFamily("allocwatch_commands", "Commands sent to agents, by result",
+                                  labels=["command", "result"])
+        for (command, result), count in sorted(commands.items()):
+            cmd.add_metric([command, result], count)
+        yield cmd
+        err = CounterMetricFamily("allocwatch_stream_errors",
+                                  "Agent streams refused or ended by bad input, by reason",
+                                  labels=["reason"])
+        for reason, count in sorted(errors.items()):
+            err.add_metric([reason], count)
+        yield err
+        build = InfoMetricFamily("allocwatch_build", "The sidecar's version",
+                                 labels=["version", "protocol"])
+        build.add_metric([__version__, f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"], {})
+        yield build

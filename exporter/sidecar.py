@@ -1,0 +1,149 @@
+"""The sidecar daemon: the agents' gRPC server, the metrics endpoint, NVML, wired together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+from grpc import aio
+from prometheus_client import CollectorRegistry
+from prometheus_client.process_collector import ProcessCollector
+
+from exporter import __version__
+from exporter.collector import AllocwatchCollector
+from exporter.config import SidecarConfig
+from exporter.grpc_server import start_grpc_server
+from exporter.http_server import MetricsHttpServer
+from exporter.nvml import NvmlReader
+from exporter.registry import Registry
+
+log = logging.getLogger("exporter.sidecar")
+
+
+class Sidecar:
+    """Start with `await start()`, stop with `await stop()`; all on one event loop."""
+
+    def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None):
+        self.config = config
+        self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents)
+        self.nvml: NvmlReader | None = None
+        if config.nvml.enabled:
+            self.nvml = NvmlReader(nvml_module, cache_seconds=config.nvml.cache_seconds)
+        else:
+            log.info("NVML disabled by settings (nvml.enabled: false): no device series "
+                     "from the sidecar")
+        self.metrics_registry = CollectorRegistry(auto_describe=False)
+        self.metrics_registry.register(AllocwatchCollector(self.registry, self.nvml))
+        # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
+        ProcessCollector(registry=self.metrics_registry)
+        self.grpc_server: aio.Server | None = None
+        self.http: MetricsHttpServer | None = None
+        self.agent_targets: list[str] = []
+        self._ready = False
+        self._heartbeat = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def metrics_url(self) -> str:
+        assert self.http is not None
+        host = self.config.metrics.address
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.http.port}"
+
+    async def start(self) -> None:
+        if self.nvml is not None:
+            await asyncio.to_thread(self.nvml.start)
+        self.http = MetricsHttpServer(
+            self.config.metrics.address, self.config.metrics.port, self.metrics_registry,
+            self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy)
+        self.http.start()
+        try:
+            self.grpc_server, self.agent_targets = await start_grpc_server(
+                self.registry, self.config.agents)
+        except Exception:
+            self.http.stop()
+            raise
+        self._tasks.append(asyncio.create_task(self._housekeeping()))
+        self._ready = True
+        log.info("sidecar started", extra={
+            "version": __version__, "agents": self.agent_targets, "metrics": self.metrics_url,
+            "nvml": bool(self.nvml and self.nvml.available)})
+
+    def _healthy(self) -> bool:
+        # The event loop is alive when its housekeeping task ran recently.
+        return time.monotonic() - self._heartbeat < 10.0
+
+    async def _housekeeping(self) -> None:
+        while True:
+            self._heartbeat = time.monotonic()
+            self.registry.agents()  # expires departed agents even when nobody scrapes
+            await asyncio.sleep(1.0)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        self._ready = False
+        for task in self._tasks:
+            task.cancel()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace)
+        if self.http is not None:
+            self.http.stop()
+        if self.nvml is not None:
+            self.nvml.close()
+        log.info("sidecar stopped")
+
+
+async def _serve(config: SidecarConfig) -> None:
+    sidecar = Sidecar(config)
+    await sidecar.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received, stopping")
+    await sidecar.stop()
+
+
+def run_sidecar(config: SidecarConfig) -> None:
+    """Run until SIGTERM or SIGINT (the `allocwatch sidecar` command)."""
+    asyncio.run(_serve(config))
+
+
+class SidecarThread:
+    """A sidecar on its own event loop in a background thread (tests, demo, benchmarks)."""
+
+    def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None):
+        self.sidecar = Sidecar(config, nvml_module)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="allocwatch-sidecar",
+                                        daemon=True)
+
+    def start(self) -> SidecarThread:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.sidecar.start(), self.loop).result(30)
+        return self
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        try:
+            self.call(self.sidecar.stop(grace=0.2))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
+
+    def __enter__(self) -> SidecarThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
