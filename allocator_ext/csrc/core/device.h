@@ -59,6 +59,8 @@ class Device {
   virtual EventId record_event(StreamId stream) = 0;
   virtual bool query_event(EventId event) = 0;
   virtual void release_event(EventId event) = 0;
+  // Blocks until one event has completed (cudaEventSynchronize).
+  virtual void wait_event(EventId /*event*/) { synchronize(); }
 
   // A device-wide synchronisation (cudaDeviceSynchronize): the expensive call that releasing
   // cached memory needs, and that a well-tuned allocator makes rarely.
@@ -66,11 +68,11 @@ class Device {
   // Waits for the work queued on one stream (cudaStreamSynchronize). Unmapping pages of an
   // expandable segment only needs its own stream to be idle; back ends without a cheaper
   // call fall back to a device-wide synchronisation.
-  virtual void synchronize_stream(StreamId stream) { synchronize(); }
+  virtual void synchronize_stream(StreamId /*stream*/) { synchronize(); }
 
   // True while the calling thread's stream is being captured into a CUDA graph: during capture
   // the core must not call anything that synchronises or queries events.
-  virtual bool is_capturing(StreamId stream) { return false; }
+  virtual bool is_capturing(StreamId /*stream*/) { return false; }
 };
 
 }  // namespace allocwatch

@@ -1,0 +1,189 @@
+#include "sim_device.h"
+
+#include <sstream>
+
+namespace allocwatch {
+
+namespace {
+// What an unlimited device reports as its total: an H200's 141 GiB would be as arbitrary.
+constexpr std::size_t kUnlimitedTotal = std::size_t{1} << 40;
+
+[[noreturn]] void misuse(const std::string& what) { throw DeviceError("sim device: " + what); }
+}  // namespace
+
+SimDevice::SimDevice(std::size_t capacity, int index) : index_(index), capacity_(capacity) {}
+
+void SimDevice::count(const char* call, std::size_t bytes) {
+  CallCount& c = counters_[call];
+  c.count += 1;
+  c.bytes += bytes;
+}
+
+MemoryInfo SimDevice::memory_info() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t total = capacity_ == 0 ? kUnlimitedTotal : capacity_;
+  return MemoryInfo{total > used_ ? total - used_ : 0, total};
+}
+
+bool SimDevice::malloc(std::size_t size, void** ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!fits(size)) {
+    count("malloc_failed", size);
+    return false;
+  }
+  count("malloc", size);
+  used_ += size;
+  std::uintptr_t addr = next_address_;
+  // Keep segments 2 MiB aligned and apart, as the driver does.
+  next_address_ += (size + (2u << 20) - 1) & ~std::uintptr_t((2u << 20) - 1);
+  segments_[addr] = size;
+  *ptr = reinterpret_cast<void*>(addr);
+  return true;
+}
+
+void SimDevice::free(void* ptr, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = segments_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == segments_.end() || it->second != size) misuse("free of an unknown segment");
+  count("free", size);
+  used_ -= size;
+  segments_.erase(it);
+  // cudaFree waits for the device: every event recorded so far completes.
+  for (auto& [id, s] : streams_) s.completed = s.recorded;
+}
+
+std::uintptr_t SimDevice::reserve_address(std::size_t size, std::size_t alignment) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  count("reserve", size);
+  std::uintptr_t a = alignment == 0 ? 1 : alignment;
+  std::uintptr_t base = (next_reservation_ + a - 1) / a * a;
+  next_reservation_ = base + size;
+  return base;
+}
+
+void SimDevice::free_address(std::uintptr_t, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  count("address_free", size);
+}
+
+bool SimDevice::create_physical(std::size_t size, PhysicalHandle* handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!fits(size)) {
+    count("create_failed", size);
+    return false;
+  }
+  count("create", size);
+  used_ += size;
+  *handle = next_handle_++;
+  physical_[*handle] = size;
+  return true;
+}
+
+void SimDevice::release_physical(PhysicalHandle handle, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = physical_.find(handle);
+  if (it == physical_.end() || it->second != size) misuse("release of an unknown handle");
+  count("release", size);
+  used_ -= size;
+  physical_.erase(it);
+}
+
+void SimDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (physical_.count(handle) == 0) misuse("map of an unknown handle");
+  if (mappings_.count(addr) != 0) misuse("map over a mapped address");
+  count("map", size);
+  mappings_[addr] = handle;
+}
+
+void SimDevice::unmap(std::uintptr_t addr, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (mappings_.erase(addr) == 0) misuse("unmap of an address that is not mapped");
+  count("unmap", size);
+}
+
+EventId SimDevice::record_event(StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  count("event_record", 0);
+  StreamState& s = streams_[stream];
+  s.recorded += 1;
+  if (auto_complete_) s.completed = s.recorded;
+  EventId id = next_event_++;
+  events_[id] = EventState{stream, s.recorded};
+  return id;
+}
+
+bool SimDevice::query_event(EventId event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  count("event_query", 0);
+  auto it = events_.find(event);
+  if (it == events_.end()) misuse("query of an unknown event");
+  return streams_[it->second.stream].completed >= it->second.sequence;
+}
+
+void SimDevice::release_event(EventId event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (events_.erase(event) == 0) misuse("release of an unknown event");
+}
+
+void SimDevice::wait_event(EventId event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  count("event_synchronize", 0);
+  auto it = events_.find(event);
+  if (it == events_.end()) misuse("wait on an unknown event");
+  StreamState& s = streams_[it->second.stream];
+  if (s.completed < it->second.sequence) s.completed = it->second.sequence;
+}
+
+void SimDevice::synchronize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  count("synchronize", 0);
+  for (auto& [id, s] : streams_) s.completed = s.recorded;
+}
+
+void SimDevice::synchronize_stream(StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  count("stream_synchronize", 0);
+  StreamState& s = streams_[stream];
+  s.completed = s.recorded;
+}
+
+void SimDevice::complete_stream(StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  StreamState& s = streams_[stream];
+  s.completed = s.recorded;
+}
+
+void SimDevice::set_auto_complete(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto_complete_ = on;
+  if (on)
+    for (auto& [id, s] : streams_) s.completed = s.recorded;
+}
+
+void SimDevice::set_capacity(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  capacity_ = bytes;
+}
+
+std::size_t SimDevice::used() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return used_;
+}
+
+std::size_t SimDevice::outstanding_events() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return events_.size();
+}
+
+std::map<std::string, CallCount> SimDevice::counters() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return counters_;
+}
+
+void SimDevice::reset_counters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  counters_.clear();
+}
+
+}  // namespace allocwatch

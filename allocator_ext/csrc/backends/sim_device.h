@@ -1,0 +1,87 @@
+// The simulated device: a capacity, an address space, streams and events whose completion the
+// caller controls, and a counter of every device call with the bytes it moved. It makes every
+// rule of the core testable without a GPU, and it is what trace replay runs on.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "../core/device.h"
+
+namespace allocwatch {
+
+struct CallCount {
+  std::uint64_t count = 0;
+  std::uint64_t bytes = 0;
+};
+
+class SimDevice : public Device {
+ public:
+  // capacity 0: unlimited; `total` is then what memory_info reports (it sizes the address
+  // space of expandable segments and the per-process memory fraction).
+  explicit SimDevice(std::size_t capacity = 0, int index = 0);
+
+  int index() const override { return index_; }
+  MemoryInfo memory_info() override;
+  bool malloc(std::size_t size, void** ptr) override;
+  void free(void* ptr, std::size_t size) override;
+  bool supports_virtual_memory() const override { return true; }
+  std::uintptr_t reserve_address(std::size_t size, std::size_t alignment) override;
+  void free_address(std::uintptr_t base, std::size_t size) override;
+  bool create_physical(std::size_t size, PhysicalHandle* handle) override;
+  void release_physical(PhysicalHandle handle, std::size_t size) override;
+  void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) override;
+  void unmap(std::uintptr_t addr, std::size_t size) override;
+  EventId record_event(StreamId stream) override;
+  bool query_event(EventId event) override;
+  void release_event(EventId event) override;
+  void wait_event(EventId event) override;
+  void synchronize() override;
+  void synchronize_stream(StreamId stream) override;
+
+  // --- control, for tests and replay ---
+  // Completes every event recorded on `stream` so far.
+  void complete_stream(StreamId stream);
+  // With auto-completion, every event is complete as soon as it is recorded.
+  void set_auto_complete(bool on);
+  std::size_t capacity() const { return capacity_; }
+  void set_capacity(std::size_t bytes);
+  std::size_t used() const;
+  std::size_t outstanding_events() const;
+  std::map<std::string, CallCount> counters() const;
+  void reset_counters();
+
+ private:
+  void count(const char* call, std::size_t bytes);
+  bool fits(std::size_t size) const { return capacity_ == 0 || used_ + size <= capacity_; }
+
+  mutable std::mutex mutex_;
+  int index_;
+  std::size_t capacity_;
+  std::size_t used_ = 0;
+  std::uintptr_t next_address_ = 0x7f0000000000ull;
+  std::uintptr_t next_reservation_ = 0x100000000000ull;
+  PhysicalHandle next_handle_ = 1;
+  std::unordered_map<std::uintptr_t, std::size_t> segments_;
+  std::unordered_map<PhysicalHandle, std::size_t> physical_;
+  std::unordered_map<std::uintptr_t, PhysicalHandle> mappings_;
+  struct StreamState {
+    std::uint64_t recorded = 0;
+    std::uint64_t completed = 0;
+  };
+  std::unordered_map<StreamId, StreamState> streams_;
+  struct EventState {
+    StreamId stream;
+    std::uint64_t sequence;
+  };
+  std::unordered_map<EventId, EventState> events_;
+  EventId next_event_ = 1;
+  bool auto_complete_ = false;
+  std::map<std::string, CallCount> counters_;
+};
+
+}  // namespace allocwatch

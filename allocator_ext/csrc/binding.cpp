@@ -1,0 +1,231 @@
+// Python binding of the core: allocator_ext._core.
+//
+// Pointers cross into Python as integers. C++ errors become Python ones: a bad setting is a
+// ValueError naming it, an out-of-memory error is allocator_ext.OutOfMemoryError (a
+// MemoryError), misuse (freeing an unknown pointer) is a ValueError.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "backends/sim_device.h"
+#include "core/allocator.h"
+#include "core/config.h"
+#include "core/sizes.h"
+
+namespace py = pybind11;
+using namespace allocwatch;
+
+namespace {
+
+AllocatorConfig config_from(const std::optional<std::string>& text) {
+  AllocatorConfig base = AllocatorConfig::allocwatch();
+  return text ? apply_config(base, *text) : base;
+}
+
+py::dict config_dict(const AllocatorConfig& c) {
+  py::dict d;
+  d["max_split_size"] =
+      c.max_split_size == kNoMaxSplit ? py::int_(-1) : py::int_(c.max_split_size);
+  d["max_non_split_rounding"] = c.max_non_split_rounding;
+  d["garbage_collection_threshold"] = c.garbage_collection_threshold;
+  d["expandable_segments"] = c.expandable_segments;
+  py::dict divisions;
+  for (std::size_t i = 0; i < kRoundupIntervals; ++i)
+    divisions[py::str(std::to_string(std::size_t{1} << i))] = c.roundup_power2_divisions[i];
+  d["roundup_power2_divisions"] = divisions;
+  d["expandable_large_page"] = c.expandable_large_page;
+  d["reuse_free_pages"] = c.reuse_free_pages;
+  d["release_lock_on_cudamalloc"] = c.release_lock_on_cudamalloc;
+  d["pinned_use_cuda_host_register"] = c.pinned_use_cuda_host_register;
+  d["pinned_num_register_threads"] = c.pinned_num_register_threads;
+  d["pinned_use_background_threads"] = c.pinned_use_background_threads;
+  d["string"] = c.to_string();
+  return d;
+}
+
+py::dict trace_entry_dict(const TraceEntry& e) {
+  py::dict d;
+  d["action"] = trace_action_name(e.action);
+  d["addr"] = e.addr;
+  d["size"] = e.size;
+  d["stream"] = e.stream;
+  d["time_us"] = e.time_us;
+  d["compile_context"] = "N/A";
+  d["user_metadata"] = "";
+  d["frames"] = py::list();
+  return d;
+}
+
+// The layout of torch.cuda.memory._snapshot(), which PyTorch's memory viewer reads.
+py::dict snapshot_dict(CachingAllocator& a) {
+  py::list segments;
+  for (const SegmentInfo& s : a.snapshot()) {
+    py::dict seg;
+    seg["device"] = a.device().index();
+    seg["address"] = s.address;
+    seg["total_size"] = s.total_size;
+    seg["allocated_size"] = s.allocated_size;
+    seg["active_size"] = s.active_size;
+    seg["requested_size"] = s.requested_size;
+    seg["stream"] = s.stream;
+    seg["segment_type"] = s.is_large ? "large" : "small";
+    seg["segment_pool_id"] = py::make_tuple(s.pool_id.first, s.pool_id.second);
+    seg["is_expandable"] = s.is_expandable;
+    seg["frames"] = py::list();
+    py::list blocks;
+    for (const BlockInfo& b : s.blocks) {
+      py::dict blk;
+      blk["address"] = b.address;
+      blk["size"] = b.size;
+      blk["requested_size"] = b.requested_size;
+      blk["state"] = b.state;
+      blk["frames"] = py::list();
+      blocks.append(blk);
+    }
+    seg["blocks"] = blocks;
+    segments.append(seg);
+  }
+  py::list trace;
+  for (const TraceEntry& e : a.trace()) trace.append(trace_entry_dict(e));
+  py::list device_traces;
+  device_traces.append(trace);
+  AllocatorConfig c = a.config();
+  py::dict settings = config_dict(c);
+  settings["PYTORCH_CUDA_ALLOC_CONF"] = c.to_string();
+  py::dict snap;
+  snap["segments"] = segments;
+  snap["device_traces"] = device_traces;
+  snap["allocator_settings"] = settings;
+  snap["external_annotations"] = py::list();
+  return snap;
+}
+
+py::dict counters_dict(const SimDevice& d) {
+  py::dict out;
+  for (const auto& [name, c] : d.counters()) {
+    py::dict entry;
+    entry["count"] = c.count;
+    entry["bytes"] = c.bytes;
+    out[py::str(name)] = entry;
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "allocwatch's caching allocator core (C++), on the simulated device";
+
+  static py::exception<OutOfMemoryError> oom(m, "OutOfMemoryError", PyExc_MemoryError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfMemoryError& e) {
+      py::object err = py::handle(oom.ptr())(e.what());
+      err.attr("requested") = e.requested;
+      err.attr("device_free") = e.device_free;
+      err.attr("device_total") = e.device_total;
+      err.attr("allocated") = e.allocated;
+      err.attr("reserved") = e.reserved;
+      PyErr_SetObject(oom.ptr(), err.ptr());
+    } catch (const ConfigError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const DeviceError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  m.def("round_size", [](std::size_t size) { return round_size(size, RoundupDivisions{}); },
+        "PyTorch's rounding of a request (default settings).");
+  m.def("segment_size_for", &segment_size_for, "Size of a new segment for a rounded request.");
+  m.def(
+      "parse_config",
+      [](const std::string& text, std::optional<std::string> base) {
+        return config_dict(apply_config(config_from(base), text));
+      },
+      py::arg("text"), py::arg("base") = py::none(),
+      "Validates a settings string on top of `base` (allocwatch's defaults when None) and "
+      "returns every setting; raises ValueError naming a bad key or value.");
+  m.attr("NATIVE_CONFIG") = AllocatorConfig::native().to_string();
+  m.attr("DEFAULT_CONFIG") = AllocatorConfig::allocwatch().to_string();
+
+  py::class_<Device, std::shared_ptr<Device>>(m, "Device");
+
+  py::class_<SimDevice, Device, std::shared_ptr<SimDevice>>(m, "SimDevice")
+      .def(py::init<std::size_t, int>(), py::arg("capacity") = 0, py::arg("index") = 0,
+           "A simulated GPU with `capacity` bytes (0: unlimited).")
+      .def_property("capacity", &SimDevice::capacity, &SimDevice::set_capacity)
+      .def_property_readonly("used", &SimDevice::used)
+      .def_property_readonly("outstanding_events", &SimDevice::outstanding_events)
+      .def("memory_info",
+           [](SimDevice& d) {
+             MemoryInfo i = d.memory_info();
+             return py::make_tuple(i.free, i.total);
+           })
+      .def("complete_stream", &SimDevice::complete_stream, py::arg("stream"),
+           "Complete every event recorded on `stream` so far.")
+      .def("synchronize", &SimDevice::synchronize)
+      .def("set_auto_complete", &SimDevice::set_auto_complete, py::arg("on"))
+      .def("counters", &counters_dict, "Count and bytes of every kind of device call.")
+      .def("reset_counters", &SimDevice::reset_counters);
+
+  py::class_<CachingAllocator, std::shared_ptr<CachingAllocator>>(m, "Allocator")
+      .def(py::init([](std::shared_ptr<Device> device, std::optional<std::string> config) {
+             return std::make_shared<CachingAllocator>(std::move(device), config_from(config));
+           }),
+           py::arg("device"), py::arg("config") = py::none(), py::keep_alive<1, 2>())
+      .def(
+          "malloc",
+          [](CachingAllocator& a, std::size_t size, StreamId stream) {
+            return reinterpret_cast<std::uintptr_t>(a.malloc(size, stream));
+          },
+          py::arg("size"), py::arg("stream") = 0)
+      .def(
+          "free", [](CachingAllocator& a, std::uintptr_t ptr) { a.free(reinterpret_cast<void*>(ptr)); },
+          py::arg("ptr"))
+      .def(
+          "record_stream",
+          [](CachingAllocator& a, std::uintptr_t ptr, StreamId s) {
+            a.record_stream(reinterpret_cast<void*>(ptr), s);
+          },
+          py::arg("ptr"), py::arg("stream"))
+      .def("block_size",
+           [](CachingAllocator& a, std::uintptr_t ptr) { return a.block_size(reinterpret_cast<void*>(ptr)); })
+      .def("empty_cache", &CachingAllocator::empty_cache,
+           "Release every cached block that is not split; returns the bytes released.")
+      .def("garbage_collect", &CachingAllocator::garbage_collect,
+           "Release aged cached blocks down to the GC threshold; returns the bytes released.")
+      .def("process_events", &CachingAllocator::process_events)
+      .def("set_memory_fraction", &CachingAllocator::set_memory_fraction, py::arg("fraction"))
+      .def("set_memory_limit", &CachingAllocator::set_memory_limit, py::arg("bytes"))
+      .def_property_readonly("memory_limit", &CachingAllocator::memory_limit)
+      .def("config", [](CachingAllocator& a) { return config_dict(a.config()); })
+      .def("config_string", [](CachingAllocator& a) { return a.config().to_string(); })
+      .def("set_config", &CachingAllocator::set_config, py::arg("update"),
+           "Change the named settings only; a bad key or value raises ValueError and changes "
+           "nothing.")
+      .def("stats", &CachingAllocator::stats)
+      .def("reset_peak_stats", &CachingAllocator::reset_peak_stats)
+      .def("reset_accumulated_stats", &CachingAllocator::reset_accumulated_stats)
+      .def(
+          "begin_allocate_to_pool",
+          [](CachingAllocator& a, std::pair<std::uint64_t, std::uint64_t> id, StreamId stream) {
+            a.begin_allocate_to_pool(id, [stream](StreamId s) { return s == stream; });
+          },
+          py::arg("pool_id"), py::arg("stream"))
+      .def("end_allocate_to_pool", &CachingAllocator::end_allocate_to_pool)
+      .def("release_pool", &CachingAllocator::release_pool)
+      .def("record_history", &CachingAllocator::record_history, py::arg("enabled"),
+           py::arg("max_entries") = 100000)
+      .def("trace",
+           [](CachingAllocator& a) {
+             py::list out;
+             for (const TraceEntry& e : a.trace()) out.append(trace_entry_dict(e));
+             return out;
+           })
+      .def_property_readonly("trace_wrapped", &CachingAllocator::trace_wrapped)
+      .def("snapshot", &snapshot_dict)
+      .def("check_invariants", &CachingAllocator::check_invariants);
+}

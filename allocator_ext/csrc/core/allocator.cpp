@@ -1,0 +1,481 @@
+// Allocation and free: the hot path, and the rules that decide which block serves a request.
+#include "allocator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+namespace allocwatch {
+
+namespace {
+
+std::string format_size(std::size_t bytes) {
+  char buf[64];
+  if (bytes < 1024) {
+    std::snprintf(buf, sizeof buf, "%zu bytes", bytes);
+  } else if (bytes < kMiB) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", bytes / 1024.0);
+  } else if (bytes < 1024 * kMiB) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", bytes / double(kMiB));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / double(1024 * kMiB));
+  }
+  return buf;
+}
+
+}  // namespace
+
+CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, AllocatorConfig config)
+    : device_(std::move(device)), config_(config) {
+  stats_.max_split_size = config_.max_split_size == kNoMaxSplit
+                              ? -1
+                              : static_cast<std::int64_t>(config_.max_split_size);
+  device_total_ = device_->memory_info().total;
+}
+
+CachingAllocator::~CachingAllocator() {
+  // Blocks live in block_arena_ and are freed with it. Device memory still held is returned
+  // where possible; a caller that tears down with allocations outstanding leaks them
+  // deliberately rather than freeing memory that kernels may still use.
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    release_cached_blocks();
+  } catch (...) {
+  }
+}
+
+Block* CachingAllocator::new_block(StreamId stream, std::size_t size, BlockPool* pool,
+                                   std::uintptr_t ptr) {
+  return new (block_arena_.get(sizeof(Block))) Block(stream, size, pool, ptr);
+}
+
+void CachingAllocator::delete_block(Block* block) {
+  block->~Block();
+  block_arena_.put(block);
+}
+
+BlockPool& CachingAllocator::get_pool(std::size_t size, StreamId stream) {
+  // During a CUDA graph capture, allocations on the capturing stream come from the graph's
+  // private pool: the graph bakes in their addresses, so nothing else may reuse them.
+  if (!captures_underway_.empty()) {
+    for (auto& [id, filter] : captures_underway_) {
+      if (filter(stream)) {
+        PrivatePool& p = *graph_pools_.at(id);
+        return is_small_request(size) ? p.small_blocks : p.large_blocks;
+      }
+    }
+  }
+  return is_small_request(size) ? small_blocks_ : large_blocks_;
+}
+
+void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Recycle blocks whose cross-stream uses have finished. Querying events is illegal while a
+  // graph is being captured, so that waits until no capture is underway.
+  if (captures_underway_.empty()) process_events_locked();
+
+  const std::size_t size = round_size(orig_size, config_.roundup_power2_divisions);
+  BlockPool& pool = get_pool(size, stream);
+  AllocParams p{size, orig_size, stream, &pool, segment_size_for(size)};
+
+  bool found = get_free_block(p);
+  if (!found) {
+    // Garbage collection runs only under a memory fraction, and only once no cached block
+    // fits: it trades cached memory for fewer out-of-memory retries, not for speed.
+    if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
+      garbage_collect_cached_blocks();
+    }
+    found = alloc_block(p, false) ||
+            // Free enough oversize cached blocks (max_split_size) and retry.
+            (release_available_cached_blocks(p) && alloc_block(p, false)) ||
+            // Free every unsplit cached block and retry (counted as a retry).
+            (captures_underway_.empty() && (release_cached_blocks(), true) &&
+             alloc_block(p, true));
+  }
+  if (!found) raise_out_of_memory(p);
+  return reinterpret_cast<void*>(alloc_found_block(p, should_split(p.block, size))->ptr);
+}
+
+bool CachingAllocator::get_free_block(AllocParams& p) {
+  BlockPool& pool = *p.pool;
+  // Ages for garbage collection count lookups, and only matter when GC can run.
+  if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
+    ++pool.get_free_blocks_call_count;
+  }
+  Block key(p.stream, p.size, nullptr, 0);
+  auto it = pool.blocks.lower_bound(&key);
+  if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+
+  if ((*it)->expandable != nullptr) {
+    if (config_.expandable_segments) {
+      // A block followed by unmapped space can grow: for best fit, judge it by the size it can
+      // reach, which may mean passing over it for a larger block that fits better.
+      auto expandable_size = [](const Block* b) {
+        return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
+      };
+      auto next = std::next(it);
+      while ((*it)->expandable != nullptr && next != pool.blocks.end() &&
+             (*next)->stream == p.stream && expandable_size(*next) < expandable_size(*it)) {
+        it = next++;
+      }
+    } else {
+      // Expandable segments were switched off after some were made: honour that by taking
+      // only blocks of ordinary segments.
+      do {
+        ++it;
+      } while (it != pool.blocks.end() && (*it)->expandable != nullptr &&
+               (*it)->stream == p.stream);
+      if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+    }
+  }
+
+  // Never hand an oversize block (>= max_split_size) to a smaller request: it could not be
+  // split, and would waste the difference for the block's whole lifetime.
+  if (p.size < config_.max_split_size && (*it)->size >= config_.max_split_size) return false;
+  // An oversize request may round up into a cached oversize block, but only by a bounded amount.
+  if (p.size >= config_.max_split_size &&
+      (*it)->size >= p.size + config_.max_non_split_rounding)
+    return false;
+  p.block = *it;
+  pool.blocks.erase(it);
+  return true;
+}
+
+bool CachingAllocator::should_split(const Block* block, std::size_t size) const {
+  std::size_t remaining = block->size - size;
+  if (block->pool->is_small || config_.expandable_segments) {
+    return remaining >= kMinBlockSize;
+  }
+  // Large blocks split only if the remainder is worth caching (more than 1 MiB) and the
+  // request is below max_split_size (oversize blocks are never split).
+  return size < config_.max_split_size && remaining > kSmallSize;
+}
+
+bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
+  if (is_retry) stats_.num_alloc_retries += 1;
+
+  if (set_fraction_ && total_allocated_memory_ + p.alloc_size > allowed_memory_maximum_) {
+    return false;
+  }
+  if (config_.expandable_segments) {
+    p.block = try_allocate_expandable_block(p.stream, p.pool, p.size);
+    if (p.block != nullptr && p.pool->owner != nullptr) p.pool->owner->device_alloc_count++;
+    return p.block != nullptr;
+  }
+
+  void* ptr = nullptr;
+  if (!device_->malloc(p.alloc_size, &ptr)) return false;
+  if (p.pool->owner != nullptr) p.pool->owner->device_alloc_count++;
+
+  total_allocated_memory_ += p.alloc_size;
+  p.block = new_block(p.stream, p.alloc_size, p.pool, reinterpret_cast<std::uintptr_t>(ptr));
+  const PoolKind kind = p.pool->kind();
+  stats_.segment.increase(kind, 1);
+  stats_.reserved_bytes.increase(kind, static_cast<std::int64_t>(p.alloc_size));
+  if (p.alloc_size >= config_.max_split_size) stats_.oversize_segments.increase(1);
+  stats_.num_device_alloc++;
+  trace_.record(TraceAction::segment_alloc, p.block->ptr, p.block->size, p.stream);
+  return true;
+}
+
+Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder) {
+  const std::size_t size = p.size;
+  BlockPool* pool = p.pool;
+  const PoolKind kind = pool->kind();
+  Block* block = p.block;
+  const bool already_split = block->is_split();
+
+  if (split_remainder) {
+    // The front of the block serves the request; the remainder goes back to the pool.
+    Block* remaining = block;
+    block = new_block(p.stream, size, pool, remaining->ptr);
+    block->expandable = remaining->expandable;
+    block->prev = remaining->prev;
+    if (block->prev) block->prev->next = block;
+    block->next = remaining;
+    remaining->prev = block;
+    remaining->ptr += size;
+    remaining->size -= size;
+    pool->insert_into_blocks(remaining);
+
+    // inactive_split tracks free memory that cannot be released because its segment is
+    // partly in use; expandable segments can always release whole pages, so they are left out.
+    if (block->expandable == nullptr) {
+      if (already_split) {
+        stats_.inactive_split_bytes.decrease(kind, static_cast<std::int64_t>(size));
+      } else {
+        stats_.inactive_split_bytes.increase(kind, static_cast<std::int64_t>(remaining->size));
+        stats_.inactive_split.increase(kind, 1);
+      }
+    }
+  } else if (already_split && block->expandable == nullptr) {
+    stats_.inactive_split_bytes.decrease(kind, static_cast<std::int64_t>(block->size));
+    stats_.inactive_split.decrease(kind, 1);
+  }
+
+  block->allocated = true;
+  block->requested_size = p.orig_size;
+  trace_.record(TraceAction::alloc, block->ptr, p.orig_size, block->stream);
+  allocated_.insert(block->ptr, block);
+
+  stats_.allocation.increase(kind, 1);
+  stats_.allocated_bytes.increase(kind, static_cast<std::int64_t>(block->size));
+  stats_.active.increase(kind, 1);
+  stats_.active_bytes.increase(kind, static_cast<std::int64_t>(block->size));
+  stats_.requested_bytes.increase(kind, static_cast<std::int64_t>(block->requested_size));
+  if (block->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
+  return block;
+}
+
+void CachingAllocator::free(void* ptr) {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* block = allocated_.erase(reinterpret_cast<std::uintptr_t>(ptr));
+  if (block == nullptr) {
+    std::ostringstream msg;
+    msg << "allocwatch: free of " << ptr << ", which this allocator did not hand out "
+        << "(or which was already freed)";
+    throw std::invalid_argument(msg.str());
+  }
+  block->allocated = false;
+  const PoolKind kind = block->pool->kind();
+  stats_.allocation.decrease(kind, 1);
+  stats_.allocated_bytes.decrease(kind, static_cast<std::int64_t>(block->size));
+  trace_.record(TraceAction::free_requested, block->ptr, block->requested_size, block->stream);
+  if (block->size >= config_.max_split_size) stats_.oversize_allocations.decrease(1);
+
+  if (!block->stream_uses.empty()) {
+    // Used on other streams: the block may be reused only once their work up to now is done.
+    if (!captures_underway_.empty()) {
+      // Events recorded during capture cannot be queried; record them after the capture.
+      needs_events_deferred_until_no_capture_.push_back(block);
+    } else {
+      insert_events(block);
+    }
+  } else {
+    free_block(block);
+  }
+}
+
+void CachingAllocator::free_block(Block* block) {
+  trace_.record(TraceAction::free_completed, block->ptr, block->requested_size, block->stream);
+  const std::size_t original_size = block->size;
+  const std::size_t requested_size = block->requested_size;
+  BlockPool& pool = *block->pool;
+
+  std::int64_t net_inactive_split_blocks = 0;
+  std::int64_t net_inactive_split_bytes = 0;
+  for (Block* candidate : {block->prev, block->next}) {
+    std::size_t subsumed = try_merge_blocks(block, candidate, pool);
+    if (subsumed > 0) {
+      net_inactive_split_blocks -= 1;
+      net_inactive_split_bytes -= static_cast<std::int64_t>(subsumed);
+    }
+  }
+  pool.insert_into_blocks(block);
+  if (block->is_split()) {
+    net_inactive_split_blocks += 1;
+    net_inactive_split_bytes += static_cast<std::int64_t>(block->size);
+  }
+
+  const PoolKind kind = pool.kind();
+  if (block->expandable == nullptr) {
+    if (net_inactive_split_blocks > 0) {
+      stats_.inactive_split.increase(kind, net_inactive_split_blocks);
+    } else if (net_inactive_split_blocks < 0) {
+      stats_.inactive_split.decrease(kind, -net_inactive_split_blocks);
+    }
+    if (net_inactive_split_bytes > 0) {
+      stats_.inactive_split_bytes.increase(kind, net_inactive_split_bytes);
+    } else if (net_inactive_split_bytes < 0) {
+      stats_.inactive_split_bytes.decrease(kind, -net_inactive_split_bytes);
+    }
+  }
+  stats_.active.decrease(kind, 1);
+  stats_.active_bytes.decrease(kind, static_cast<std::int64_t>(original_size));
+  stats_.requested_bytes.decrease(kind, static_cast<std::int64_t>(requested_size));
+}
+
+std::size_t CachingAllocator::try_merge_blocks(Block* dst, Block* src, BlockPool& pool) {
+  // Coalesce with a free neighbour, so that freed space becomes usable by larger requests.
+  if (src == nullptr || src->allocated || src->event_count > 0 || !src->stream_uses.empty() ||
+      dst->mapped != src->mapped) {
+    return 0;
+  }
+  if (dst->prev == src) {  // [src dst]
+    dst->ptr = src->ptr;
+    dst->prev = src->prev;
+    if (dst->prev) dst->prev->next = dst;
+  } else {  // [dst src]
+    dst->next = src->next;
+    if (dst->next) dst->next->prev = dst;
+  }
+  const std::size_t subsumed = src->size;
+  dst->size += subsumed;
+  if (src->mapped) {
+    pool.blocks.erase(src);
+  } else {
+    pool.unmapped.erase(src);
+  }
+  delete_block(src);
+  return subsumed;
+}
+
+void CachingAllocator::record_stream(void* ptr, StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* block = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (block == nullptr) {
+    std::ostringstream msg;
+    msg << "allocwatch: record_stream on " << ptr << ", which is not an allocated block";
+    throw std::invalid_argument(msg.str());
+  }
+  // Uses on the allocation stream are ordered by the stream itself.
+  if (stream == block->stream) return;
+  auto& uses = block->stream_uses;
+  if (std::find(uses.begin(), uses.end(), stream) == uses.end()) uses.push_back(stream);
+  if (!captures_underway_.empty()) {
+    auto& during = block_to_capture_stream_uses_[block];
+    if (std::find(during.begin(), during.end(), stream) == during.end()) during.push_back(stream);
+  }
+}
+
+std::size_t CachingAllocator::block_size(void* ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* block = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  return block == nullptr ? 0 : block->size;
+}
+
+void CachingAllocator::raise_out_of_memory(const AllocParams& p) {
+  MemoryInfo info = device_->memory_info();
+  trace_.record(TraceAction::oom, info.free, p.size, p.stream);
+  stats_.num_ooms += 1;
+  const auto allocated =
+      static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current);
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.by_pool[kAggregate].current);
+  std::ostringstream msg;
+  msg << "CUDA out of memory. Tried to allocate " << format_size(p.alloc_size)
+      << " (request of " << format_size(p.orig_size) << "). GPU " << device_->index()
+      << " has a total capacity of " << format_size(info.total) << " of which "
+      << format_size(info.free) << " is free. ";
+  if (set_fraction_) msg << format_size(allowed_memory_maximum_) << " allowed; ";
+  msg << "Of the allocated memory " << format_size(allocated)
+      << " is allocated by PyTorch (allocwatch), and " << format_size(reserved - allocated)
+      << " is reserved but unallocated.";
+  if (reserved > allocated + allocated / 20) {
+    if (!config_.expandable_segments) {
+      msg << " Reserved but unallocated memory is large: try expandable_segments:True "
+          << "(allocwatch's default) to avoid fragmentation.";
+    } else if (config_.garbage_collection_threshold == 0.0 && set_fraction_) {
+      msg << " Try garbage_collection_threshold:0.8 to release cached blocks earlier.";
+    }
+  }
+  msg << " Settings in force: " << config_.to_string() << ".";
+  throw OutOfMemoryError(msg.str(), p.orig_size, info.free, info.total, allocated, reserved);
+}
+
+// --- events ---
+
+void CachingAllocator::insert_events(Block* block) {
+  std::vector<StreamId> streams = std::move(block->stream_uses);
+  block->stream_uses.clear();
+  for (StreamId s : streams) {
+    EventId e = device_->record_event(s);
+    block->event_count++;
+    events_[s].emplace_back(e, block);
+  }
+}
+
+void CachingAllocator::insert_events_deferred_until_no_capture() {
+  if (needs_events_deferred_until_no_capture_.empty()) return;
+  for (Block* block : needs_events_deferred_until_no_capture_) {
+    // Streams first used during the capture need no event: the capture's end orders them.
+    auto during = block_to_capture_stream_uses_.find(block);
+    if (during != block_to_capture_stream_uses_.end()) {
+      auto& uses = block->stream_uses;
+      uses.erase(std::remove_if(uses.begin(), uses.end(),
+                                [&](StreamId s) {
+                                  return std::find(during->second.begin(), during->second.end(),
+                                                   s) != during->second.end();
+                                }),
+                 uses.end());
+      block_to_capture_stream_uses_.erase(during);
+    }
+    insert_events(block);
+    if (block->event_count == 0) free_block(block);
+  }
+  needs_events_deferred_until_no_capture_.clear();
+}
+
+void CachingAllocator::process_events() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (captures_underway_.empty()) process_events_locked();
+}
+
+void CachingAllocator::process_events_locked() {
+  insert_events_deferred_until_no_capture();
+  if (events_.empty()) return;
+  for (auto it = events_.begin(); it != events_.end();) {
+    auto& queue = it->second;
+    while (!queue.empty()) {
+      auto [event, block] = queue.front();
+      if (!device_->query_event(event)) break;
+      device_->release_event(event);
+      queue.pop_front();
+      if (--block->event_count == 0) free_block(block);
+    }
+    it = queue.empty() ? events_.erase(it) : std::next(it);
+  }
+}
+
+void CachingAllocator::synchronize_and_free_events() {
+  stats_.num_sync_all_streams++;
+  insert_events_deferred_until_no_capture();
+  for (auto& [stream, queue] : events_) {
+    for (auto& [event, block] : queue) {
+      device_->wait_event(event);
+      device_->release_event(event);
+      if (--block->event_count == 0) free_block(block);
+    }
+  }
+  events_.clear();
+}
+
+// --- graph pools ---
+
+void CachingAllocator::begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = graph_pools_.find(id);
+  if (it == graph_pools_.end()) {
+    graph_pools_.emplace(id, std::make_unique<PrivatePool>());
+  } else {
+    // Another capture shares this pool; it must still be alive.
+    if (it->second->use_count <= 0) throw std::logic_error("allocwatch: private pool already released");
+    it->second->use_count++;
+  }
+  for (auto& [other, f] : captures_underway_) {
+    if (other == id) throw std::logic_error("allocwatch: already allocating to this private pool");
+  }
+  captures_underway_.emplace_back(id, std::move(filter));
+}
+
+void CachingAllocator::end_allocate_to_pool(MempoolId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = captures_underway_.begin(); it != captures_underway_.end(); ++it) {
+    if (it->first == id) {
+      captures_underway_.erase(it);
+      return;
+    }
+  }
+  throw std::logic_error("allocwatch: end_allocate_to_pool for a pool not being allocated to");
+}
+
+void CachingAllocator::release_pool(MempoolId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // The graph is gone, but other graphs may share the pool and callers may still hold its
+  // outputs: the pool's blocks become releasable once unused, not immediately.
+  auto it = graph_pools_.find(id);
+  if (it == graph_pools_.end()) throw std::logic_error("allocwatch: release of an unknown pool");
+  if (--it->second->use_count == 0) graph_pools_freeable_.emplace(id, it->second.get());
+}
+
+}  // namespace allocwatch

@@ -1,0 +1,186 @@
+// The caching allocator for one device.
+//
+// It follows PyTorch's CUDA caching allocator rule for rule (see sizes.h for the size classes,
+// and the comments in allocator.cpp for each rule's reason), so that a trace replayed with
+// PyTorch's defaults reproduces what PyTorch did; allocwatch's own settings (config.h) then
+// fragment less. Every public method takes the allocator's lock; private ones assume it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "block.h"
+#include "config.h"
+#include "device.h"
+#include "expandable_segment.h"
+#include "pointer_map.h"
+#include "stats.h"
+#include "trace.h"
+
+namespace allocwatch {
+
+// Raised when a request cannot be met even after releasing cached memory. The message says
+// what was asked, what the device has, what is allocated and reserved, and what would help.
+class OutOfMemoryError : public std::runtime_error {
+ public:
+  OutOfMemoryError(const std::string& message, std::size_t requested, std::size_t device_free,
+                   std::size_t device_total, std::size_t allocated, std::size_t reserved)
+      : std::runtime_error(message),
+        requested(requested),
+        device_free(device_free),
+        device_total(device_total),
+        allocated(allocated),
+        reserved(reserved) {}
+  std::size_t requested, device_free, device_total, allocated, reserved;
+};
+
+// One block of a snapshot, as torch.cuda.memory._snapshot() describes it.
+struct BlockInfo {
+  std::uintptr_t address;
+  std::size_t size;
+  std::size_t requested_size;
+  const char* state;  // "active_allocated", "active_pending_free", "inactive"
+};
+
+struct SegmentInfo {
+  std::uintptr_t address = 0;
+  std::size_t total_size = 0, allocated_size = 0, active_size = 0, requested_size = 0;
+  StreamId stream = 0;
+  bool is_large = false;
+  bool is_expandable = false;
+  MempoolId pool_id{0, 0};
+  std::vector<BlockInfo> blocks;
+};
+
+class CachingAllocator {
+ public:
+  CachingAllocator(std::shared_ptr<Device> device, AllocatorConfig config);
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // --- the hot path ---
+  void* malloc(std::size_t size, StreamId stream);
+  void free(void* ptr);
+  // The block at ptr is in use on `stream` as well: do not reuse it before that work is done.
+  void record_stream(void* ptr, StreamId stream);
+  std::size_t block_size(void* ptr) const;
+
+  // --- reclaiming ---
+  std::size_t empty_cache();       // release every cached block that is not split
+  std::size_t garbage_collect();   // release aged cached blocks down to the GC threshold
+  void process_events();           // recycle pending blocks whose events completed
+
+  // --- limits and settings ---
+  void set_memory_fraction(double fraction);  // of the device's total memory
+  void set_memory_limit(std::size_t bytes);   // the same, in bytes (0: no limit)
+  std::size_t memory_limit() const;
+  AllocatorConfig config() const;
+  void set_config(const std::string& update);  // only the named keys change; atomic
+
+  // --- statistics ---
+  std::map<std::string, std::int64_t> stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+
+  // --- private pools for CUDA graph capture ---
+  void begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter);
+  void end_allocate_to_pool(MempoolId id);
+  void release_pool(MempoolId id);
+
+  // --- history and inspection ---
+  void record_history(bool enabled, std::size_t max_entries);
+  std::vector<TraceEntry> trace() const;
+  bool trace_wrapped() const;
+  std::vector<SegmentInfo> snapshot();
+  // Walks every segment and recounts: an empty string when all invariants hold, otherwise a
+  // description of the first violation. For tests and the soak run; takes time linear in the
+  // number of blocks.
+  std::string check_invariants() const;
+
+  Device& device() { return *device_; }
+
+ private:
+  struct AllocParams {
+    std::size_t size;        // rounded request
+    std::size_t orig_size;
+    StreamId stream;
+    BlockPool* pool;
+    std::size_t alloc_size;  // size of a new segment
+    Block* block = nullptr;
+  };
+
+  BlockPool& get_pool(std::size_t size, StreamId stream);
+  bool get_free_block(AllocParams& p);
+  bool alloc_block(AllocParams& p, bool is_retry);
+  Block* alloc_found_block(AllocParams& p, bool split_remainder);
+  bool should_split(const Block* block, std::size_t size) const;
+  void free_block(Block* block);
+  std::size_t try_merge_blocks(Block* dst, Block* src, BlockPool& pool);
+  [[noreturn]] void raise_out_of_memory(const AllocParams& p);
+
+  // Releasing memory to the device.
+  bool release_available_cached_blocks(const AllocParams& p);
+  std::size_t release_cached_blocks();
+  std::size_t release_blocks(BlockPool& pool);
+  void release_block(Block* block);
+  std::size_t garbage_collect_cached_blocks();
+
+  // Expandable segments.
+  Block* find_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
+  bool map_block(Block* to_map, std::size_t size);
+  Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
+  std::size_t unmap_block(Block* block, std::vector<PhysicalHandle>* keep = nullptr,
+                          std::size_t limit = 0);
+  void release_expandable_segment(Block* block);
+  std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes,
+                                   std::size_t page_size);
+
+  // Events.
+  void insert_events(Block* block);
+  void insert_events_deferred_until_no_capture();
+  void process_events_locked();
+  void synchronize_and_free_events();
+
+  // Blocks come from an arena: the hot path never calls the system allocator.
+  Block* new_block(StreamId stream, std::size_t size, BlockPool* pool, std::uintptr_t ptr);
+  void delete_block(Block* block);
+  std::vector<const Block*> all_blocks() const;
+
+  mutable std::mutex mutex_;
+  std::shared_ptr<Device> device_;
+  AllocatorConfig config_;
+  DeviceStats stats_;
+  BlockPool large_blocks_{false};
+  BlockPool small_blocks_{true};
+  PointerMap allocated_;  // allocated blocks by address
+  NodeArena block_arena_;
+
+  std::vector<std::pair<MempoolId, std::function<bool(StreamId)>>> captures_underway_;
+  std::map<MempoolId, std::unique_ptr<PrivatePool>> graph_pools_;
+  std::map<MempoolId, PrivatePool*> graph_pools_freeable_;
+  std::vector<Block*> needs_events_deferred_until_no_capture_;
+  std::unordered_map<Block*, std::vector<StreamId>> block_to_capture_stream_uses_;
+  // Outstanding events per stream, oldest first, so one slow stream does not hold up others.
+  std::map<StreamId, std::deque<std::pair<EventId, Block*>>> events_;
+
+  std::size_t total_allocated_memory_ = 0;  // reserved bytes, as the fraction check sees them
+  std::size_t allowed_memory_maximum_ = 0;
+  bool set_fraction_ = false;
+  std::size_t device_total_ = 0;
+  std::vector<std::unique_ptr<ExpandableSegment>> expandable_segments_;
+  std::vector<PhysicalHandle> spare_pages_;  // taken back, about to be mapped elsewhere
+  TraceRing trace_;
+};
+
+}  // namespace allocwatch

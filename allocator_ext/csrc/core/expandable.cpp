@@ -1,0 +1,192 @@
+// Expandable segments inside the allocator: finding room, mapping pages on demand, unmapping
+// them on reclaim, and (allocwatch's addition) moving fully free pages to where growth is
+// needed instead of asking the device for more.
+#include <algorithm>
+
+#include "allocator.h"
+
+namespace allocwatch {
+
+namespace {
+
+bool allocatable(const Block* b) {
+  return b != nullptr && !b->allocated && b->event_count == 0 && b->stream_uses.empty();
+}
+
+}  // namespace
+
+Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
+                                               std::size_t size) {
+  // The lowest address where `size` fits in unmapped space, possibly together with the free
+  // block just before it: growing at the lowest address keeps each segment one piece.
+  auto has_room = [&](Block* b) {
+    std::size_t bytes = 0;
+    while (bytes < size && allocatable(b)) {
+      bytes += b->size;
+      b = b->next;
+    }
+    return bytes >= size;
+  };
+  Block key(stream, 0, nullptr, 0);
+  for (auto it = pool->unmapped.lower_bound(&key);
+       it != pool->unmapped.end() && (*it)->stream == stream; ++it) {
+    Block* c = *it;
+    if (allocatable(c->prev)) c = c->prev;
+    if (has_room(c)) return c;
+  }
+  // None: reserve a new segment with address space for all of the device's memory (and an
+  // eighth more, so pages unmapped early in a segment can be remapped at its end).
+  const std::size_t page = pool->is_small ? kSmallBuffer : config_.expandable_large_page;
+  const std::size_t address_space = device_total_ + device_total_ / 8;
+  expandable_segments_.push_back(
+      std::make_unique<ExpandableSegment>(*device_, stream, address_space, page));
+  ExpandableSegment* es = expandable_segments_.back().get();
+  Block* candidate = new_block(stream, es->size(), pool, es->base());
+  candidate->mapped = false;
+  candidate->expandable = es;
+  pool->unmapped.insert(candidate);
+  return candidate;
+}
+
+bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
+  ExpandableSegment* es = to_map->expandable;
+  std::vector<PhysicalHandle> spare;
+  if (config_.reuse_free_pages) {
+    const std::size_t pages = (size + es->page_size() - 1) / es->page_size();
+    take_back_free_pages(to_map->pool, to_map, pages * es->page_size(), es->page_size());
+    spare.swap(spare_pages_);
+  }
+  Range mapped = es->map(Range{to_map->ptr, size}, &spare);
+  // Pages taken back but not used (the map failed) go back to the device.
+  for (PhysicalHandle h : spare) device_->release_physical(h, es->page_size());
+  if (mapped.size == 0) return false;
+
+  BlockPool& pool = *to_map->pool;
+  pool.unmapped.erase(to_map);
+  to_map->mapped = true;
+  if (mapped.size < to_map->size) {
+    // to_map -> remaining (still unmapped) -> to_map->next
+    Block* remaining = new_block(to_map->stream, to_map->size - mapped.size, &pool,
+                                 to_map->ptr + mapped.size);
+    remaining->mapped = false;
+    remaining->expandable = es;
+    remaining->splice(to_map, to_map->next);
+    pool.unmapped.insert(remaining);
+    to_map->size = mapped.size;
+  }
+  try_merge_blocks(to_map, to_map->prev, pool);
+  try_merge_blocks(to_map, to_map->next, pool);
+  pool.insert_into_blocks(to_map);
+
+  total_allocated_memory_ += mapped.size;
+  stats_.reserved_bytes.increase(pool.kind(), static_cast<std::int64_t>(mapped.size));
+  stats_.num_device_alloc++;
+  trace_.record(TraceAction::segment_map, mapped.ptr, mapped.size, to_map->stream);
+  return true;
+}
+
+Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPool* pool,
+                                                       std::size_t size) {
+  Block* candidate = find_expandable_block(stream, pool, size);
+  // The candidate starts a run of free and unmapped blocks with at least `size` bytes:
+  //   unmapped -> null | unmapped -> free -> ... | free -> unmapped -> ...
+  if (!candidate->mapped && !map_block(candidate, std::min(candidate->size, size))) {
+    return nullptr;
+  }
+  while (candidate->size < size) {
+    // free -> unmapped: map part of the unmapped block; it merges into the free one.
+    std::size_t remaining = size - candidate->size;
+    Block* next = candidate->next;
+    if (!map_block(next, std::min(remaining, next->size))) return nullptr;
+    candidate = next;
+  }
+  pool->blocks.erase(candidate);
+  return candidate;
+}
+
+std::size_t CachingAllocator::unmap_block(Block* block, std::vector<PhysicalHandle>* keep,
+                                          std::size_t limit) {
+  Range range{block->ptr, block->size};
+  if (limit > 0) {
+    // Only the first `limit` bytes of whole pages (plus the partial page in front of them).
+    const std::size_t page = block->expandable->page_size();
+    const std::size_t lead = (page - (block->ptr - block->expandable->base()) % page) % page;
+    range.size = std::min(block->size, lead + limit);
+  }
+  Range unmapped = block->expandable->unmap(range, keep);
+  if (unmapped.size == 0) return 0;
+  BlockPool& pool = *block->pool;
+  pool.blocks.erase(block);
+
+  // The partial pages at either end stay mapped as free blocks of their own.
+  const std::size_t before = unmapped.ptr - block->ptr;
+  if (before > 0) {
+    Block* before_free = new_block(block->stream, before, &pool, block->ptr);
+    before_free->expandable = block->expandable;
+    before_free->splice(block->prev, block);
+    pool.insert_into_blocks(before_free);
+  }
+  const std::size_t after = block->size - (before + unmapped.size);
+  if (after > 0) {
+    Block* after_free = new_block(block->stream, after, &pool, unmapped.ptr + unmapped.size);
+    after_free->expandable = block->expandable;
+    after_free->splice(block, block->next);
+    pool.insert_into_blocks(after_free);
+  }
+  block->ptr = unmapped.ptr;
+  block->size = unmapped.size;
+  block->mapped = false;
+  try_merge_blocks(block, block->prev, pool);
+  try_merge_blocks(block, block->next, pool);
+  pool.unmapped.insert(block);
+
+  total_allocated_memory_ -= unmapped.size;
+  stats_.reserved_bytes.decrease(pool.kind(), static_cast<std::int64_t>(unmapped.size));
+  if (pool.owner != nullptr) pool.owner->device_alloc_count--;
+  stats_.num_device_free++;
+  trace_.record(TraceAction::segment_unmap, unmapped.ptr, unmapped.size, block->stream);
+  return unmapped.size;
+}
+
+void CachingAllocator::release_expandable_segment(Block* block) {
+  // The whole segment is one unmapped block: give its address space back.
+  block->pool->unmapped.erase(block);
+  ExpandableSegment* es = block->expandable;
+  delete_block(block);
+  expandable_segments_.erase(
+      std::find_if(expandable_segments_.begin(), expandable_segments_.end(),
+                   [&](const std::unique_ptr<ExpandableSegment>& p) { return p.get() == es; }));
+}
+
+std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclude,
+                                                   std::size_t bytes, std::size_t page_size) {
+  // Growing a segment while whole free pages sit elsewhere in the pool raises reserved memory
+  // for nothing: unmap those pages (keeping their physical memory) and map them where the
+  // growth is needed. Only blocks between mapped neighbours qualify, so the unmapped hole
+  // cannot merge into the range being mapped. Largest blocks first: fewest calls per byte.
+  std::vector<Block*> donors;
+  for (Block* b : pool->blocks) {
+    if (b == exclude || b->expandable == nullptr || b->expandable->page_size() != page_size) continue;
+    if ((b->prev != nullptr && !b->prev->mapped) || (b->next != nullptr && !b->next->mapped)) continue;
+    if (b->size < page_size) continue;
+    donors.push_back(b);
+  }
+  std::sort(donors.begin(), donors.end(), [](const Block* a, const Block* b) {
+    return a->size > b->size;
+  });
+  std::size_t taken = 0;
+  for (Block* b : donors) {
+    if (taken >= bytes) break;
+    std::size_t before = spare_pages_.size();
+    unmap_block(b, &spare_pages_, bytes - taken);
+    taken += (spare_pages_.size() - before) * page_size;
+  }
+  // Keep only what is needed; the rest goes back to the device.
+  while (spare_pages_.size() * page_size > bytes && !spare_pages_.empty()) {
+    device_->release_physical(spare_pages_.back(), page_size);
+    spare_pages_.pop_back();
+  }
+  return taken;
+}
+
+}  // namespace allocwatch

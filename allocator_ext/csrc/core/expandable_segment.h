@@ -1,0 +1,65 @@
+// An expandable segment: a large range of reserved address space into which physical pages
+// are mapped on demand and unmapped when reclaimed (PyTorch's "expandable_segments").
+//
+// Growing a segment in place lets tensors of slowly changing sizes tile one range instead of
+// leaving a sliver at the end of many fixed-size segments. The cost is device calls: each page
+// is created, mapped and given access, and later unmapped and released.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "device.h"
+
+namespace allocwatch {
+
+struct Range {
+  std::uintptr_t ptr = 0;
+  std::size_t size = 0;
+};
+
+class ExpandableSegment {
+ public:
+  ExpandableSegment(Device& device, StreamId stream, std::size_t address_space,
+                    std::size_t page_size);
+  ~ExpandableSegment();
+  ExpandableSegment(const ExpandableSegment&) = delete;
+  ExpandableSegment& operator=(const ExpandableSegment&) = delete;
+
+  // Maps the pages covering [r.ptr, r.ptr + r.size); r.ptr must be page aligned. Pages come
+  // from `spare` first (physical pages taken back elsewhere), then from the device. Returns
+  // the range mapped (whole pages), or an empty range when the device is out of memory, in
+  // which case nothing stays mapped.
+  Range map(Range r, std::vector<PhysicalHandle>* spare = nullptr);
+  // Unmaps every page lying entirely inside r, after the segment's stream is idle. With
+  // `keep`, the physical pages are handed over instead of released. Returns the range
+  // unmapped (possibly empty).
+  Range unmap(Range r, std::vector<PhysicalHandle>* keep = nullptr);
+
+  std::uintptr_t base() const { return base_; }
+  std::size_t size() const { return page_size_ * max_pages_; }
+  std::size_t page_size() const { return page_size_; }
+  StreamId stream() const { return stream_; }
+  std::size_t mapped_bytes() const;
+
+ private:
+  std::size_t page_floor(std::uintptr_t p) const { return (p - base_) / page_size_; }
+  std::size_t page_ceil(std::uintptr_t p) const {
+    return (p - base_ + page_size_ - 1) / page_size_;
+  }
+  Range pages(std::size_t begin, std::size_t end) const {
+    return Range{base_ + begin * page_size_, (end - begin) * page_size_};
+  }
+  void trim();
+
+  Device& device_;
+  StreamId stream_;
+  std::size_t page_size_;
+  std::size_t max_pages_;
+  std::uintptr_t base_ = 0;
+  std::vector<std::optional<PhysicalHandle>> handles_;
+};
+
+}  // namespace allocwatch

@@ -1,0 +1,149 @@
+// Giving memory back to the device: the out-of-memory path, empty_cache, and garbage
+// collection. Each of these trades cached memory (fast reuse) for device calls (slow, and
+// for ordinary segments a device-wide synchronisation inside cudaFree).
+#include <limits>
+
+#include "allocator.h"
+
+namespace allocwatch {
+
+bool CachingAllocator::release_available_cached_blocks(const AllocParams& p) {
+  // Only oversize blocks (>= max_split_size) can be released one by one: they are never split.
+  if (config_.max_split_size == kNoMaxSplit) return false;
+  BlockPool& pool = *p.pool;
+  Block key(p.stream, std::max(p.size, config_.max_split_size), nullptr, 0);
+  auto it = pool.blocks.lower_bound(&key);
+  if (it == pool.blocks.end() || (*it)->stream != p.stream) {
+    // No single block is large enough: release oversize blocks, largest first, until the
+    // request's size is covered.
+    if (it == pool.blocks.begin()) return false;
+    std::size_t released = 0;
+    --it;
+    while (released < key.size && (*it)->size >= config_.max_split_size &&
+           (*it)->stream == p.stream) {
+      auto cur = it;
+      bool first = cur == pool.blocks.begin();
+      if (!first) --it;
+      if ((*cur)->expandable == nullptr) {
+        released += (*cur)->size;
+        release_block(*cur);
+      }
+      if (first) break;
+    }
+    if (released < key.size) return false;
+  } else {
+    if ((*it)->expandable != nullptr) return false;
+    release_block(*it);
+  }
+  return true;
+}
+
+std::size_t CachingAllocator::release_cached_blocks() {
+  // Pending blocks first: waiting on their events lets them be released too.
+  synchronize_and_free_events();
+  std::size_t released = release_blocks(large_blocks_) + release_blocks(small_blocks_);
+  for (auto it = graph_pools_freeable_.begin(); it != graph_pools_freeable_.end();) {
+    PrivatePool* pool = it->second;
+    released += release_blocks(pool->small_blocks) + release_blocks(pool->large_blocks);
+    if (pool->device_alloc_count == 0) {
+      graph_pools_.erase(it->first);
+      it = graph_pools_freeable_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return released;
+}
+
+std::size_t CachingAllocator::release_blocks(BlockPool& pool) {
+  std::size_t released = 0;
+  std::vector<Block*> to_unmap;
+  for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
+    Block* block = *it++;
+    if (block->expandable != nullptr) {
+      to_unmap.push_back(block);  // unmapping edits the pool: collect first
+    } else if (!block->is_split()) {
+      released += block->size;
+      release_block(block);
+    }
+  }
+  for (Block* block : to_unmap) {
+    released += unmap_block(block);
+    if (!block->is_split()) release_expandable_segment(block);
+  }
+  return released;
+}
+
+void CachingAllocator::release_block(Block* block) {
+  stats_.num_device_free++;
+  trace_.record(TraceAction::segment_free, block->ptr, block->size, block->stream);
+  device_->free(reinterpret_cast<void*>(block->ptr), block->size);
+  total_allocated_memory_ -= block->size;
+  BlockPool* pool = block->pool;
+  if (pool->owner != nullptr) pool->owner->device_alloc_count--;
+  const PoolKind kind = pool->kind();
+  stats_.segment.decrease(kind, 1);
+  stats_.reserved_bytes.decrease(kind, static_cast<std::int64_t>(block->size));
+  if (block->size >= config_.max_split_size) stats_.oversize_segments.decrease(1);
+  pool->blocks.erase(block);
+  delete_block(block);
+}
+
+std::size_t CachingAllocator::garbage_collect_cached_blocks() {
+  // Release cached blocks that have waited longest since their last use, until reserved memory
+  // is back under threshold x allowed memory. Unlike release_cached_blocks, this does not wait
+  // for pending events, so it is cheap enough to run on the allocation path.
+  const auto gc_threshold = static_cast<std::size_t>(config_.garbage_collection_threshold *
+                                                     static_cast<double>(allowed_memory_maximum_));
+  if (total_allocated_memory_ <= gc_threshold) return 0;
+  const std::size_t target = total_allocated_memory_ - gc_threshold;
+  std::size_t reclaimed = 0;
+
+  // Only unsplit blocks of the large pool can be released; their mean age is the bar.
+  std::int64_t total_age = 0;
+  int freeable = 0;
+  for (Block* b : large_blocks_.blocks) {
+    if (!b->is_split()) {
+      total_age += b->gc_count();
+      ++freeable;
+    }
+  }
+  if (freeable == 0) return 0;
+
+  bool block_freed = true;
+  while (reclaimed < target && block_freed && freeable > 0) {
+    const double age_threshold = static_cast<double>(total_age) / freeable;
+    block_freed = false;
+    // Release every block at or above the mean age, not just enough for the target, so that
+    // the next allocation does not have to collect again straight away.
+    for (auto it = large_blocks_.blocks.begin(); it != large_blocks_.blocks.end();) {
+      Block* block = *it++;
+      if (!block->is_split() && static_cast<double>(block->gc_count()) >= age_threshold) {
+        block_freed = true;
+        reclaimed += block->size;
+        total_age -= block->gc_count();
+        --freeable;
+        release_block(block);
+      }
+    }
+  }
+  if (reclaimed > 0) {
+    stats_.num_gc_reclaims++;
+    stats_.gc_reclaimed_bytes += static_cast<std::int64_t>(reclaimed);
+  }
+  return reclaimed;
+}
+
+std::size_t CachingAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.num_empty_cache_calls++;
+  return release_cached_blocks();
+}
+
+std::size_t CachingAllocator::garbage_collect() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!set_fraction_ || config_.garbage_collection_threshold <= 0.0) return 0;
+  return garbage_collect_cached_blocks();
+}
+
+}  // namespace allocwatch

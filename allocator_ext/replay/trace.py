@@ -1,0 +1,139 @@
+"""Reading PyTorch memory snapshots (``torch.cuda.memory._dump_snapshot``) safely.
+
+A trace file may come from anywhere, and pickle can run arbitrary code while loading: the
+unpickler here builds plain data only (dicts, lists, tuples, strings, numbers) and refuses any
+class. Every structural problem raises :class:`TraceError` with a message that says what is
+wrong and where.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Actions the replay acts on, and the ones it knows and passes over.
+REPLAYED_ACTIONS = {"alloc", "free_requested", "free_completed"}
+SEGMENT_ACTIONS = {"segment_alloc", "segment_free", "segment_map", "segment_unmap"}
+KNOWN_ACTIONS = REPLAYED_ACTIONS | SEGMENT_ACTIONS | {"oom", "snapshot", "user_defined"}
+
+MAX_TRACE_BYTES = 2 << 30  # refuse absurd inputs before decompressing them into memory
+
+
+class TraceError(ValueError):
+    """The file is not a usable PyTorch memory snapshot; the message says why."""
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise TraceError(
+            f"the trace contains a Python object ({module}.{name}); a memory snapshot holds "
+            "only plain data, so this file is refused rather than executed"
+        )
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    action: str
+    addr: int
+    size: int
+    stream: int
+    time_us: int
+
+
+@dataclass
+class Trace:
+    """One device's history from a snapshot, plus the snapshot's own figures."""
+
+    path: str
+    events: list[TraceEvent]
+    device: int
+    allocator_settings: dict[str, Any] = field(default_factory=dict)
+    final_segments: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def recorded_config(self) -> str:
+        """The allocator settings the trace was recorded under, as a settings string."""
+        return str(self.allocator_settings.get("PYTORCH_CUDA_ALLOC_CONF") or "")
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"cannot read {path}: {e.strerror}") from e
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+                raw = f.read(MAX_TRACE_BYTES + 1)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(f"{path} is a damaged or truncated gzip file ({e})") from e
+    if len(raw) > MAX_TRACE_BYTES:
+        raise TraceError(f"{path} is larger than {MAX_TRACE_BYTES >> 30} GiB uncompressed")
+    return raw
+
+
+def _unpickle(raw: bytes, path: Path) -> Any:
+    try:
+        return _PlainDataUnpickler(io.BytesIO(raw)).load()
+    except TraceError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
+            KeyError, AttributeError, MemoryError, RecursionError, OverflowError) as e:
+        raise TraceError(f"{path} is not a readable pickle (truncated or corrupt: {e})") from e
+
+
+def _event(raw: Any, index: int) -> TraceEvent:
+    if not isinstance(raw, dict):
+        raise TraceError(f"event {index} is a {type(raw).__name__}, not a dict")
+    action = raw.get("action")
+    if not isinstance(action, str):
+        raise TraceError(f"event {index} has no 'action' string")
+    values = {}
+    for key in ("addr", "size", "stream", "time_us"):
+        v = raw.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise TraceError(f"event {index} ({action}) has a bad '{key}': {v!r}")
+        values[key] = v
+    return TraceEvent(action, values["addr"], values["size"], values["stream"], values["time_us"])
+
+
+def parse_snapshot(data: Any, path: str = "<snapshot>", device: int | None = None) -> Trace:
+    """Checks the snapshot's structure and returns the trace of one device."""
+    if not isinstance(data, dict):
+        raise TraceError(f"{path}: a snapshot is a dict, this is a {type(data).__name__}")
+    traces = data.get("device_traces")
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise TraceError(
+            f"{path}: no 'device_traces' list; record with "
+            "torch.cuda.memory._record_memory_history() before taking the snapshot"
+        )
+    active = [i for i, t in enumerate(traces) if t]
+    if device is None:
+        if not active:
+            raise TraceError(f"{path}: the snapshot holds no recorded events")
+        device = active[0]
+    if not 0 <= device < len(traces):
+        raise TraceError(f"{path}: no trace for device {device} (devices: 0..{len(traces) - 1})")
+    events = [_event(e, i) for i, e in enumerate(traces[device])]
+    settings = data.get("allocator_settings")
+    segments = data.get("segments")
+    return Trace(
+        path=path,
+        events=events,
+        device=device,
+        allocator_settings=settings if isinstance(settings, dict) else {},
+        final_segments=[s for s in segments if isinstance(s, dict)]
+        if isinstance(segments, list)
+        else [],
+    )
+
+
+def load_trace(path: str | Path, device: int | None = None) -> Trace:
+    """Loads a ``.pickle`` or ``.pickle.gz`` memory snapshot."""
+    p = Path(path)
+    return parse_snapshot(_unpickle(_read_bytes(p), p), str(p), device)
