@@ -219,7 +219,7 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
         stats.get("reserved_bytes.all.peak") == summary["peak_reserved_bytes"])
     if save:
         path = out_dir / f"{trace_name(workload, setting)}.pickle.gz"
-        with gzip.open(path, "wb", compresslevel=9) as f:
+        with gzip.open(path, "wb", compresslevel=6) as f:
             pickle.dump(snapshot, f, protocol=4)
         result["file"] = path.name
         result["file_bytes"] = path.stat().st_size
