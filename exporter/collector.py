@@ -18,6 +18,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from exporter import __version__
 from exporter.nvml import GpuMemory, NvmlReader
@@ -44,8 +45,10 @@ _POOL_GAUGES = [
      "peak_allocated_bytes"),
     ("peak_reserved_bytes", "Peak reserved bytes since the last peak reset", "peak_reserved_bytes"),
 ]
-# The pool split, for the figures where it says something (small pool vs large pool).
-_POOL_SPLIT = ["allocated_bytes", "reserved_bytes", "inactive_split_bytes", "segments"]
+# Figures also shown per pool: the same metric with pool="small"|"large" beside the series without
+# a pool label, which is the total (select it with {pool=""}). Peaks are totals only.
+_POOL_SPLIT = {"allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes",
+               "inactive_split_bytes", "segments"}
 
 _COUNTERS = [
     ("alloc_retries", "Allocations that freed cached blocks and retried", "alloc_retries"),
@@ -62,6 +65,12 @@ _COUNTERS = [
 
 def _label(value: int) -> str:
     return str(value) if value >= 0 else ""
+
+
+def _add_pool_sample(family: Metric, labels: list[str], pool: str, value: float) -> None:
+    # A family's label names are fixed by add_metric; the per-pool series add one more label.
+    family.samples.append(Sample(family.name, {**dict(zip(SERIES_LABELS, labels, strict=True)),
+                                               "pool": pool}, float(value)))
 
 
 def fragmentation_ratio(reserved: int, allocated: int) -> float:
@@ -119,16 +128,11 @@ class AllocwatchCollector(Collector):
             family = GaugeMetricFamily(f"{ALLOC}_{suffix}", doc, labels=SERIES_LABELS)
             for labels, _, device in rows:
                 family.add_metric(labels, getattr(device.allocator.all, field))
-            yield family
-        for suffix in _POOL_SPLIT:
-            family = GaugeMetricFamily(
-                f"{ALLOC}_pool_{suffix}",
-                f"{suffix.replace('_', ' ')} per pool (small: requests up to 1 MiB)",
-                labels=[*SERIES_LABELS, "pool"],
-            )
-            for labels, _, device in rows:
-                family.add_metric([*labels, "small"], getattr(device.allocator.small_pool, suffix))
-                family.add_metric([*labels, "large"], getattr(device.allocator.large_pool, suffix))
+            if field in _POOL_SPLIT:
+                for labels, _, device in rows:
+                    for pool, stats in (("small", device.allocator.small_pool),
+                                        ("large", device.allocator.large_pool)):
+                        _add_pool_sample(family, labels, pool, getattr(stats, field))
             yield family
 
         pending_free = GaugeMetricFamily(
@@ -154,6 +158,9 @@ class AllocwatchCollector(Collector):
             pending_events.add_metric(labels, stats.pending_events)
             frag.add_metric(labels, fragmentation_ratio(stats.all.reserved_bytes,
                                                         stats.all.allocated_bytes))
+            for pool, pool_stats in (("small", stats.small_pool), ("large", stats.large_pool)):
+                _add_pool_sample(frag, labels, pool, fragmentation_ratio(
+                    pool_stats.reserved_bytes, pool_stats.allocated_bytes))
             gc.add_metric(labels, settings.garbage_collection_threshold)
             max_split.add_metric(labels, settings.max_split_size_bytes or math.inf)
             expandable.add_metric(labels, 1.0 if settings.expandable_segments else 0.0)

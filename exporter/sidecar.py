@@ -128,8 +128,17 @@ class SidecarThread:
 
     def start(self) -> SidecarThread:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.sidecar.start(), self.loop).result(30)
+        try:
+            asyncio.run_coroutine_threadsafe(self.sidecar.start(), self.loop).result(30)
+        except BaseException:
+            self._end_loop()
+            raise
         return self
+
+    def _end_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
 
     def call(self, coro: Any, timeout: float = 30.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -138,9 +147,7 @@ class SidecarThread:
         try:
             self.call(self.sidecar.stop(grace=0.2))
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-            self.loop.close()
+            self._end_loop()
 
     def __enter__(self) -> SidecarThread:
         return self.start()

@@ -72,9 +72,11 @@ def samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def values(url: str, name: str, **labels: str) -> list[float]:
-    """Values of every sample `name` whose labels include `labels`."""
+    """Values of every sample `name` whose labels include `labels` (per-pool series only when
+    `pool` is given)."""
+    labels.setdefault("pool", "")
     return [v for (n, ls), v in samples(url).items()
-            if n == name and all(dict(ls).get(k) == val for k, val in labels.items())]
+            if n == name and all(dict(ls).get(k, "") == val for k, val in labels.items())]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05,

@@ -1,0 +1,56 @@
+"""The `allocwatch` command line.
+
+Subcommands are modules of exporter.commands, found at start-up: each defines
+`register(subparsers)`, which adds its parser and sets `func` (called with the parsed arguments,
+returning the exit status). A new command is a new file there; this one need not change.
+Present: sidecar, demo. Registration points for the others (same pattern, same folder):
+replay.py, tune.py, run.py, ctl.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+import exporter.commands
+from exporter import __version__
+
+# The order commands appear in --help; commands not listed follow alphabetically.
+COMMAND_ORDER = ["sidecar", "demo", "replay", "tune", "run", "ctl"]
+
+
+def _command_modules() -> list[str]:
+    names = [m.name for m in pkgutil.iter_modules(exporter.commands.__path__)
+             if not m.name.startswith("_")]
+    rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="allocwatch",
+        description="Watch and steer the GPU caching allocator of PyTorch training jobs.",
+        epilog="Run 'allocwatch COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"allocwatch {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _command_modules():
+        module = importlib.import_module(f"exporter.commands.{name}")
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""allocwatch sidecar: the exporter daemon."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+HELP = "run the sidecar: agents' gRPC endpoint, Prometheus /metrics, NVML reader"
+DESCRIPTION = """\
+Runs the exporter daemon beside a training container. Agents in the training processes connect
+over gRPC (a Unix socket in a shared directory by default, TCP where configured) and publish
+their allocator's figures; Prometheus scrapes them from /metrics (with /healthz, /readyz and a
+landing page listing the agents). Settings: a YAML file, described in docs/sidecar.md; without
+one, the defaults (socket /run/allocwatch/agent.sock, metrics on port 9464)."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("sidecar", help=HELP, description=DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="YAML settings file")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the settings file, print the result and exit")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from exporter.config import ConfigError, load_config
+    from exporter.grpc_server import ListenError
+    from exporter.logs import configure_logging
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"allocwatch sidecar: invalid settings: {err}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(f"settings OK: {config}")
+        return 0
+    configure_logging(config.logging.level, config.logging.format)
+    from exporter.sidecar import run_sidecar
+
+    try:
+        run_sidecar(config)
+    except (ListenError, OSError) as err:
+        logging.getLogger("exporter.sidecar").error("cannot start the sidecar",
+                                                    extra={"reason": str(err)})
+        print(f"allocwatch sidecar: {err}", file=sys.stderr)
+        return 1
+    return 0
