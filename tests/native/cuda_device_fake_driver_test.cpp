@@ -151,6 +151,27 @@ int main() {
   expect(references() == 0, "the primary context is released");
   expect(live_events() == 0, "pooled events are destroyed");
 
+  // Process exit: tensors freed after the driver shut down must not throw from the allocator.
+  {
+    CudaDevice device(0);
+    void* p = nullptr;
+    expect(device.malloc(2 * MiB, &p), "malloc before shutdown");
+    std::uintptr_t base = device.reserve_address(2 * MiB, 2 * MiB);
+    allocwatch::PhysicalHandle h = 0;
+    expect(device.create_physical(2 * MiB, &h), "create before shutdown");
+    device.map(base, 2 * MiB, h);
+    hook<void (*)()>("fake_cuda_deinitialize")();
+    expect(error_of([&] {
+             device.free(p, 2 * MiB);
+             device.unmap(base, 2 * MiB);
+             device.release_physical(h, 2 * MiB);
+             device.free_address(base, 2 * MiB);
+           }).empty(),
+           "giving memory back after the driver shut down does not throw");
+    expect(contains(error_of([&] { device.synchronize(); }), "CUDA_ERROR_DEINITIALIZED"),
+           "other calls after shutdown still report it");
+  }  // the destructor must not throw either
+
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

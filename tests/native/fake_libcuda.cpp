@@ -17,7 +17,8 @@
 namespace {
 
 using CUresult = int;
-constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kInvalidDevice = 101,
+constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kDeinitialized = 4,
+                   kInvalidDevice = 101,
                    kInvalidContext = 201, kInvalidHandle = 400, kNotReady = 600,
                    kCaptureImplicit = 906;
 constexpr std::size_t kGranularity = std::size_t{2} << 20;
@@ -32,6 +33,7 @@ int g_primary_references = 0;
 std::size_t g_capacity = std::size_t{80} << 30;
 std::size_t g_used = 0;
 bool g_hold_events = false;
+bool g_deinitialized = false;  // after fake_cuda_deinitialize: the calls below say so
 int g_capture_status = 0;
 bool g_capture_implicit = false;
 std::map<std::uintptr_t, std::size_t> g_segments;      // cuMemAlloc
@@ -75,6 +77,7 @@ extern "C" {
 
 // ---- test hooks
 void fake_cuda_set_capacity(std::size_t bytes) { g_capacity = bytes; }
+void fake_cuda_deinitialize() { g_deinitialized = true; }
 void fake_cuda_hold_events(int hold) { g_hold_events = hold != 0; }
 void fake_cuda_complete_events() {
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -100,6 +103,7 @@ CUresult cuGetErrorName(CUresult r, const char** name) {
     case kSuccess: *name = "CUDA_SUCCESS"; return kSuccess;
     case kInvalidValue: *name = "CUDA_ERROR_INVALID_VALUE"; return kSuccess;
     case kOutOfMemory: *name = "CUDA_ERROR_OUT_OF_MEMORY"; return kSuccess;
+    case kDeinitialized: *name = "CUDA_ERROR_DEINITIALIZED"; return kSuccess;
     case kInvalidDevice: *name = "CUDA_ERROR_INVALID_DEVICE"; return kSuccess;
     case kInvalidContext: *name = "CUDA_ERROR_INVALID_CONTEXT"; return kSuccess;
     case kInvalidHandle: *name = "CUDA_ERROR_INVALID_HANDLE"; return kSuccess;
@@ -134,11 +138,13 @@ CUresult cuDevicePrimaryCtxRetain(void** ctx, int device) {
   return kSuccess;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(int device) {
+  if (g_deinitialized) return kDeinitialized;
   if (device != 0 || g_primary_references == 0) return kInvalidValue;
   --g_primary_references;
   return kSuccess;
 }
 CUresult cuCtxGetCurrent(void** ctx) {
+  if (g_deinitialized) return kDeinitialized;
   *ctx = t_current;
   return kSuccess;
 }
@@ -146,7 +152,10 @@ CUresult cuCtxSetCurrent(void* ctx) {
   t_current = ctx;
   return kSuccess;
 }
-CUresult cuCtxSynchronize() { return has_context() ? kSuccess : kInvalidContext; }
+CUresult cuCtxSynchronize() {
+  if (g_deinitialized) return kDeinitialized;
+  return has_context() ? kSuccess : kInvalidContext;
+}
 CUresult cuStreamSynchronize(void*) { return has_context() ? kSuccess : kInvalidContext; }
 CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
   if (!has_context()) return kInvalidContext;
@@ -155,6 +164,7 @@ CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
   return kSuccess;
 }
 CUresult cuMemAlloc_v2(unsigned long long* ptr, std::size_t size) {
+  if (g_deinitialized) return kDeinitialized;
   if (!has_context()) return kInvalidContext;
   if (size == 0) return kInvalidValue;
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -168,6 +178,7 @@ CUresult cuMemAlloc_v2(unsigned long long* ptr, std::size_t size) {
   return kSuccess;
 }
 CUresult cuMemFree_v2(unsigned long long ptr) {
+  if (g_deinitialized) return kDeinitialized;
   if (!has_context()) return kInvalidContext;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_segments.find(ptr);
@@ -192,6 +203,7 @@ CUresult cuMemAddressReserve(unsigned long long* ptr, std::size_t size, std::siz
   return kSuccess;
 }
 CUresult cuMemAddressFree(unsigned long long ptr, std::size_t size) {
+  if (g_deinitialized) return kDeinitialized;
   if (!has_context()) return kInvalidContext;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_reservations.find(ptr);
@@ -211,6 +223,7 @@ CUresult cuMemCreate(unsigned long long* handle, std::size_t size, const void* p
   return kSuccess;
 }
 CUresult cuMemRelease(unsigned long long handle) {
+  if (g_deinitialized) return kDeinitialized;
   if (!has_context()) return kInvalidContext;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_handles.find(handle);
@@ -248,6 +261,7 @@ CUresult cuMemSetAccess(unsigned long long ptr, std::size_t size, const void* de
   return kSuccess;
 }
 CUresult cuMemUnmap(unsigned long long ptr, std::size_t size) {
+  if (g_deinitialized) return kDeinitialized;
   if (!has_context()) return kInvalidContext;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_mappings.find(ptr);
@@ -296,6 +310,7 @@ CUresult cuEventSynchronize(void* event) {
   return kSuccess;
 }
 CUresult cuEventDestroy_v2(void* event) {
+  if (g_deinitialized) return kDeinitialized;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_events.find(static_cast<Event*>(event));
   if (it == g_events.end()) return kInvalidHandle;

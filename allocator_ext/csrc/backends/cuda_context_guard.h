@@ -13,7 +13,11 @@ namespace cuda {
 class ContextGuard {
  public:
   ContextGuard(const CudaDriver& driver, CUcontext context) : driver_(driver) {
-    check_result(driver_.cuCtxGetCurrent(&previous_), "cuCtxGetCurrent");
+    CUresult result = driver_.cuCtxGetCurrent(&previous_);
+    // After the driver shut down (process exit) no context can be made current; the call
+    // this guards then fails with the same error, which release calls accept.
+    if (result == CUDA_ERROR_DEINITIALIZED) return;
+    check_result(result, "cuCtxGetCurrent");
     if (previous_ != context) {
       check_result(driver_.cuCtxSetCurrent(context), "cuCtxSetCurrent");
       switched_ = true;

@@ -86,8 +86,9 @@ bool CudaDevice::malloc(std::size_t size, void** ptr) {
 
 void CudaDevice::free(void* ptr, std::size_t /*size*/) {
   ContextGuard guard(driver_, context_);
-  check_result(driver_.cuMemFree(as_device_pointer(reinterpret_cast<std::uintptr_t>(ptr))),
-               "cuMemFree_v2");
+  check_release_result(
+      driver_.cuMemFree(as_device_pointer(reinterpret_cast<std::uintptr_t>(ptr))),
+      "cuMemFree_v2");
 }
 
 void CudaDevice::require_granular(std::size_t value, const char* what, const char* call) const {
@@ -115,7 +116,8 @@ std::uintptr_t CudaDevice::reserve_address(std::size_t size, std::size_t alignme
 
 void CudaDevice::free_address(std::uintptr_t base, std::size_t size) {
   ContextGuard guard(driver_, context_);
-  check_result(driver_.cuMemAddressFree(as_device_pointer(base), size), "cuMemAddressFree");
+  check_release_result(driver_.cuMemAddressFree(as_device_pointer(base), size),
+                       "cuMemAddressFree");
 }
 
 bool CudaDevice::create_physical(std::size_t size, PhysicalHandle* handle) {
@@ -132,8 +134,8 @@ bool CudaDevice::create_physical(std::size_t size, PhysicalHandle* handle) {
 
 void CudaDevice::release_physical(PhysicalHandle handle, std::size_t /*size*/) {
   ContextGuard guard(driver_, context_);
-  check_result(driver_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)),
-               "cuMemRelease");
+  check_release_result(driver_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)),
+                       "cuMemRelease");
 }
 
 void CudaDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {
@@ -158,7 +160,7 @@ void CudaDevice::unmap(std::uintptr_t addr, std::size_t size) {
   require_granular(addr, "address", "cuMemUnmap");
   require_granular(size, "size", "cuMemUnmap");
   ContextGuard guard(driver_, context_);
-  check_result(driver_.cuMemUnmap(as_device_pointer(addr), size), "cuMemUnmap");
+  check_release_result(driver_.cuMemUnmap(as_device_pointer(addr), size), "cuMemUnmap");
 }
 
 EventId CudaDevice::record_event(StreamId stream) {

@@ -109,5 +109,9 @@ void check_result(CUresult result, const char* call) {
   }
 }
 
+void check_release_result(CUresult result, const char* call) {
+  if (result != CUDA_ERROR_DEINITIALIZED) check_result(result, call);
+}
+
 }  // namespace cuda
 }  // namespace allocwatch

@@ -55,5 +55,10 @@ std::string describe_result(CUresult result);
 // Throws DeviceError "<call> failed: <describe_result>" unless result is CUDA_SUCCESS.
 void check_result(CUresult result, const char* call);
 
+// As check_result, for calls that give memory back: CUDA_ERROR_DEINITIALIZED is accepted too.
+// Tensors freed while the process exits reach the allocator after the driver has shut down;
+// their memory went with it, and throwing from a deleter would terminate the process.
+void check_release_result(CUresult result, const char* call);
+
 }  // namespace cuda
 }  // namespace allocwatch
