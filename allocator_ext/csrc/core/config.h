@@ -45,8 +45,11 @@ struct AllocatorConfig {
   // Page size of large-pool expandable segments. PyTorch maps 20 MiB at a time; smaller pages
   // waste less at the end of a segment at the price of more map calls.
   std::size_t expandable_large_page = kLargeBuffer;  // expandable_large_page_mb
-  // Before growing an expandable segment, take back fully free pages elsewhere in the same
-  // pool (unmap, then map where needed) instead of asking the device for more.
+  // Minimum growth of a large-pool expandable segment, mapped as one chunk (0: PyTorch's way,
+  // one physical allocation and one map call per page).
+  std::size_t expandable_grow = 0;  // expandable_grow_mb
+  // Before growing an expandable segment, release wholly free chunks elsewhere in the same
+  // pool, so that the growth reuses their memory instead of raising reserved memory.
   bool reuse_free_pages = false;
 
   static AllocatorConfig native();     // PyTorch's defaults

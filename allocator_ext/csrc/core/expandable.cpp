@@ -48,17 +48,21 @@ Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
   return candidate;
 }
 
+std::size_t CachingAllocator::grow_size(const BlockPool* pool, std::size_t needed) const {
+  // PyTorch maps exactly the pages needed. With expandable_grow_mb, the large pool grows by at
+  // least that much at a time, in one chunk: fewer, larger device calls.
+  if (pool->is_small || config_.expandable_grow == 0) return needed;
+  return std::max(needed, config_.expandable_grow);
+}
+
 bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
   ExpandableSegment* es = to_map->expandable;
-  std::vector<PhysicalHandle> spare;
+  const bool one_chunk = !to_map->pool->is_small && config_.expandable_grow > 0;
   if (config_.reuse_free_pages) {
-    const std::size_t pages = (size + es->page_size() - 1) / es->page_size();
-    take_back_free_pages(to_map->pool, to_map, pages * es->page_size(), es->page_size());
-    spare.swap(spare_pages_);
+    const std::size_t page = es->page_size();
+    take_back_free_pages(to_map->pool, to_map, (size + page - 1) / page * page);
   }
-  Range mapped = es->map(Range{to_map->ptr, size}, &spare);
-  // Pages taken back but not used (the map failed) go back to the device.
-  for (PhysicalHandle h : spare) device_->release_physical(h, es->page_size());
+  Range mapped = es->map(Range{to_map->ptr, size}, one_chunk);
   if (mapped.size == 0) return false;
 
   BlockPool& pool = *to_map->pool;
@@ -90,30 +94,23 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   Block* candidate = find_expandable_block(stream, pool, size);
   // The candidate starts a run of free and unmapped blocks with at least `size` bytes:
   //   unmapped -> null | unmapped -> free -> ... | free -> unmapped -> ...
-  if (!candidate->mapped && !map_block(candidate, std::min(candidate->size, size))) {
+  if (!candidate->mapped &&
+      !map_block(candidate, std::min(candidate->size, grow_size(pool, size)))) {
     return nullptr;
   }
   while (candidate->size < size) {
     // free -> unmapped: map part of the unmapped block; it merges into the free one.
     std::size_t remaining = size - candidate->size;
     Block* next = candidate->next;
-    if (!map_block(next, std::min(remaining, next->size))) return nullptr;
+    if (!map_block(next, std::min(grow_size(pool, remaining), next->size))) return nullptr;
     candidate = next;
   }
   pool->blocks.erase(candidate);
   return candidate;
 }
 
-std::size_t CachingAllocator::unmap_block(Block* block, std::vector<PhysicalHandle>* keep,
-                                          std::size_t limit) {
-  Range range{block->ptr, block->size};
-  if (limit > 0) {
-    // Only the first `limit` bytes of whole pages (plus the partial page in front of them).
-    const std::size_t page = block->expandable->page_size();
-    const std::size_t lead = (page - (block->ptr - block->expandable->base()) % page) % page;
-    range.size = std::min(block->size, lead + limit);
-  }
-  Range unmapped = block->expandable->unmap(range, keep);
+std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit) {
+  Range unmapped = block->expandable->unmap(Range{block->ptr, block->size}, limit);
   if (unmapped.size == 0) return 0;
   BlockPool& pool = *block->pool;
   pool.blocks.erase(block);
@@ -159,16 +156,15 @@ void CachingAllocator::release_expandable_segment(Block* block) {
 }
 
 std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclude,
-                                                   std::size_t bytes, std::size_t page_size) {
-  // Growing a segment while whole free pages sit elsewhere in the pool raises reserved memory
-  // for nothing: unmap those pages (keeping their physical memory) and map them where the
-  // growth is needed. Only blocks between mapped neighbours qualify, so the unmapped hole
-  // cannot merge into the range being mapped. Largest blocks first: fewest calls per byte.
+                                                   std::size_t bytes) {
+  // Growing a segment while wholly free chunks sit elsewhere in the pool raises reserved memory
+  // for nothing: release those chunks first, so the growth reuses their physical memory.
+  // Largest free blocks first: fewest calls per byte.
   std::vector<Block*> donors;
   for (Block* b : pool->blocks) {
-    if (b == exclude || b->expandable == nullptr || b->expandable->page_size() != page_size) continue;
-    if ((b->prev != nullptr && !b->prev->mapped) || (b->next != nullptr && !b->next->mapped)) continue;
-    if (b->size < page_size) continue;
+    if (b->expandable == nullptr || b->size < b->expandable->page_size()) continue;
+    // A donor next to the range being mapped would merge its hole into that range.
+    if (b == exclude || b->prev == exclude || b->next == exclude) continue;
     donors.push_back(b);
   }
   std::sort(donors.begin(), donors.end(), [](const Block* a, const Block* b) {
@@ -177,14 +173,7 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   std::size_t taken = 0;
   for (Block* b : donors) {
     if (taken >= bytes) break;
-    std::size_t before = spare_pages_.size();
-    unmap_block(b, &spare_pages_, bytes - taken);
-    taken += (spare_pages_.size() - before) * page_size;
-  }
-  // Keep only what is needed; the rest goes back to the device.
-  while (spare_pages_.size() * page_size > bytes && !spare_pages_.empty()) {
-    device_->release_physical(spare_pages_.back(), page_size);
-    spare_pages_.pop_back();
+    taken += unmap_block(b, bytes - taken);
   }
   return taken;
 }

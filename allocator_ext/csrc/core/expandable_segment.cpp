@@ -1,6 +1,7 @@
 #include "expandable_segment.h"
 
 #include <cassert>
+#include <vector>
 
 namespace allocwatch {
 
@@ -14,74 +15,75 @@ ExpandableSegment::ExpandableSegment(Device& device, StreamId stream, std::size_
 }
 
 ExpandableSegment::~ExpandableSegment() {
-  // The allocator releases a segment only once every page is unmapped; this is a safety net
+  // The allocator releases a segment only once every chunk is unmapped; this is a safety net
   // for teardown, where the device may already be gone, so errors are swallowed.
   try {
-    for (std::size_t i = 0; i < handles_.size(); ++i) {
-      if (!handles_[i]) continue;
-      device_.unmap(base_ + i * page_size_, page_size_);
-      device_.release_physical(*handles_[i], page_size_);
+    for (const auto& [first, chunk] : chunks_) {
+      device_.unmap(base_ + first * page_size_, chunk.pages * page_size_);
+      device_.release_physical(chunk.handle, chunk.pages * page_size_);
     }
     device_.free_address(base_, page_size_ * max_pages_);
   } catch (...) {
   }
 }
 
-Range ExpandableSegment::map(Range r, std::vector<PhysicalHandle>* spare) {
-  std::size_t begin = page_floor(r.ptr);
-  std::size_t end = page_ceil(r.ptr + r.size);
+Range ExpandableSegment::map(Range r, bool one_chunk) {
+  const std::size_t begin = page_floor(r.ptr);
+  const std::size_t end = page_ceil(r.ptr + r.size);
   assert(base_ + begin * page_size_ == r.ptr);
   if (begin == end) return pages(begin, end);
-  if (handles_.size() < end) handles_.resize(end);
-  for (std::size_t i = begin; i < end; ++i) {
-    assert(!handles_[i]);
+  const std::size_t step = one_chunk ? end - begin : 1;
+  std::vector<std::size_t> made;
+  for (std::size_t first = begin; first < end; first += step) {
+    const std::size_t n = std::min(step, end - first);
     PhysicalHandle handle = 0;
-    if (spare != nullptr && !spare->empty()) {
-      handle = spare->back();
-      spare->pop_back();
-    } else if (!device_.create_physical(page_size_, &handle)) {
+    if (!device_.create_physical(n * page_size_, &handle)) {
       // Out of memory: give back what this call created, so nothing half-mapped remains.
-      for (std::size_t j = begin; j < i; ++j) {
-        device_.release_physical(*handles_[j], page_size_);
-        handles_[j].reset();
+      for (std::size_t f : made) {
+        device_.release_physical(chunks_[f].handle, chunks_[f].pages * page_size_);
+        chunks_.erase(f);
       }
-      trim();
       return pages(begin, begin);
     }
-    handles_[i] = handle;
+    chunks_[first] = Chunk{handle, n};
+    made.push_back(first);
   }
-  for (std::size_t i = begin; i < end; ++i) device_.map(base_ + i * page_size_, page_size_, *handles_[i]);
+  for (std::size_t f : made) {
+    device_.map(base_ + f * page_size_, chunks_[f].pages * page_size_, chunks_[f].handle);
+  }
   return pages(begin, end);
 }
 
-Range ExpandableSegment::unmap(Range r, std::vector<PhysicalHandle>* keep) {
-  std::size_t begin = page_ceil(r.ptr);
-  std::size_t end = page_floor(r.ptr + r.size);
-  if (begin >= end) return Range{r.ptr, 0};
-  // Unmapping does not wait for kernels still using the pages: the stream must be idle.
-  device_.synchronize_stream(stream_);
-  for (std::size_t i = begin; i < end; ++i) {
-    PhysicalHandle h = *handles_[i];
-    handles_[i].reset();
-    device_.unmap(base_ + i * page_size_, page_size_);
-    if (keep != nullptr) {
-      keep->push_back(h);
-    } else {
-      device_.release_physical(h, page_size_);
-    }
+Range ExpandableSegment::unmap(Range r, std::size_t limit) {
+  const std::size_t lo = page_ceil(r.ptr);
+  const std::size_t hi = page_floor(r.ptr + r.size);
+  if (lo >= hi) return Range{r.ptr, 0};
+  // Chunks tile the mapped pages, so those wholly inside [lo, hi) form one contiguous run.
+  std::vector<std::map<std::size_t, Chunk>::iterator> run;
+  std::size_t bytes = 0;
+  for (auto it = chunks_.lower_bound(lo); it != chunks_.end() && it->first + it->second.pages <= hi;
+       ++it) {
+    if (limit > 0 && bytes >= limit) break;
+    run.push_back(it);
+    bytes += it->second.pages * page_size_;
   }
-  trim();
-  return pages(begin, end);
+  if (run.empty()) return Range{r.ptr, 0};
+  // Unmapping does not wait for kernels still using the memory: the stream must be idle.
+  device_.synchronize_stream(stream_);
+  const std::size_t first = run.front()->first;
+  for (auto it : run) {
+    const std::size_t n = it->second.pages * page_size_;
+    device_.unmap(base_ + it->first * page_size_, n);
+    device_.release_physical(it->second.handle, n);
+    chunks_.erase(it);
+  }
+  return Range{base_ + first * page_size_, bytes};
 }
 
 std::size_t ExpandableSegment::mapped_bytes() const {
   std::size_t n = 0;
-  for (const auto& h : handles_) n += h ? page_size_ : 0;
+  for (const auto& [first, chunk] : chunks_) n += chunk.pages * page_size_;
   return n;
-}
-
-void ExpandableSegment::trim() {
-  while (!handles_.empty() && !handles_.back()) handles_.pop_back();
 }
 
 }  // namespace allocwatch

@@ -8,8 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <optional>
-#include <vector>
+#include <map>
 
 #include "device.h"
 
@@ -28,15 +27,17 @@ class ExpandableSegment {
   ExpandableSegment(const ExpandableSegment&) = delete;
   ExpandableSegment& operator=(const ExpandableSegment&) = delete;
 
-  // Maps the pages covering [r.ptr, r.ptr + r.size); r.ptr must be page aligned. Pages come
-  // from `spare` first (physical pages taken back elsewhere), then from the device. Returns
-  // the range mapped (whole pages), or an empty range when the device is out of memory, in
-  // which case nothing stays mapped.
-  Range map(Range r, std::vector<PhysicalHandle>* spare = nullptr);
-  // Unmaps every page lying entirely inside r, after the segment's stream is idle. With
-  // `keep`, the physical pages are handed over instead of released. Returns the range
-  // unmapped (possibly empty).
-  Range unmap(Range r, std::vector<PhysicalHandle>* keep = nullptr);
+  // Maps the pages covering [r.ptr, r.ptr + r.size); r.ptr must be page aligned. With
+  // `one_chunk`, all of them come from one physical allocation mapped in one call (device
+  // calls cost mostly per call, so growing by 1 GiB in one chunk is hundreds of times cheaper
+  // than in 2 MiB pages); otherwise one allocation per page, as PyTorch does. Returns the range
+  // mapped, or an empty range when the device is out of memory (nothing stays mapped).
+  Range map(Range r, bool one_chunk = false);
+  // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part), after the
+  // segment's stream is idle, and releases its physical memory. At most `limit` bytes when
+  // limit > 0, taking chunks from the front. Returns the contiguous range unmapped (possibly
+  // empty).
+  Range unmap(Range r, std::size_t limit = 0);
 
   std::uintptr_t base() const { return base_; }
   std::size_t size() const { return page_size_ * max_pages_; }
@@ -45,6 +46,10 @@ class ExpandableSegment {
   std::size_t mapped_bytes() const;
 
  private:
+  struct Chunk {
+    PhysicalHandle handle;
+    std::size_t pages;
+  };
   std::size_t page_floor(std::uintptr_t p) const { return (p - base_) / page_size_; }
   std::size_t page_ceil(std::uintptr_t p) const {
     return (p - base_ + page_size_ - 1) / page_size_;
@@ -52,14 +57,13 @@ class ExpandableSegment {
   Range pages(std::size_t begin, std::size_t end) const {
     return Range{base_ + begin * page_size_, (end - begin) * page_size_};
   }
-  void trim();
 
   Device& device_;
   StreamId stream_;
   std::size_t page_size_;
   std::size_t max_pages_;
   std::uintptr_t base_ = 0;
-  std::vector<std::optional<PhysicalHandle>> handles_;
+  std::map<std::size_t, Chunk> chunks_;  // by first page
 };
 
 }  // namespace allocwatch
