@@ -120,9 +120,9 @@ def trace_events(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def summarize_trace(snapshot: dict[str, Any]) -> dict[str, Any]:
-    """What the trace itself says: event counts and peak reserved bytes, and whether it
-    accounts for every segment the snapshot holds at the end (it does not when recording
-    started after memory was already reserved)."""
+    """What the trace itself says: event counts, peak reserved bytes, whether it starts from an
+    empty allocator, and whether it accounts for every segment the snapshot holds at the end
+    (it does not when recording started after memory was already reserved)."""
     events = trace_events(snapshot)
     actions = Counter(event["action"] for event in events)
     reserved = peak = 0
@@ -142,8 +142,11 @@ def summarize_trace(snapshot: dict[str, Any]) -> dict[str, Any]:
         "peak_reserved_bytes": peak,
         "final_reserved_bytes": reserved,
         "snapshot_segments_bytes": segments_total,
-        "starts_empty": first in ("segment_alloc", "segment_map", None)
-        and reserved == segments_total,
+        # Recording started before any memory was reserved: the first event reserves some.
+        "starts_empty": first in ("segment_alloc", "segment_map", None),
+        # And the trace saw every segment the snapshot holds (with expandable segments a
+        # segment's total_size may count reserved address space, so this can differ there).
+        "segments_match_trace": reserved == segments_total,
     }
 
 
@@ -407,8 +410,9 @@ def self_check() -> None:
     ]]}
     summary = summarize_trace(fake)
     assert summary["peak_reserved_bytes"] == 22 << 20 and summary["starts_empty"]
+    assert summary["segments_match_trace"]
     fake["segments"].append({"total_size": 2 << 20})  # memory the trace did not see reserved
-    assert not summarize_trace(fake)["starts_empty"]
+    assert not summarize_trace(fake)["segments_match_trace"]
 
     cpu = torch.device("cpu")
     for name in WORKLOAD_NAMES:
