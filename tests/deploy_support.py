@@ -20,7 +20,7 @@ DASHBOARD = GRAFANA / "dashboards" / "allocwatch.json"
 
 SIDECAR = "allocwatch-sidecar"
 METRICS_PORT = 9400
-SOCKET_DIR = "/var/run/allocwatch"
+SOCKET_DIR = "/run/allocwatch"
 
 # The names DESIGN.md fixes for what the sidecar exposes.
 SIDECAR_METRICS = frozenset(

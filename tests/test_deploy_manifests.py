@@ -311,7 +311,7 @@ def test_legacy_sidecar_exits_after_training() -> None:
 def test_sidecar_pod_wiring(example: str) -> None:
     config = one(build("deploy/base"), "ConfigMap")
     sidecar_config = yaml.safe_load(config["data"]["allocwatch.yaml"])
-    socket_path = sidecar_config["agents"]["socket"]
+    socket_path = sidecar_config["agents"]["unix_socket"]
     for where, template in example_pods(example):
         spec = template["spec"]
         labels = template["metadata"]["labels"]
@@ -327,7 +327,7 @@ def test_sidecar_pod_wiring(example: str) -> None:
         for container in spec["containers"]:
             if container["name"] != SIDECAR:
                 env = {e["name"]: e for e in container["env"]}
-                assert env["ALLOCWATCH_SIDECAR_ADDRESS"]["value"] == f"unix://{socket_path}", where
+                assert env["ALLOCWATCH_TARGET"]["value"] == f"unix://{socket_path}", where
 
         # the config comes from the ConfigMap that deploy/base generates, under a stable name
         assert volumes["allocwatch-config"]["configMap"]["name"] == config["metadata"]["name"], (
@@ -358,7 +358,7 @@ def test_sidecar_pod_wiring(example: str) -> None:
         # the metrics port, named, where the config listens; probes on it
         ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
         assert ports == {"metrics": METRICS_PORT}
-        assert sidecar_config["metrics"]["listen"].rsplit(":", 1)[1] == str(METRICS_PORT)
+        assert sidecar_config["metrics"]["port"] == METRICS_PORT
         probes = {
             k: sidecar[k]["httpGet"] for k in ("startupProbe", "readinessProbe", "livenessProbe")
         }
@@ -540,3 +540,15 @@ def test_yamllint_is_clean() -> None:
         cwd=REPO,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sidecar_configmap_is_accepted_by_the_sidecar() -> None:
+    """The sidecar refuses unknown fields; its own parser must accept what the ConfigMap holds."""
+    config_module = pytest.importorskip(
+        "exporter.config", reason="the exporter package is not importable"
+    )
+    config_map = one(build("deploy/base"), "ConfigMap")
+    config = config_module.parse_config(yaml.safe_load(config_map["data"]["allocwatch.yaml"]))
+    assert config.metrics.port == METRICS_PORT and config.metrics.address == "0.0.0.0"
+    assert config.agents.unix_socket == f"{SOCKET_DIR}/agent.sock"
+    assert config.agents.socket_mode == 0o666
