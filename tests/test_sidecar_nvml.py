@@ -1,0 +1,144 @@
+"""Device figures from NVML.
+
+There is no GPU (and no NVML library) on the CI machine, so the GPU itself is faked: a stand-in
+pynvml module is injected where a test needs NVML to answer. The "no NVML" path runs for real.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from _sidecar_fixtures import FakeSource, samples, start_sidecar, values, wait_for
+from allocator_ext.agent import start_agent
+from exporter.nvml import NvmlReader
+
+pytestmark = pytest.mark.timeout(60)
+GiB = 1 << 30
+DEVICE_NAMES = ("allocwatch_gpu_memory_total_bytes", "allocwatch_gpu_memory_used_bytes",
+                "allocwatch_process_gpu_memory_used_bytes")
+
+
+class FakePynvml:
+    """Mimics the pynvml calls NvmlReader makes. `fail` makes every call raise (NVML lost)."""
+
+    def __init__(self, gpus: list[tuple[str, int, int, dict[int, int]]]):
+        self.gpus = gpus
+        self.fail = False
+
+    def _check(self) -> None:
+        if self.fail:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+    def nvmlInit(self) -> None:  # noqa: N802 (pynvml's names)
+        self._check()
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        self._check()
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        self._check()
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:  # noqa: N802
+        self._check()
+        _, total, used, _ = self.gpus[handle]
+        return SimpleNamespace(total=total, used=used, free=total - used)
+
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:  # noqa: N802
+        return self.gpus[handle][0].encode()  # older pynvml returns bytes
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[SimpleNamespace]:  # noqa: N802
+        self._check()
+        return [SimpleNamespace(pid=p, usedGpuMemory=u) for p, u in self.gpus[handle][3].items()]
+
+
+def test_without_nvml_a_warning_and_no_device_series(tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # The real pynvml on a machine without the NVIDIA driver.
+    with caplog.at_level(logging.WARNING, logger="exporter.nvml"):
+        running = start_sidecar(tmp_path)
+    try:
+        assert any("NVML unavailable" in r.getMessage() for r in caplog.records)
+        url = running.sidecar.metrics_url
+        agent = start_agent(running.sidecar.agent_targets[0], interval=0.1, source=FakeSource(),
+                            nvml=True, stop_at_exit=False)  # the agent's real NVML path too
+        try:
+            wait_for(lambda: values(url, "torch_cuda_allocator_reserved_bytes"), what="report")
+            names = {name for name, _ in samples(url)}
+            assert not names & set(DEVICE_NAMES)
+        finally:
+            agent.stop()
+    finally:
+        running.stop()
+
+
+def test_sidecar_reads_its_own_gpus(tmp_path: Path) -> None:
+    fake = FakePynvml([("GPU-0000", 80 * GiB, 10 * GiB, {os.getpid(): 3 * GiB}),
+                       ("GPU-1111", 80 * GiB, 1 * GiB, {})])
+    running = start_sidecar(tmp_path, nvml_module=fake)
+    url = running.sidecar.metrics_url
+    agent = start_agent(running.sidecar.agent_targets[0], interval=0.1,
+                        source=FakeSource({0: "GPU-0000"}), identity={"rank": 0}, nvml=False,
+                        stop_at_exit=False)
+    try:
+        wait_for(lambda: values(url, "torch_cuda_allocator_reserved_bytes"), what="report")
+        assert values(url, "allocwatch_gpu_memory_total_bytes", gpu_uuid="GPU-0000") == [80 * GiB]
+        assert values(url, "allocwatch_gpu_memory_used_bytes", gpu_uuid="GPU-1111") == [1 * GiB]
+        # Same PID namespace here: the sidecar matches the agent's pid in NVML's process list.
+        assert values(url, "allocwatch_process_gpu_memory_used_bytes", rank="0",
+                      gpu_uuid="GPU-0000") == [3 * GiB]
+
+        # NVML fails mid-run: device series stop, allocator series carry on.
+        fake.fail = True
+        wait_for(lambda: not values(url, "allocwatch_gpu_memory_total_bytes"), what="stop")
+        assert values(url, "torch_cuda_allocator_reserved_bytes")
+        fake.fail = False
+        wait_for(lambda: values(url, "allocwatch_gpu_memory_total_bytes"), what="recovery")
+    finally:
+        agent.stop()
+        running.stop()
+
+
+def test_agent_reports_its_own_gpu_where_the_sidecar_sees_none(tmp_path: Path) -> None:
+    # Kubernetes: the sidecar container has no GPU; the training container's agent reads NVML.
+    fake = FakePynvml([("GPU-2222", 40 * GiB, 5 * GiB, {os.getpid(): 2 * GiB})])
+    running = start_sidecar(tmp_path, nvml=False)
+    url = running.sidecar.metrics_url
+    agent = start_agent(running.sidecar.agent_targets[0], interval=0.1,
+                        source=FakeSource({0: ""}), identity={"rank": 1}, nvml=fake,
+                        stop_at_exit=False)
+    try:
+        wait_for(lambda: values(url, "allocwatch_gpu_memory_total_bytes"), what="device series")
+        assert values(url, "allocwatch_gpu_memory_total_bytes") == [40 * GiB]
+        assert values(url, "allocwatch_gpu_memory_used_bytes", gpu_uuid="GPU-2222") == [5 * GiB]
+        assert values(url, "allocwatch_process_gpu_memory_used_bytes", rank="1") == [2 * GiB]
+        # The agent learnt its GPU's UUID from NVML (CUDA device 0 -> the first GPU).
+        assert agent.identity.gpu_uuid == "GPU-2222"
+        assert values(url, "torch_cuda_allocator_reserved_bytes", gpu_uuid="GPU-2222")
+    finally:
+        agent.stop()
+        running.stop()
+
+
+def test_reader_maps_visible_devices_and_survives_process_query_errors() -> None:
+    fake = FakePynvml([("GPU-a", 10, 1, {}), ("GPU-b", 20, 2, {})])
+
+    def refuse(handle: int) -> list:
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    fake.nvmlDeviceGetComputeRunningProcesses = refuse  # type: ignore[method-assign]
+    reader = NvmlReader(fake, cache_seconds=0)
+    assert reader.start()
+    assert [g.uuid for g in reader.read()] == ["GPU-a", "GPU-b"]
+    assert reader.find(index=1).total_bytes == 20  # type: ignore[union-attr]
+    assert reader.find(uuid="GPU-a").index == 0  # type: ignore[union-attr]
+    assert reader.find(uuid="GPU-zzz") is None
