@@ -198,7 +198,13 @@ def _format(figures: dict[str, float], elapsed: float) -> str:
 
 def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
              out: Any = None) -> int:
-    from exporter.config import AgentsConfig, LoggingConfig, MetricsConfig, SidecarConfig
+    from exporter.config import (
+        AgentsConfig,
+        LoggingConfig,
+        MetricsConfig,
+        NvmlConfig,
+        SidecarConfig,
+    )
     from exporter.logs import configure_logging
     from exporter.sidecar import SidecarThread
 
@@ -210,6 +216,8 @@ def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
         config = SidecarConfig(
             agents=AgentsConfig(unix_socket=str(Path(tmp) / "agent.sock")),
             metrics=MetricsConfig(address="127.0.0.1", port=port),
+            # The simulated workload has no GPU: spare the user NVML's warning.
+            nvml=NvmlConfig(enabled=workload == "gpu"),
             logging=LoggingConfig(level="warning", format="text"))
         try:
             sidecar = SidecarThread(config).start()

@@ -58,7 +58,10 @@ class Agent:
         self.connected = threading.Event()
         self.last_error: str | None = None
         self.agent_key: str | None = None
+        self.reports_sent = 0  # handed to gRPC; the load benchmark compares with the sidecar's count
         self._stop = threading.Event()
+        self._stopping = threading.Event()  # no more sampling; drain, say goodbye, close
+        self._stream_closed = threading.Event()
         self._call: Any = None
         self._call_lock = threading.Lock()
         self._sample_lock = threading.Lock()
@@ -75,21 +78,27 @@ class Agent:
         return self
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Send a goodbye where connected, then end both threads (bounded wait)."""
-        if self._stop.is_set():
+        """Stop sampling, send what is queued and a goodbye where connected, then end both
+        threads. Bounded by `timeout`: exit is never held up by a slow or absent sidecar."""
+        if self._stopping.is_set():
             return
+        deadline = time.monotonic() + timeout
+        self._stopping.set()
+        self._sampler.join(max(0.0, deadline - time.monotonic()))
         if self.connected.is_set():
+            drain_until = min(deadline, time.monotonic() + timeout / 2)
+            while len(self.outbox) and time.monotonic() < drain_until:
+                time.sleep(0.005)
+            self._stream_closed.clear()
             self.outbox.put_result(pb.AgentMessage(goodbye=pb.Goodbye(reason="process exiting")))
-            deadline = time.monotonic() + min(timeout, 0.5)
-            while len(self.outbox) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            # The stream closes from our side after the goodbye; the sidecar ends it at once.
+            self._stream_closed.wait(max(0.0, deadline - time.monotonic()))
         self._stop.set()
         self.outbox.wake()
         with self._call_lock:
             if self._call is not None:
                 self._call.cancel()
-        self._sampler.join(timeout)
-        self._connector.join(timeout)
+        self._connector.join(max(0.1, deadline - time.monotonic()))
 
     @property
     def dropped(self) -> int:
@@ -99,14 +108,14 @@ class Agent:
 
     def _sample_loop(self) -> None:
         next_at = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             self.sample_once()
             next_at += self.interval
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind (suspended process): skip, never burst
                 next_at = time.monotonic()
                 delay = 0
-            self._stop.wait(delay)
+            self._stopping.wait(delay)
 
     def sample_once(self) -> pb.Report | None:
         try:
@@ -159,7 +168,8 @@ class Agent:
                 log.exception("agent stream failed unexpectedly")
                 self.last_error = repr(err)
             self.connected.clear()
-            if self._stop.is_set():
+            self._stream_closed.set()
+            if self._stop.is_set() or self._stopping.is_set():
                 break
             self.reconnects += 1
             self._stop.wait(self.backoff.next_delay())
@@ -171,12 +181,16 @@ class Agent:
         while not self.connected.wait(0.1):
             if stream_done.is_set() or self._stop.is_set():
                 return
-        while not stream_done.is_set():
+        while not stream_done.is_set() and not self._stop.is_set():
             message = self.outbox.get(timeout=0.2)
-            if message is not None:
-                yield message
-            if self._stop.is_set() and not len(self.outbox):
-                return
+            if message is None:
+                continue
+            kind = message.WhichOneof("body")
+            if kind == "report":
+                self.reports_sent += 1
+            yield message
+            if kind == "goodbye":
+                return  # half-close: the sidecar sees the goodbye, then the end of our stream
 
     def _run_stream(self) -> None:
         hello = pb.AgentMessage(hello=pb.Hello(protocol_version=self.protocol_version,
