@@ -209,7 +209,8 @@ class AllocwatchCollector(Collector):
             "allocwatch_process_gpu_memory_used_bytes",
             "GPU memory used by the training process, from NVML", labels=SERIES_LABELS)
         own: dict[str, GpuMemory] = {g.uuid: g for g in (self._nvml.read() if self._nvml else [])}
-        gpus: dict[str, tuple[int, int]] = {u: (g.total_bytes, g.used_bytes) for u, g in own.items()}
+        gpus: dict[str, tuple[int, int]] = {
+            u: (g.total_bytes, g.used_bytes) for u, g in own.items()}
         for labels, agent, device in rows:
             uuid = device.gpu_uuid
             mem = device.device_memory if device.HasField("device_memory") else None

@@ -106,7 +106,8 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
             try:
                 return int(value, 8)
             except ValueError:
-                raise ConfigError(f"{path}: expected an octal mode like '0660', got {value!r}") from None
+                raise ConfigError(
+                    f"{path}: expected an octal mode like '0660', got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {_type_name(value)} {value!r}")
         return value
@@ -129,7 +130,8 @@ def _check_value(path: str, value: Any) -> None:
     if path in _POSITIVE and value <= 0:
         raise ConfigError(f"{path}: must be greater than 0, got {value!r}")
     if path in _PORTS and value is not None and not 0 <= value <= 65535:
-        raise ConfigError(f"{path}: must be a port number 0-65535 (0: any free port), got {value!r}")
+        raise ConfigError(
+            f"{path}: must be a port number 0-65535 (0: any free port), got {value!r}")
     if path == "agents.socket_mode" and not 0 <= value <= 0o777:
         raise ConfigError(f"{path}: must be a file mode between 0000 and 0777, got {oct(value)}")
 

@@ -50,7 +50,8 @@ def _trace_events(path: Path) -> list[tuple[str, int, int, int]]:
     for device_trace in snapshot.get("device_traces", [])[:1]:
         for e in device_trace:
             if e.get("action") in ("alloc", "free_requested"):
-                events.append((e["action"], int(e["addr"]), int(e["size"]), int(e.get("stream", 0))))
+                events.append((e["action"], int(e["addr"]), int(e["size"]),
+                               int(e.get("stream", 0))))
     return events
 
 

@@ -87,7 +87,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             return
         problem = _identity_problem(hello.identity)
         if problem is not None:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_hello", problem, peer)
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_hello", problem,
+                               peer)
             return
         protocol = format_version(hello.protocol_version)
         try:
@@ -156,13 +157,15 @@ def _prepare_socket_dir(path: Path) -> None:
     try:
         path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
     except OSError as err:
-        raise ListenError(f"cannot create the socket directory {path.parent}: {err.strerror}") from None
+        raise ListenError(
+            f"cannot create the socket directory {path.parent}: {err.strerror}") from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise ListenError(f"the socket directory {path.parent} is not writable by this user "
                           f"(uid {os.getuid()})")
 
 
-async def start_grpc_server(registry: Registry, config: AgentsConfig) -> tuple[aio.Server, list[str]]:
+async def start_grpc_server(registry: Registry, config: AgentsConfig
+                            ) -> tuple[aio.Server, list[str]]:
     """Start the server; returns it and the addresses agents can use."""
     server = aio.server(options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),

@@ -114,7 +114,8 @@ class NvmlReader:
 
     def find(self, *, uuid: str = "", index: int | None = None) -> GpuMemory | None:
         for gpu in self.read():
-            if (uuid and gpu.uuid == uuid) or (not uuid and index is not None and gpu.index == index):
+            by_index = not uuid and index is not None and gpu.index == index
+            if (uuid and gpu.uuid == uuid) or by_index:
                 return gpu
         return None
 

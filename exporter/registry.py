@@ -121,7 +121,8 @@ class Registry:
             old = self._agents.get(key)
             connected = sum(1 for a in self._agents.values() if a.connected)
             if old is None and connected >= self.max_agents:
-                raise AgentLimitError(f"the sidecar already serves {connected} agents (agents.max_agents)")
+                raise AgentLimitError(
+                    f"the sidecar already serves {connected} agents (agents.max_agents)")
             state = AgentState(key=key, identity=identity, protocol=protocol, peer=peer)
             if old is not None:
                 # The same agent instance reconnecting (its previous stream broke): keep its report.

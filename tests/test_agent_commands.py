@@ -10,8 +10,8 @@ import stat
 from pathlib import Path
 
 import pytest
-
 from _sidecar_fixtures import MiB, start_sidecar, values, wait_for
+
 from allocator_ext.agent import start_agent
 from exporter.proto.allocwatch.v1 import agent_pb2 as pb
 

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from _sidecar_fixtures import FakeSource, free_port, values, wait_for
+
 from allocator_ext.agent import maybe_start_from_env, start_agent
 from allocator_ext.agent.backoff import Backoff
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from _sidecar_fixtures import MiB, start_sidecar, values, wait_for
+
 from allocator_ext.agent import start_agent
 from exporter.proto.allocwatch.v1 import agent_pb2 as pb
 
@@ -42,13 +42,14 @@ def test_pytorch_source_on_the_gpu(tmp_path: Path) -> None:
         assert values(url, "torch_cuda_allocator_info", backend="pytorch") == [1.0]
         assert values(url, "allocwatch_gpu_memory_total_bytes", gpu_uuid=uuid)[0] > 0
         reserved = torch.cuda.memory_reserved(0)
-        state = running.sidecar.registry.agents()[0]
-        result = running.call(state.session.send(
+        session = running.sidecar.registry.agents()[0].session
+        assert session is not None
+        result = running.call(session.send(
             pb.Command(cuda_device=0, reclaim=pb.Reclaim(mode=pb.Reclaim.EMPTY_CACHE))))
         assert result.status == pb.CommandResult.OK, result.message
         assert result.bytes_released == reserved - torch.cuda.memory_reserved(0)
         assert result.bytes_released >= 128 * MiB
-        result = running.call(state.session.send(pb.Command(
+        result = running.call(session.send(pb.Command(
             set_config=pb.SetConfig(settings="garbage_collection_threshold:0.9"))))
         assert result.status == pb.CommandResult.OK, result.message
         assert result.settings_in_force[0].settings.garbage_collection_threshold == 0.9

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from _sidecar_fixtures import FakeSource, start_sidecar, values, wait_for
+
 from allocator_ext.agent import start_agent
 from allocator_ext.agent.identity import build_identity
 from exporter.proto.allocwatch.v1 import agent_pb2 as pb

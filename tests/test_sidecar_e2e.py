@@ -11,10 +11,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _sidecar_fixtures import (
+    FakeSource,
+    MiB,
+    free_port,
+    samples,
+    scrape,
+    start_sidecar,
+    values,
+    wait_for,
+)
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
 
-from _sidecar_fixtures import MiB, FakeSource, free_port, samples, scrape, start_sidecar, values, wait_for
 from allocator_ext.agent import start_agent
 
 pytestmark = pytest.mark.timeout(60)

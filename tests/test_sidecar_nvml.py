@@ -12,8 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from _sidecar_fixtures import FakeSource, samples, start_sidecar, values, wait_for
+
 from allocator_ext.agent import start_agent
 from exporter.nvml import NvmlReader
 

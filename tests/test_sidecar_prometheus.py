@@ -12,8 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from _sidecar_fixtures import FakeSource, free_port, scrape, start_sidecar, values, wait_for
+
 from allocator_ext.agent import start_agent
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,6 +45,7 @@ def test_promtool_finds_no_problem(publishing: str) -> None:
     # test_sidecar_e2e.py, and by the Prometheus server below, which asks for it.
     text, _ = scrape(publishing)
     assert "torch_cuda_allocator_alloc_retries_total" in text
+    assert PROMTOOL is not None
     result = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
@@ -67,6 +68,7 @@ def test_prometheus_scrapes_the_sidecar_and_answers_a_query(publishing: str, tmp
             static_configs:
               - targets: ["{target}"]
         """))
+    assert PROMETHEUS is not None
     server = subprocess.Popen(
         [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],

@@ -58,7 +58,8 @@ class Agent:
         self.connected = threading.Event()
         self.last_error: str | None = None
         self.agent_key: str | None = None
-        self.reports_sent = 0  # handed to gRPC; the load benchmark compares with the sidecar's count
+        # Reports handed to gRPC: the load benchmark compares them with the sidecar's count.
+        self.reports_sent = 0
         self._stop = threading.Event()
         self._stopping = threading.Event()  # no more sampling; drain, say goodbye, close
         self._stream_closed = threading.Event()

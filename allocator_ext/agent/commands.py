@@ -57,7 +57,8 @@ def execute(command: pb.Command, source: Source, snapshot_dir: Path, rank: int) 
             cap = command.snapshot.max_bytes or DEFAULT_MAX_BYTES
             path, size = write_snapshot(
                 snapshot_dir, source.snapshot(device), rank=rank, device=device,
-                include_frames=command.snapshot.include_frames, max_bytes=min(cap, DEFAULT_MAX_BYTES))
+                include_frames=command.snapshot.include_frames,
+                max_bytes=min(cap, DEFAULT_MAX_BYTES))
             result.snapshot_path, result.snapshot_bytes = str(path), size
             result.message = f"snapshot of cuda:{device} written"
         else:

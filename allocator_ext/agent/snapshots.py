@@ -40,7 +40,8 @@ def write_snapshot(directory: Path, snapshot: dict[str, Any], *, rank: int, devi
     directory.mkdir(mode=0o750, parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     rank_part = f"rank{rank}" if rank >= 0 else "norank"
-    name = f"snapshot-{socket.gethostname()}-{os.getpid()}-{rank_part}-cuda{device}-{stamp}.pickle.gz"
+    host = socket.gethostname()
+    name = f"snapshot-{host}-{os.getpid()}-{rank_part}-cuda{device}-{stamp}.pickle.gz"
     path = directory / name
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)

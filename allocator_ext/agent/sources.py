@@ -59,7 +59,8 @@ class AllocatorSource:
 
     backend = "allocwatch"
 
-    def __init__(self, allocators: Any | Mapping[int, Any], gpu_uuids: Mapping[int, str] | None = None):
+    def __init__(self, allocators: Any | Mapping[int, Any],
+                 gpu_uuids: Mapping[int, str] | None = None):
         if not isinstance(allocators, Mapping):
             allocators = {0: allocators}
         self._allocators: dict[int, Any] = dict(allocators)
@@ -138,7 +139,8 @@ class TorchSource:
         self._torch = torch_module
         # PyTorch resets every key it is not given: keep the whole settings string here and send
         # it in full on each change.
-        self._settings = convert.parse_settings_string(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        initial = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        self._settings = convert.parse_settings_string(initial)
 
     def devices(self) -> list[int]:
         cuda = self._torch.cuda
