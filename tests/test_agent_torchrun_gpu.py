@@ -1,0 +1,69 @@
+"""Two torchrun ranks on two GPUs, each with an agent started from the environment (what
+`allocwatch run` does), publishing PyTorch's allocator figures through one sidecar: both ranks
+show, each with its own device and series. Needs 2 CUDA GPUs (skipped elsewhere, saying why)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from _sidecar_fixtures import samples, start_sidecar, wait_for
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="needs 2 CUDA GPUs"),
+]
+
+RANK_SCRIPT = textwrap.dedent("""\
+    import os, time, torch
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    blocks = [torch.empty((1 + local_rank) * 64 << 20, dtype=torch.uint8, device="cuda")]
+    from allocator_ext.agent import maybe_start_from_env
+    agent = maybe_start_from_env(source="pytorch")
+    assert agent is not None
+    deadline = time.time() + float(os.environ["RUN_SECONDS"])
+    while time.time() < deadline:
+        x = torch.randn(1024, 1024, device="cuda")
+        (x @ x).sum().item()
+        time.sleep(0.05)
+    """)
+
+
+def test_two_ranks_through_one_sidecar(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    running = start_sidecar(tmp_path)
+    url = running.sidecar.metrics_url
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "ALLOCWATCH_TARGET": running.sidecar.agent_targets[0],
+           "ALLOCWATCH_INTERVAL": "0.2", "RUN_SECONDS": "12",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+                             env=env)
+    try:
+        def ranks() -> dict[str, tuple[str, str, float]]:
+            return {dict(ls)["rank"]: (dict(ls)["cuda_device"], dict(ls)["gpu_uuid"], v)
+                    for (n, ls), v in samples(url).items()
+                    if n == "torch_cuda_allocator_allocated_bytes" and "pool" not in dict(ls)}
+        found = wait_for(lambda: len(ranks()) == 2 and ranks(), timeout=90, interval=0.5,
+                         what="both ranks on /metrics")
+        assert {found["0"][0], found["1"][0]} == {"0", "1"}
+        assert found["0"][1] != found["1"][1] and all(v[1].startswith("GPU-")
+                                                      for v in found.values())
+        assert found["1"][2] > found["0"][2]  # rank 1 holds twice the memory
+        assert child.wait(120) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        running.stop()
