@@ -165,6 +165,8 @@ PYBIND11_MODULE(_core, m) {
              MemoryInfo i = d.memory_info();
              return py::make_tuple(i.free, i.total);
            })
+      .def("plan_addresses", &SimDevice::plan_addresses, py::arg("plan"),
+           "Addresses for the next segment allocations: a list of (size, address).")
       .def("complete_stream", &SimDevice::complete_stream, py::arg("stream"),
            "Complete every event recorded on `stream` so far.")
       .def("synchronize", &SimDevice::synchronize)

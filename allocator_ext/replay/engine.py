@@ -104,6 +104,8 @@ def replay(
     _check_starts_empty(trace)
     costs = costs or load_cost_table()
     device = ae.SimDevice(capacity=device_memory)
+    # Best fit breaks ties by address, so the recorded segment addresses are reused.
+    device.plan_addresses([(e.size, e.addr) for e in trace.events if e.action == "segment_alloc"])
     alloc = ae.Allocator(device, config)
     if memory_fraction is not None:
         alloc.set_memory_fraction(memory_fraction)

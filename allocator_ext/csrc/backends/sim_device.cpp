@@ -5,8 +5,10 @@
 namespace allocwatch {
 
 namespace {
-// What an unlimited device reports as its total: an H200's 141 GiB would be as arbitrary.
-constexpr std::size_t kUnlimitedTotal = std::size_t{1} << 40;
+// What an unlimited device reports as its total: an H200's (143771 MiB less the driver's
+// reserve, as torch.cuda.mem_get_info reports it there). It sizes the address space reserved
+// for expandable segments, whose cost the replay prices, so it should be a real GPU's.
+constexpr std::size_t kUnlimitedTotal = 150109880320ull;
 
 [[noreturn]] void misuse(const std::string& what) { throw DeviceError("sim device: " + what); }
 }  // namespace
@@ -33,12 +35,34 @@ bool SimDevice::malloc(std::size_t size, void** ptr) {
   }
   count("malloc", size);
   used_ += size;
-  std::uintptr_t addr = next_address_;
-  // Keep segments 2 MiB aligned and apart, as the driver does.
-  next_address_ += (size + (2u << 20) - 1) & ~std::uintptr_t((2u << 20) - 1);
+  std::uintptr_t addr = 0;
+  if (!plan_.empty() && plan_.front().first == size &&
+      !overlaps_live_segment(plan_.front().second, size)) {
+    addr = plan_.front().second;
+    plan_.pop_front();
+  } else {
+    addr = next_address_;
+    // Keep segments 2 MiB aligned and apart, as the driver does.
+    next_address_ += (size + (2u << 20) - 1) & ~std::uintptr_t((2u << 20) - 1);
+  }
   segments_[addr] = size;
   *ptr = reinterpret_cast<void*>(addr);
   return true;
+}
+
+void SimDevice::plan_addresses(std::vector<std::pair<std::size_t, std::uintptr_t>> plan) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  plan_.assign(plan.begin(), plan.end());
+}
+
+bool SimDevice::overlaps_live_segment(std::uintptr_t addr, std::size_t size) const {
+  auto it = segments_.lower_bound(addr);
+  if (it != segments_.end() && it->first < addr + size) return true;
+  if (it != segments_.begin()) {
+    --it;
+    if (it->first + it->second > addr) return true;
+  }
+  return false;
 }
 
 void SimDevice::free(void* ptr, std::size_t size) {

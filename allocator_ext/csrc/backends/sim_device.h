@@ -9,6 +9,9 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <deque>
+#include <utility>
+#include <vector>
 
 #include "../core/device.h"
 
@@ -48,6 +51,12 @@ class SimDevice : public Device {
   void complete_stream(StreamId stream);
   // With auto-completion, every event is complete as soon as it is recorded.
   void set_auto_complete(bool on);
+  // Addresses for the next segment allocations, in order: a malloc of the front entry's size
+  // returns its address. Replay passes the recorded segment addresses, because best fit breaks
+  // ties between equally sized free blocks by address: only the recorded addresses reproduce
+  // the recorded choices. A size that does not match, or an address still in use, falls back to
+  // the simulated address space.
+  void plan_addresses(std::vector<std::pair<std::size_t, std::uintptr_t>> plan);
   std::size_t capacity() const { return capacity_; }
   void set_capacity(std::size_t bytes);
   std::size_t used() const;
@@ -63,10 +72,13 @@ class SimDevice : public Device {
   int index_;
   std::size_t capacity_;
   std::size_t used_ = 0;
-  std::uintptr_t next_address_ = 0x7f0000000000ull;
+  bool overlaps_live_segment(std::uintptr_t addr, std::size_t size) const;
+  std::deque<std::pair<std::size_t, std::uintptr_t>> plan_;
+  // Far from where the driver puts memory, so planned (recorded) addresses never collide.
+  std::uintptr_t next_address_ = 0x200000000000ull;
   std::uintptr_t next_reservation_ = 0x100000000000ull;
   PhysicalHandle next_handle_ = 1;
-  std::unordered_map<std::uintptr_t, std::size_t> segments_;
+  std::map<std::uintptr_t, std::size_t> segments_;
   std::unordered_map<PhysicalHandle, std::size_t> physical_;
   std::unordered_map<std::uintptr_t, PhysicalHandle> mappings_;
   struct StreamState {
