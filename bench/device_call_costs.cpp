@@ -47,8 +47,9 @@ using Samples = std::map<std::string, std::map<std::size_t, std::vector<double>>
 // The kinds of the cost table, in the order replay reports them, and the extras measured for
 // information only (kept out of "calls" so that a reader of the table sees only its keys).
 const std::vector<std::string> kTableKinds = {"segment_alloc", "segment_free", "create",
-                                              "map",           "unmap",        "release",
-                                              "reserve",       "address_free", "synchronize"};
+                                              "map",           "map_only",     "set_access",
+                                              "unmap",         "release",      "reserve",
+                                              "address_free",  "synchronize"};
 const std::vector<std::string> kExtraKinds = {"synchronize_stream", "event_record",
                                               "event_query"};
 
@@ -202,6 +203,10 @@ void time_virtual_memory_cycle(CudaDevice& device, std::size_t size, Samples* ou
   require(created, "cuMemCreate of " + std::to_string(size) + " bytes: out of memory");
   (*out)["map"][size].push_back(seconds_of([&] { device.map(base, size, handle); }));
   (*out)["unmap"][size].push_back(seconds_of([&] { device.unmap(base, size); }));
+  // The two halves of map, as map_range issues them (one set_access per mapped range).
+  (*out)["map_only"][size].push_back(seconds_of([&] { device.map_no_access(base, size, handle); }));
+  (*out)["set_access"][size].push_back(seconds_of([&] { device.set_access(base, size); }));
+  device.unmap(base, size);
   (*out)["release"][size].push_back(
       seconds_of([&] { device.release_physical(handle, size); }));
   (*out)["address_free"][size].push_back(

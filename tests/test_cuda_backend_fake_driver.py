@@ -65,8 +65,9 @@ def test_device_call_costs_writes_cost_table(fake_driver_dir: Path, tmp_path: Pa
     assert "memory check: mapped and plain device memory written and read back" in result.stdout
     costs = json.loads(table.read_text())
     assert costs["device"] == "Fake GPU"
-    assert set(costs["calls"]) == {"segment_alloc", "segment_free", "create", "map", "unmap",
-                                   "release", "reserve", "address_free", "synchronize"}
+    assert set(costs["calls"]) == {"segment_alloc", "segment_free", "create", "map", "map_only",
+                                   "set_access", "unmap", "release", "reserve", "address_free",
+                                   "synchronize"}
     for entry in costs["calls"].values():
         assert entry["fixed_s"] >= 0 and entry["per_byte_s"] >= 0
     assert costs["command"].endswith(f"--quick --json {table}")

@@ -21,6 +21,8 @@ COUNTER_TO_KIND = {
     "free": "segment_free",
     "create": "create",
     "map": "map",
+    "map_only": "map_only",
+    "set_access": "set_access",
     "unmap": "unmap",
     "release": "release",
     "reserve": "reserve",

@@ -61,6 +61,21 @@ class Trace:
         return str(self.allocator_settings.get("PYTORCH_CUDA_ALLOC_CONF") or "")
 
 
+def peak_requested_bytes(trace: Trace) -> int:
+    """The most memory the recorded program asked for at once (live requests, including
+    frees still waiting for other streams)."""
+    live: dict[int, int] = {}
+    current = peak = 0
+    for e in trace.events:
+        if e.action == "alloc":
+            live[e.addr] = e.size
+            current += e.size
+            peak = max(peak, current)
+        elif e.action == "free_completed":
+            current -= live.pop(e.addr, 0)
+    return peak
+
+
 def _read_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()

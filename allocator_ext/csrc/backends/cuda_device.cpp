@@ -138,21 +138,46 @@ void CudaDevice::release_physical(PhysicalHandle handle, std::size_t /*size*/) {
                        "cuMemRelease");
 }
 
-void CudaDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {
+void CudaDevice::map_no_access(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {
   require_granular(addr, "address", "cuMemMap");
   require_granular(size, "size", "cuMemMap");
   ContextGuard guard(driver_, context_);
   check_result(driver_.cuMemMap(as_device_pointer(addr), size, 0,
                                 static_cast<CUmemGenericAllocationHandle>(handle), 0),
                "cuMemMap");
+}
+
+void CudaDevice::set_access(std::uintptr_t addr, std::size_t size) {
+  ContextGuard guard(driver_, context_);
   // A mapping is unusable until access is granted; grant read-write to this device only.
   CUmemAccessDesc access{};
   access.location = this_device(device_);
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  CUresult result = driver_.cuMemSetAccess(as_device_pointer(addr), size, &access, 1);
-  if (result != CUDA_SUCCESS) {
-    driver_.cuMemUnmap(as_device_pointer(addr), size);  // leave no half-made mapping behind
-    check_result(result, "cuMemSetAccess");
+  check_result(driver_.cuMemSetAccess(as_device_pointer(addr), size, &access, 1),
+               "cuMemSetAccess");
+}
+
+void CudaDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {
+  map_range(addr, {Mapping{size, handle}});
+}
+
+void CudaDevice::map_range(std::uintptr_t addr, const std::vector<Mapping>& mappings) {
+  std::uintptr_t at = addr;
+  for (const Mapping& m : mappings) {
+    map_no_access(at, m.size, m.handle);
+    at += m.size;
+  }
+  try {
+    set_access(addr, at - addr);
+  } catch (...) {
+    // Leave no half-made mapping behind.
+    ContextGuard guard(driver_, context_);
+    std::uintptr_t undo = addr;
+    for (const Mapping& m : mappings) {
+      driver_.cuMemUnmap(as_device_pointer(undo), m.size);
+      undo += m.size;
+    }
+    throw;
   }
 }
 

@@ -40,6 +40,10 @@ class CudaDevice final : public Device {
   bool create_physical(std::size_t size, PhysicalHandle* handle) override;
   void release_physical(PhysicalHandle handle, std::size_t size) override;
   void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) override;
+  void map_range(std::uintptr_t addr, const std::vector<Mapping>& mappings) override;
+  // The two halves of map(), public for the cost benchmark.
+  void map_no_access(std::uintptr_t addr, std::size_t size, PhysicalHandle handle);
+  void set_access(std::uintptr_t addr, std::size_t size);
   void unmap(std::uintptr_t addr, std::size_t size) override;
 
   EventId record_event(StreamId stream) override;

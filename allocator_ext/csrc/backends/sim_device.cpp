@@ -120,6 +120,19 @@ void SimDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle
   mappings_[addr] = handle;
 }
 
+void SimDevice::map_range(std::uintptr_t addr, const std::vector<Mapping>& mappings) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::uintptr_t at = addr;
+  for (const Mapping& m : mappings) {
+    if (physical_.count(m.handle) == 0) misuse("map of an unknown handle");
+    if (mappings_.count(at) != 0) misuse("map over a mapped address");
+    count("map_only", m.size);
+    mappings_[at] = m.handle;
+    at += m.size;
+  }
+  count("set_access", at - addr);
+}
+
 void SimDevice::unmap(std::uintptr_t addr, std::size_t size) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (mappings_.erase(addr) == 0) misuse("unmap of an address that is not mapped");

@@ -39,6 +39,7 @@ class SimDevice : public Device {
   void release_physical(PhysicalHandle handle, std::size_t size) override;
   void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) override;
   void unmap(std::uintptr_t addr, std::size_t size) override;
+  void map_range(std::uintptr_t addr, const std::vector<Mapping>& mappings) override;
   EventId record_event(StreamId stream) override;
   bool query_event(EventId event) override;
   void release_event(EventId event) override;

@@ -140,7 +140,8 @@ class CachingAllocator {
   Block* find_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
   bool map_block(Block* to_map, std::size_t size);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
-  std::size_t unmap_block(Block* block, std::size_t limit = 0);
+  std::size_t unmap_block(Block* block, std::size_t limit = 0,
+                          std::vector<PhysicalHandle>* keep = nullptr);
   void release_expandable_segment(Block* block);
   std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes);
   std::size_t grow_size(const BlockPool* pool, std::size_t needed) const;
@@ -178,6 +179,7 @@ class CachingAllocator {
   bool set_fraction_ = false;
   std::size_t device_total_ = 0;
   std::vector<std::unique_ptr<ExpandableSegment>> expandable_segments_;
+  std::vector<PhysicalHandle> spare_pages_;  // taken back, about to be mapped elsewhere
   TraceRing trace_;
 };
 

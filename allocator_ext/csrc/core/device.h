@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace allocwatch {
 
@@ -53,6 +54,19 @@ class Device {
   virtual void release_physical(PhysicalHandle handle, std::size_t size) = 0;
   virtual void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) = 0;
   virtual void unmap(std::uintptr_t addr, std::size_t size) = 0;
+  // Maps physical allocations back to back from `addr`. Granting access is a call of its own
+  // on CUDA and costs about as much as the map itself, so a back end should grant it once for
+  // the whole range (PyTorch does the same); this default maps one by one.
+  struct Mapping {
+    std::size_t size;
+    PhysicalHandle handle;
+  };
+  virtual void map_range(std::uintptr_t addr, const std::vector<Mapping>& mappings) {
+    for (const Mapping& m : mappings) {
+      map(addr, m.size, m.handle);
+      addr += m.size;
+    }
+  }
 
   // Streams and events. record_event returns an event that completes once the work queued on
   // the stream so far has completed.

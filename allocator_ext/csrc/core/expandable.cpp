@@ -62,7 +62,11 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
     const std::size_t page = es->page_size();
     take_back_free_pages(to_map->pool, to_map, (size + page - 1) / page * page);
   }
-  Range mapped = es->map(Range{to_map->ptr, size}, one_chunk);
+  Range mapped = es->map(Range{to_map->ptr, size}, one_chunk, &spare_pages_);
+  // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
+  // returned to the device.
+  for (PhysicalHandle h : spare_pages_) device_->release_physical(h, es->page_size());
+  spare_pages_.clear();
   if (mapped.size == 0) return false;
 
   BlockPool& pool = *to_map->pool;
@@ -109,8 +113,9 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   return candidate;
 }
 
-std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit) {
-  Range unmapped = block->expandable->unmap(Range{block->ptr, block->size}, limit);
+std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
+                                          std::vector<PhysicalHandle>* keep) {
+  Range unmapped = block->expandable->unmap(Range{block->ptr, block->size}, limit, keep);
   if (unmapped.size == 0) return 0;
   BlockPool& pool = *block->pool;
   pool.blocks.erase(block);
@@ -161,6 +166,7 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   // for nothing: release those chunks first, so the growth reuses their physical memory.
   // Largest free blocks first: fewest calls per byte.
   std::vector<Block*> donors;
+  const std::size_t page = exclude->expandable->page_size();
   for (Block* b : pool->blocks) {
     if (b->expandable == nullptr || b->size < b->expandable->page_size()) continue;
     // A donor next to the range being mapped would merge its hole into that range.
@@ -173,7 +179,10 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   std::size_t taken = 0;
   for (Block* b : donors) {
     if (taken >= bytes) break;
-    taken += unmap_block(b, bytes - taken);
+    // Pages of the same size move as they are (unmap, then map elsewhere): no release and
+    // create of physical memory in between.
+    const bool movable = b->expandable->page_size() == page;
+    taken += unmap_block(b, bytes - taken, movable ? &spare_pages_ : nullptr);
   }
   return taken;
 }

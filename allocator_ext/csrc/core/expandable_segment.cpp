@@ -27,7 +27,7 @@ ExpandableSegment::~ExpandableSegment() {
   }
 }
 
-Range ExpandableSegment::map(Range r, bool one_chunk) {
+Range ExpandableSegment::map(Range r, bool one_chunk, std::vector<PhysicalHandle>* spare) {
   const std::size_t begin = page_floor(r.ptr);
   const std::size_t end = page_ceil(r.ptr + r.size);
   assert(base_ + begin * page_size_ == r.ptr);
@@ -37,7 +37,10 @@ Range ExpandableSegment::map(Range r, bool one_chunk) {
   for (std::size_t first = begin; first < end; first += step) {
     const std::size_t n = std::min(step, end - first);
     PhysicalHandle handle = 0;
-    if (!device_.create_physical(n * page_size_, &handle)) {
+    if (n == 1 && spare != nullptr && !spare->empty()) {
+      handle = spare->back();
+      spare->pop_back();
+    } else if (!device_.create_physical(n * page_size_, &handle)) {
       // Out of memory: give back what this call created, so nothing half-mapped remains.
       for (std::size_t f : made) {
         device_.release_physical(chunks_[f].handle, chunks_[f].pages * page_size_);
@@ -48,13 +51,13 @@ Range ExpandableSegment::map(Range r, bool one_chunk) {
     chunks_[first] = Chunk{handle, n};
     made.push_back(first);
   }
-  for (std::size_t f : made) {
-    device_.map(base_ + f * page_size_, chunks_[f].pages * page_size_, chunks_[f].handle);
-  }
+  std::vector<Device::Mapping> mappings;
+  for (std::size_t f : made) mappings.push_back({chunks_[f].pages * page_size_, chunks_[f].handle});
+  device_.map_range(base_ + begin * page_size_, mappings);
   return pages(begin, end);
 }
 
-Range ExpandableSegment::unmap(Range r, std::size_t limit) {
+Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<PhysicalHandle>* keep) {
   const std::size_t lo = page_ceil(r.ptr);
   const std::size_t hi = page_floor(r.ptr + r.size);
   if (lo >= hi) return Range{r.ptr, 0};
@@ -74,7 +77,11 @@ Range ExpandableSegment::unmap(Range r, std::size_t limit) {
   for (auto it : run) {
     const std::size_t n = it->second.pages * page_size_;
     device_.unmap(base_ + it->first * page_size_, n);
-    device_.release_physical(it->second.handle, n);
+    if (keep != nullptr && it->second.pages == 1) {
+      keep->push_back(it->second.handle);
+    } else {
+      device_.release_physical(it->second.handle, n);
+    }
     chunks_.erase(it);
   }
   return Range{base_ + first * page_size_, bytes};

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <vector>
 
 #include "device.h"
 
@@ -32,12 +33,14 @@ class ExpandableSegment {
   // calls cost mostly per call, so growing by 1 GiB in one chunk is hundreds of times cheaper
   // than in 2 MiB pages); otherwise one allocation per page, as PyTorch does. Returns the range
   // mapped, or an empty range when the device is out of memory (nothing stays mapped).
-  Range map(Range r, bool one_chunk = false);
+  // In page mode, physical pages from `spare` (taken back elsewhere) are used before new ones.
+  Range map(Range r, bool one_chunk = false, std::vector<PhysicalHandle>* spare = nullptr);
   // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part), after the
   // segment's stream is idle, and releases its physical memory. At most `limit` bytes when
   // limit > 0, taking chunks from the front. Returns the contiguous range unmapped (possibly
   // empty).
-  Range unmap(Range r, std::size_t limit = 0);
+  // With `keep`, single pages are handed over instead of released, to be mapped elsewhere.
+  Range unmap(Range r, std::size_t limit = 0, std::vector<PhysicalHandle>* keep = nullptr);
 
   std::uintptr_t base() const { return base_; }
   std::size_t size() const { return page_size_ * max_pages_; }

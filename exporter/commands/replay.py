@@ -1,0 +1,133 @@
+"""allocwatch replay: how an allocator setting would have behaved on a recorded trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "replay a recorded PyTorch memory trace through allocwatch's allocator (no GPU needed)"
+DESCRIPTION = """\
+Replays a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, .pickle or .pickle.gz,
+recorded with torch.cuda.memory._record_memory_history from the start of the process) through
+allocwatch's allocator on a simulated device, and reports what the allocator would have reserved,
+how often it would have retried or run out of memory, and what its device calls would have cost
+(priced with a table measured on an H200).
+
+  allocwatch replay trace.pickle.gz                      allocwatch's default settings
+  allocwatch replay trace.pickle.gz --config native      PyTorch's defaults (reproduces the run)
+  allocwatch replay trace.pickle.gz --config native,expandable_segments:True
+  allocwatch replay trace.pickle.gz --device-memory 1.03x --json
+  allocwatch replay trace.pickle.gz --plot replay.png
+
+Exit status: 0 when the replay ran (even with out-of-memory errors: see num_ooms), 2 for a bad
+argument or an unreadable, corrupt or mid-run trace."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("replay", help=HELP, description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="the snapshot file (.pickle or .pickle.gz)")
+    p.add_argument("--config", metavar="STR",
+                   help="allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax; 'native' is "
+                        "PyTorch's defaults (default: allocwatch's defaults)")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="cap the simulated device: a size (80GiB, 1.5G) or a multiple of the "
+                        "trace's peak requested bytes (1.03x); default: no cap")
+    p.add_argument("--memory-fraction", type=float, metavar="F",
+                   help="as torch.cuda.set_per_process_memory_fraction(F) (needed to replay a "
+                        "trace recorded with garbage_collection_threshold)")
+    p.add_argument("--device", type=int, help="which device's trace (default: the first with events)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="write a plot of memory over the trace")
+    p.add_argument("--costs", metavar="FILE", help="device-call cost table (default: the H200 one)")
+    p.set_defaults(func=run)
+
+
+def device_memory_arg(text: str | None, peak_requested: int) -> int:
+    from allocator_ext.replay.sizes import parse_size
+
+    if not text:
+        return 0
+    if text.strip().lower().endswith("x"):
+        try:
+            factor = float(text.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"not a multiple: {text!r} (example: 1.03x)") from None
+        if factor <= 0:
+            raise ValueError(f"--device-memory {text}: the multiple must be positive")
+        return int(factor * peak_requested)
+    return parse_size(text)
+
+
+def human_report(r: dict) -> str:
+    from allocator_ext.replay.sizes import format_size
+
+    rec = r["recorded"]
+    lines = [
+        f"trace              {r['trace']} ({r['events_replayed']} events, "
+        f"{r['trace_seconds']:.2f} s active)",
+        f"settings           {r['config']}",
+        f"peak requested     {format_size(r['peak_requested_bytes'])}",
+        f"peak allocated     {format_size(r['peak_allocated_bytes'])}",
+        f"peak reserved      {format_size(r['peak_reserved_bytes'])}   "
+        f"(recorded run: {format_size(rec['peak_reserved_bytes'])})",
+        f"reserved/requested {r['reserved_ratio']:.4f}",
+        f"retries / OOMs     {r['num_alloc_retries']} / {r['num_ooms']}",
+        f"device allocs      {r['num_device_alloc']}   (recorded run: {rec['num_segment_alloc']})",
+        f"device frees       {r['num_device_free']}",
+        f"device call cost   {r['device_call_seconds_estimate'] * 1e3:.2f} ms "
+        f"= {100 * r['device_call_share']:.2f} % of the trace's active time",
+    ]
+    if r["unknown_actions"]:
+        lines.append(f"unknown actions    {r['unknown_actions']} (counted, not replayed)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from allocator_ext.replay import TraceError, load_cost_table, load_trace, replay
+    from allocator_ext.replay.trace import peak_requested_bytes
+
+    try:
+        trace = load_trace(args.trace, args.device)
+        device_memory = device_memory_arg(args.device_memory, peak_requested_bytes(trace))
+        costs = load_cost_table(args.costs) if args.costs else None
+    except (TraceError, ValueError, OSError) as e:
+        print(f"allocwatch replay: {e}", file=sys.stderr)
+        return 2
+
+    progress = None
+    bar = None
+    if sys.stderr.isatty() and not args.json:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(trace.events), unit="ev", desc="replay", file=sys.stderr)
+        done = [0]
+
+        def progress(n: int) -> None:
+            bar.update(n - done[0])
+            done[0] = n
+
+    try:
+        result = replay(trace, config=args.config, device_memory=device_memory,
+                        memory_fraction=args.memory_fraction, costs=costs,
+                        progress=progress, timeline=bool(args.plot))
+    except (TraceError, ValueError) as e:
+        print(f"allocwatch replay: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
+
+    if args.plot:
+        from allocator_ext.replay.plot import plot_timeline
+
+        plot_timeline(result.timeline, args.plot,
+                      f"{args.trace} — {result.report['config']}")
+    if args.json:
+        print(json.dumps(result.report, indent=2, sort_keys=True))
+    else:
+        print(human_report(result.report))
+        if args.plot:
+            print(f"plot               {args.plot}")
+    return 0
