@@ -63,7 +63,12 @@ class FakePynvml:
 
 def test_without_nvml_a_warning_and_no_device_series(tmp_path: Path,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    # The real pynvml on a machine without the NVIDIA driver.
+    # The real pynvml on a machine without the NVIDIA driver (CI's case).
+    probe = NvmlReader()
+    if probe.start():
+        probe.close()
+        pytest.skip("NVML works on this machine; this test covers machines without it")
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="exporter.nvml"):
         running = start_sidecar(tmp_path)
     try:

@@ -163,7 +163,9 @@ class TorchSource:
         merged = dict(self._settings)
         merged.update(convert.parse_settings_string(settings))
         text = convert.format_settings(merged)
-        setter = getattr(self._torch.cuda.memory, "_set_allocator_settings", None)
+        # torch >= 2.9 moved the setter to the accelerator API and deprecated the CUDA one.
+        setter = getattr(getattr(self._torch, "_C", None), "_accelerator_setAllocatorSettings",
+                         None) or getattr(self._torch.cuda.memory, "_set_allocator_settings", None)
         if setter is None:
             raise UnsupportedCommand("this torch cannot change allocator settings at run time")
         try:
