@@ -1,0 +1,315 @@
+"""The allocator's rules, one behaviour per test, on the simulated device.
+
+Settings "native" are PyTorch's defaults: these tests pin down that the core behaves as
+PyTorch's CUDA caching allocator does (c10/cuda/CUDACachingAllocator.cpp).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import allocator_ext as ae
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def native(capacity: int = 0, config: str = "native") -> tuple[ae.SimDevice, ae.Allocator]:
+    dev = ae.SimDevice(capacity=capacity)
+    return dev, ae.Allocator(dev, config)
+
+
+def calls(dev: ae.SimDevice, name: str) -> int:
+    return dev.counters().get(name, {}).get("count", 0)
+
+
+# --- sizes and pools -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("request_size,rounded", [
+    (1, 512), (512, 512), (513, 1024), (1000, 1024), (1 * MiB + 1, 1 * MiB + 512),
+])
+def test_requests_round_up_to_512_bytes(request_size: int, rounded: int) -> None:
+    assert ae.round_size(request_size) == rounded
+    _, a = native()
+    p = a.malloc(request_size)
+    assert a.block_size(p) == rounded
+
+
+def test_roundup_power2_divisions_rounds_to_the_next_division() -> None:
+    # 1.2 GiB lies between 1 and 2 GiB; 4 divisions step by 256 MiB: 1.25 GiB.
+    _, a = native(config="native,roundup_power2_divisions:4")
+    p = a.malloc(int(1.2 * GiB))
+    assert a.block_size(p) == GiB + 256 * MiB
+
+
+@pytest.mark.parametrize("request_size,segment", [
+    (512, 2 * MiB),            # small pool: 2 MiB segments
+    (1 * MiB, 2 * MiB),        # 1 MiB is still small
+    (1 * MiB + 512, 20 * MiB),  # 1-10 MiB: carved from 20 MiB segments
+    (9 * MiB, 20 * MiB),
+    (10 * MiB, 10 * MiB),      # from 10 MiB on: own segment, rounded to 2 MiB
+    (11 * MiB, 12 * MiB),
+])
+def test_segment_sizes_by_request(request_size: int, segment: int) -> None:
+    dev, a = native()
+    a.malloc(request_size)
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == segment
+    assert s["num_device_alloc"] == 1
+    pool = "small_pool" if request_size <= MiB else "large_pool"
+    assert s[f"reserved_bytes.{pool}.current"] == segment
+
+
+def test_small_requests_share_a_segment() -> None:
+    dev, a = native()
+    for _ in range(4):
+        a.malloc(256 * KiB)
+    assert calls(dev, "malloc") == 1
+    assert a.stats()["allocated_bytes.small_pool.current"] == 1 * MiB
+
+
+# --- best fit, streams, split ----------------------------------------------------------------
+
+def test_best_fit_takes_the_smallest_cached_block_that_fits() -> None:
+    _, a = native()
+    big, small = a.malloc(40 * MiB), a.malloc(30 * MiB)
+    a.free(big)
+    a.free(small)
+    p = a.malloc(25 * MiB)
+    assert p == small  # the 30 MiB block, not the 40 MiB one
+
+
+def test_a_cached_block_is_reused_only_on_its_own_stream() -> None:
+    dev, a = native()
+    p = a.malloc(30 * MiB, stream=1)
+    a.free(p)
+    q = a.malloc(30 * MiB, stream=2)
+    assert q != p
+    assert calls(dev, "malloc") == 2
+    assert a.malloc(30 * MiB, stream=1) == p
+
+
+def test_large_blocks_split_only_when_the_remainder_exceeds_1_MiB() -> None:
+    _, a = native()
+    p = a.malloc(12 * MiB)            # 12 MiB segment
+    a.free(p)
+    q = a.malloc(11 * MiB)            # remainder 1 MiB: not split
+    assert a.block_size(q) == 12 * MiB
+    a.free(q)
+    r = a.malloc(10 * MiB)            # remainder 2 MiB: split
+    assert a.block_size(r) == 10 * MiB
+    assert a.stats()["inactive_split_bytes.large_pool.current"] == 2 * MiB
+
+
+def test_small_blocks_split_down_to_512_bytes() -> None:
+    _, a = native()
+    p = a.malloc(512)
+    assert a.block_size(p) == 512
+    assert a.stats()["inactive_split_bytes.small_pool.current"] == 2 * MiB - 512
+
+
+def test_max_split_size_keeps_oversize_blocks_whole_and_away_from_small_requests() -> None:
+    dev, a = native(config="native,max_split_size_mb:64")
+    big = a.malloc(100 * MiB)
+    a.free(big)
+    small = a.malloc(30 * MiB)        # below max_split_size: never takes the 100 MiB block
+    assert small != big
+    assert calls(dev, "malloc") == 2
+    a.free(small)
+    near = a.malloc(90 * MiB)         # oversize request within 20 MiB of the block: takes it
+    assert near == big
+    assert a.block_size(near) == 100 * MiB  # and does not split it
+    a.free(near)
+    far = a.malloc(70 * MiB)          # oversize but 30 MiB smaller: max_non_split_rounding says no
+    assert far != big
+
+
+def test_max_non_split_rounding_widens_the_oversize_match() -> None:
+    _, a = native(config="native,max_split_size_mb:64,max_non_split_rounding_mb:40")
+    big = a.malloc(100 * MiB)
+    a.free(big)
+    assert a.malloc(70 * MiB) == big
+
+
+def test_freed_neighbours_coalesce_into_one_block() -> None:
+    _, a = native()
+    blocks = [a.malloc(4 * MiB) for _ in range(5)]   # five blocks of one 20 MiB segment
+    for p in blocks[::2] + blocks[1::2]:
+        a.free(p)
+    segs = a.snapshot()["segments"]
+    assert len(segs) == 1
+    assert [b["state"] for b in segs[0]["blocks"]] == ["inactive"]
+    assert a.stats()["inactive_split_bytes.all.current"] == 0
+    assert a.check_invariants() == ""
+
+
+# --- cross-stream use ------------------------------------------------------------------------
+
+def test_record_stream_keeps_a_block_pending_until_the_other_stream_is_done() -> None:
+    dev, a = native()
+    p = a.malloc(30 * MiB, stream=0)
+    a.record_stream(p, 7)
+    a.free(p)
+    s = a.stats()
+    assert s["pending_events"] == 1 and s["pending_free_bytes"] == 30 * MiB
+    assert s["active_bytes.all.current"] == 30 * MiB   # still active: stream 7 may use it
+    assert a.malloc(30 * MiB, stream=0) != p            # not reused yet
+    dev.complete_stream(7)
+    a.process_events()
+    assert a.stats()["pending_events"] == 0
+    assert a.malloc(30 * MiB, stream=0) == p
+    assert a.check_invariants() == ""
+
+
+def test_record_stream_on_the_allocation_stream_adds_nothing() -> None:
+    _, a = native()
+    p = a.malloc(MiB, stream=3)
+    a.record_stream(p, 3)
+    a.free(p)
+    assert a.stats()["pending_events"] == 0
+
+
+def test_empty_cache_waits_for_pending_blocks_and_releases_them() -> None:
+    dev, a = native()
+    p = a.malloc(30 * MiB)
+    a.record_stream(p, 5)
+    a.free(p)
+    released = a.empty_cache()
+    assert released == 30 * MiB
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 0
+    assert s["num_sync_all_streams"] == 1 and s["pending_events"] == 0
+
+
+# --- out of memory ---------------------------------------------------------------------------
+
+def test_out_of_memory_frees_cached_blocks_and_retries() -> None:
+    dev, a = native(capacity=100 * MiB)
+    p = a.malloc(60 * MiB)
+    a.free(p)                         # cached, unsplit
+    q = a.malloc(80 * MiB)            # does not fit beside it: release the cache, retry
+    assert q
+    s = a.stats()
+    assert s["num_alloc_retries"] == 1 and s["num_ooms"] == 0
+    assert s["reserved_bytes.all.current"] == 80 * MiB
+    assert s["num_device_free"] == 1
+
+
+def test_out_of_memory_error_explains_and_leaves_the_allocator_consistent() -> None:
+    dev, a = native(capacity=100 * MiB)
+    keep = a.malloc(60 * MiB)
+    with pytest.raises(ae.OutOfMemoryError) as err:
+        a.malloc(50 * MiB)
+    msg = str(err.value)
+    assert "Tried to allocate 50.00 MiB" in msg
+    assert "total capacity of 100.00 MiB" in msg and "40.00 MiB is free" in msg
+    assert "60.00 MiB is allocated" in msg
+    assert isinstance(err.value, MemoryError)
+    assert err.value.requested == 50 * MiB and err.value.reserved == 60 * MiB
+    assert a.stats()["num_ooms"] == 1
+    assert a.check_invariants() == ""
+    a.free(keep)
+    assert a.malloc(50 * MiB)  # and it carries on
+
+
+# --- garbage collection ----------------------------------------------------------------------
+
+def test_gc_needs_a_memory_fraction() -> None:
+    dev, a = native(capacity=GiB, config="native,garbage_collection_threshold:0.5")
+    for _ in range(3):
+        a.free(a.malloc(300 * MiB))
+        a.malloc(200 * MiB)
+    assert a.stats()["num_gc_reclaims"] == 0
+
+
+def test_gc_releases_aged_unsplit_large_blocks_once_reserved_passes_the_threshold() -> None:
+    dev, a = native(capacity=GiB, config="native,garbage_collection_threshold:0.5")
+    a.set_memory_fraction(1.0)        # allowed: 1 GiB, GC threshold: 512 MiB
+    old = a.malloc(100 * MiB)
+    a.free(old)                       # cached; ages with every lookup from now on
+    a.malloc(300 * MiB)               # reserved 400 MiB: under the threshold, no GC
+    young = a.malloc(200 * MiB)       # reserved 600 MiB
+    a.free(young)                     # cached two lookups after `old`
+    a.malloc(250 * MiB)               # no cached block fits: GC runs before the new segment
+    s = a.stats()
+    # Mean age is between the two; only `old` is at or above it, and releasing it is enough.
+    assert s["num_gc_reclaims"] == 1
+    assert s["gc_reclaimed_bytes"] == 100 * MiB
+    assert s["reserved_bytes.all.current"] == (300 + 200 + 250) * MiB
+    assert s["num_alloc_retries"] == 0
+    assert a.check_invariants() == ""
+
+
+def test_gc_never_touches_the_small_pool() -> None:
+    dev, a = native(capacity=64 * MiB, config="native,garbage_collection_threshold:0.1")
+    a.set_memory_fraction(1.0)
+    smalls = [a.malloc(MiB) for _ in range(8)]
+    for p in smalls:
+        a.free(p)
+    small_reserved = a.stats()["reserved_bytes.small_pool.current"]
+    a.malloc(30 * MiB)
+    assert a.stats()["reserved_bytes.small_pool.current"] == small_reserved
+
+
+# --- empty_cache and expandable segments -----------------------------------------------------
+
+@pytest.mark.parametrize("config", ["native", "native,expandable_segments:True", None])
+def test_after_freeing_everything_empty_cache_brings_reserved_to_zero(config: str | None) -> None:
+    dev = ae.SimDevice()
+    a = ae.Allocator(dev, config)
+    ptrs = [a.malloc(s) for s in (512, 3 * MiB, 50 * MiB, 700 * KiB, 25 * MiB)]
+    for p in ptrs:
+        a.free(p)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    assert dev.used == 0
+    assert a.check_invariants() == ""
+
+
+def test_expandable_segments_map_pages_on_demand_and_unmap_on_empty_cache() -> None:
+    dev, a = native(config="native,expandable_segments:True")
+    p = a.malloc(30 * MiB)
+    q = a.malloc(30 * MiB)
+    assert q == p + 30 * MiB           # one segment, grown in place
+    assert calls(dev, "reserve") == 1
+    assert a.stats()["reserved_bytes.all.current"] == 60 * MiB  # 20 MiB pages
+    a.free(p)
+    a.free(q)
+    a.empty_cache()
+    assert calls(dev, "unmap") >= 1 and calls(dev, "address_free") == 1
+    assert dev.used == 0
+
+
+# --- private pools (CUDA graphs) -------------------------------------------------------------
+
+def test_allocations_during_capture_come_from_the_private_pool_and_stay_there() -> None:
+    dev, a = native()
+    outside = a.malloc(30 * MiB, stream=1)
+    a.free(outside)
+    a.begin_allocate_to_pool((1, 0), 1)
+    captured = a.malloc(30 * MiB, stream=1)   # not the cached block of the general pool
+    assert captured != outside
+    a.free(captured)
+    a.end_allocate_to_pool((1, 0))
+    again = a.malloc(30 * MiB, stream=1)
+    assert again == outside                    # the graph's block is not handed out
+    a.free(again)
+    snap = a.snapshot()
+    assert {s["segment_pool_id"] for s in snap["segments"]} == {(0, 0), (1, 0)}
+    a.release_pool((1, 0))
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+
+
+# --- misuse ----------------------------------------------------------------------------------
+
+def test_freeing_an_unknown_pointer_is_refused_and_changes_nothing() -> None:
+    _, a = native()
+    p = a.malloc(MiB)
+    before = a.stats()
+    with pytest.raises(ValueError, match="did not hand out"):
+        a.free(p + 512)
+    a.free(p)
+    with pytest.raises(ValueError, match="already freed"):
+        a.free(p)
+    assert a.stats()["allocation.all.current"] == 0
+    assert before["allocation.all.current"] == 1
