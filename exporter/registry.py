@@ -108,6 +108,9 @@ class Registry:
         self.reports_received_total = 0
         self.commands_total: Counter[tuple[str, str]] = Counter()
         self.stream_errors_total: Counter[str] = Counter()
+        self.ever_connected = False
+        # When the last connected agent left (monotonic); None while any is connected.
+        self.all_gone_since: float | None = None
 
     @staticmethod
     def key_for(identity: pb.Identity) -> str:
@@ -131,6 +134,8 @@ class Registry:
                 if old.session is not None:
                     old.session.close()
             self._agents[key] = state
+            self.ever_connected = True
+            self.all_gone_since = None
             return state
 
     def record_report(self, state: AgentState, report: pb.Report) -> bool:
@@ -150,6 +155,8 @@ class Registry:
             if self._agents.get(state.key) is state:
                 state.connected = False
                 state.disconnected_monotonic = time.monotonic()
+            if not any(a.connected for a in self._agents.values()):
+                self.all_gone_since = time.monotonic()
             if state.session is not None:
                 state.session.close()
                 state.session = None

@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -100,21 +101,55 @@ class Sidecar:
         log.info("sidecar stopped")
 
 
-async def _serve(config: SidecarConfig) -> None:
+TRAINING_DONE_FILE = "training-done"
+
+
+def training_finished(sidecar: Sidecar, grace_seconds: float) -> str | None:
+    """Why the training is over, for --exit-after-training (Kubernetes before 1.29, where a
+    sidecar is a regular container and must exit for the pod to complete); None while it runs.
+
+    Over when the trainer wrote `training-done` beside the agents' socket, or when every agent
+    that connected has been gone for `grace_seconds` (a trainer killed before it could write
+    the file). Before any agent connected, only the file ends it.
+    """
+    socket = sidecar.config.agents.unix_socket
+    if socket and (Path(socket).parent / TRAINING_DONE_FILE).exists():
+        return f"{TRAINING_DONE_FILE} found"
+    agents = sidecar.registry.agents()
+    if sidecar.registry.ever_connected and not any(a.connected for a in agents):
+        gone = sidecar.registry.all_gone_since
+        if gone is not None and time.monotonic() - gone >= grace_seconds:
+            return f"every agent gone for {grace_seconds:g} s"
+    return None
+
+
+async def _serve(config: SidecarConfig, exit_after_training: bool, grace_seconds: float) -> None:
     sidecar = Sidecar(config)
     await sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("signal received, stopping")
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+        except asyncio.TimeoutError:
+            pass
+        if exit_after_training:
+            reason = training_finished(sidecar, grace_seconds)
+            if reason is not None:
+                log.info("training finished, stopping", extra={"reason": reason})
+                break
+    else:
+        log.info("signal received, stopping")
     await sidecar.stop()
 
 
-def run_sidecar(config: SidecarConfig) -> None:
-    """Run until SIGTERM or SIGINT (the `allocwatch sidecar` command)."""
-    asyncio.run(_serve(config))
+def run_sidecar(config: SidecarConfig, exit_after_training: bool = False,
+                grace_seconds: float = 60.0) -> None:
+    """Run until SIGTERM or SIGINT (the `allocwatch sidecar` command), or, with
+    exit_after_training, until the training is over."""
+    asyncio.run(_serve(config, exit_after_training, grace_seconds))
 
 
 class SidecarThread:

@@ -100,3 +100,55 @@ def test_help_explains_every_command() -> None:
     result = subprocess.run([sys.executable, "-m", "exporter.cli", "demo", "--help"],
                             capture_output=True, text=True, timeout=60)
     assert "--duration" in result.stdout and "simulated device" in result.stdout
+
+
+def _sidecar_cli(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, str]:
+    from _sidecar_fixtures import free_port
+
+    port = free_port()
+    socket_path = tmp_path / "run" / "agent.sock"
+    path = tmp_path / "s.yaml"
+    path.write_text(f"agents:\n  unix_socket: {socket_path}\nmetrics:\n  address: 127.0.0.1\n"
+                    f"  port: {port}\nnvml:\n  enabled: false\n")
+    proc = subprocess.Popen([sys.executable, "-m", "exporter.cli", "sidecar", "--config",
+                             str(path), *extra])
+    return proc, socket_path, f"http://127.0.0.1:{port}"
+
+
+def test_exit_after_training_on_the_marker_file(tmp_path: Path) -> None:
+    import time
+
+    from _sidecar_fixtures import values, wait_for
+
+    proc, socket_path, url = _sidecar_cli(tmp_path, "--exit-after-training")
+    try:
+        wait_for(lambda: values(url, "allocwatch_agents_connected") == [0.0], timeout=20,
+                 what="sidecar up")
+        time.sleep(1.0)
+        assert proc.poll() is None  # no agent yet: only the file ends it
+        (socket_path.parent / "training-done").touch()
+        assert proc.wait(20) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_exit_after_training_when_every_agent_is_gone(tmp_path: Path) -> None:
+    from _sidecar_fixtures import FakeSource, values, wait_for
+
+    from allocator_ext.agent import start_agent
+
+    proc, socket_path, url = _sidecar_cli(tmp_path, "--exit-after-training", "--exit-grace",
+                                          "1")
+    try:
+        wait_for(lambda: values(url, "allocwatch_agents_connected") == [0.0], timeout=20,
+                 what="sidecar up")
+        agent = start_agent(f"unix://{socket_path}", interval=0.1, source=FakeSource(),
+                            nvml=False, stop_at_exit=False)
+        wait_for(lambda: values(url, "allocwatch_agents_connected") == [1.0], what="agent")
+        assert proc.poll() is None
+        agent.stop()
+        assert proc.wait(20) == 0
+    finally:
+        proc.kill()
+        proc.wait()

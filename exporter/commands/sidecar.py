@@ -21,6 +21,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML settings file")
     parser.add_argument("--check-config", action="store_true",
                         help="validate the settings file, print the result and exit")
+    parser.add_argument(
+        "--exit-after-training", action="store_true",
+        help="exit 0 once training is over: the file 'training-done' appears beside the agents' "
+             "socket, or every agent that connected has been gone for --exit-grace seconds "
+             "(for Kubernetes before 1.29, where the sidecar is a regular container)")
+    parser.add_argument("--exit-grace", type=float, default=60.0, metavar="S",
+                        help="with --exit-after-training: seconds all agents must be gone "
+                             "(default 60)")
     parser.set_defaults(func=run)
 
 
@@ -41,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from exporter.sidecar import run_sidecar
 
     try:
-        run_sidecar(config)
+        run_sidecar(config, args.exit_after_training, args.exit_grace)
     except (ListenError, OSError) as err:
         logging.getLogger("exporter.sidecar").error("cannot start the sidecar",
                                                     extra={"reason": str(err)})
