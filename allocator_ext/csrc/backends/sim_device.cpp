@@ -1,6 +1,5 @@
 #include "sim_device.h"
 
-#include <sstream>
 
 namespace allocwatch {
 

@@ -1,9 +1,9 @@
 // Allocation and free: the hot path, and the rules that decide which block serves a request.
 #include "allocator.h"
+#include "text.h"
 
 #include <algorithm>
 #include <cstdio>
-#include <sstream>
 
 namespace allocwatch {
 
@@ -232,7 +232,7 @@ void CachingAllocator::free(void* ptr) {
   std::lock_guard<std::mutex> lock(mutex_);
   Block* block = allocated_.erase(reinterpret_cast<std::uintptr_t>(ptr));
   if (block == nullptr) {
-    std::ostringstream msg;
+    Text msg;
     msg << "allocwatch: free of " << ptr << ", which this allocator did not hand out "
         << "(or which was already freed)";
     throw std::invalid_argument(msg.str());
@@ -325,7 +325,7 @@ void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   Block* block = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (block == nullptr) {
-    std::ostringstream msg;
+    Text msg;
     msg << "allocwatch: record_stream on " << ptr << ", which is not an allocated block";
     throw std::invalid_argument(msg.str());
   }
@@ -352,7 +352,7 @@ void CachingAllocator::raise_out_of_memory(const AllocParams& p) {
   const auto allocated =
       static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current);
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.by_pool[kAggregate].current);
-  std::ostringstream msg;
+  Text msg;
   msg << "CUDA out of memory. Tried to allocate " << format_size(p.alloc_size)
       << " (request of " << format_size(p.orig_size) << "). GPU " << device_->index()
       << " has a total capacity of " << format_size(info.total) << " of which "

@@ -1,10 +1,11 @@
 #include "config.h"
 
+#include "text.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <sstream>
 
 namespace allocwatch {
 
@@ -27,7 +28,7 @@ std::vector<std::string> lex(const std::string& text) {
 }
 
 [[noreturn]] void fail(const std::string& key, const std::string& value, const std::string& why) {
-  std::ostringstream msg;
+  Text msg;
   msg << "invalid allocator setting " << key;
   if (!value.empty()) msg << ":" << value;
   msg << ": " << why;
@@ -69,7 +70,7 @@ std::size_t parse_megabytes(const std::string& key, const std::string& value, st
 std::string bool_text(bool v) { return v ? "True" : "False"; }
 
 std::string real_text(double v) {
-  std::ostringstream s;
+  Text s;
   s << v;
   return s.str();
 }
@@ -206,7 +207,7 @@ AllocatorConfig AllocatorConfig::allocwatch() {
 bool AllocatorConfig::operator==(const AllocatorConfig& o) const { return items() == o.items(); }
 
 std::vector<std::pair<std::string, std::string>> AllocatorConfig::items() const {
-  std::ostringstream roundup;
+  Text roundup;
   roundup << "[";
   for (std::size_t i = 0; i < kRoundupIntervals; ++i)
     roundup << (i ? "," : "") << (std::size_t{1} << i) << ":" << roundup_power2_divisions[i];

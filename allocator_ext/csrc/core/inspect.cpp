@@ -2,10 +2,10 @@
 // rather than allocating.
 #include <algorithm>
 #include <set>
-#include <sstream>
 #include <unordered_set>
 
 #include "allocator.h"
+#include "text.h"
 
 namespace allocwatch {
 
@@ -157,7 +157,7 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() {
 
 std::string CachingAllocator::check_invariants() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::ostringstream err;
+  Text err;
   auto blocks = all_blocks();
   std::set<const Block*> known(blocks.begin(), blocks.end());
 
