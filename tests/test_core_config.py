@@ -39,12 +39,14 @@ def test_the_settings_string_parses_back_to_the_same_settings() -> None:
 
 
 def test_roundup_list_syntax_sets_intervals_like_pytorch() -> None:
-    d = ae.parse_config("native,roundup_power2_divisions:[64:4,256:2]")["roundup_power2_divisions"]
+    d = ae.parse_config("native,roundup_power2_divisions:[64:4,256:2]")
+    d = d["roundup_power2_divisions"]
     # Intervals before the first one named take its value; later ones keep theirs (0).
     assert [d[k] for k in ("1", "32", "64", "128", "256", "512")] == [4, 4, 4, 0, 2, 0]
     # '>' fills from the last interval named onwards, that interval included, as PyTorch's
     # parser does: "[256:1,512:2,>:8]" leaves 512 MiB at 8, not 2.
-    d = ae.parse_config("native,roundup_power2_divisions:[256:1,512:2,>:8]")["roundup_power2_divisions"]
+    c = ae.parse_config("native,roundup_power2_divisions:[256:1,512:2,>:8]")
+    d = c["roundup_power2_divisions"]
     assert [d[k] for k in ("1", "256", "512", "1024", "32768")] == [1, 1, 8, 8, 8]
 
 

@@ -56,7 +56,6 @@ def test_invariants_hold_after_every_operation(config, ops, capacity) -> None:
     if capacity:
         a.set_memory_fraction(0.9)
     live: list[tuple[int, int, int]] = []    # (ptr, size, stream)
-    pending_streams: dict[int, set[int]] = {}  # ptr -> streams it was recorded on
     for op, x, y in ops:
         if op == "malloc":
             try:
@@ -85,7 +84,7 @@ def test_invariants_hold_after_every_operation(config, ops, capacity) -> None:
         assert a.check_invariants() == "", (op, x, y)
         # Blocks in use never overlap one another.
         spans = sorted((p, p + a.block_size(p)) for p, _, _ in live)
-        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:], strict=False))
     s = a.stats()
     assert s["allocation.all.current"] == len(live)
     assert s["requested_bytes.all.current"] >= sum(n for _, n, _ in live)

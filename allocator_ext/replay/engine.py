@@ -82,7 +82,7 @@ def _check_starts_empty(trace: Trace) -> None:
 def _trace_seconds(trace: Trace) -> float:
     total = 0
     times = [e.time_us for e in trace.events]
-    for a, b in zip(times, times[1:]):
+    for a, b in zip(times, times[1:], strict=False):
         total += min(max(b - a, 0), ACTIVE_GAP_CAP_US)
     return total / 1e6
 
@@ -139,7 +139,8 @@ def replay(
         elif a == "free_requested":
             if e.addr in failed:
                 failed.discard(e.addr)
-                if i + 1 < n and events[i + 1].action == "free_completed" and events[i + 1].addr == e.addr:
+                nxt = events[i + 1] if i + 1 < n else None
+                if nxt is not None and nxt.action == "free_completed" and nxt.addr == e.addr:
                     i += 1
             else:
                 ptr = addr_map.pop(e.addr)
@@ -155,8 +156,8 @@ def replay(
                     alloc.free(ptr)
                     pending[e.addr] = stream
         elif a == "free_completed":
-            stream = pending.pop(e.addr, None)
-            if stream is not None:
+            if e.addr in pending:
+                stream = pending.pop(e.addr)
                 device.complete_stream(stream)
                 alloc.process_events()
                 requested -= sizes.pop(e.addr)

@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-fraction", type=float, metavar="F",
                    help="as torch.cuda.set_per_process_memory_fraction(F) (needed to replay a "
                         "trace recorded with garbage_collection_threshold)")
-    p.add_argument("--device", type=int, help="which device's trace (default: the first with events)")
+    p.add_argument("--device", type=int,
+                   help="which device's trace (default: the first with events)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="write a plot of memory over the trace")
     p.add_argument("--costs", metavar="FILE", help="device-call cost table (default: the H200 one)")
