@@ -8,6 +8,12 @@ Importable without torch and without a GPU: the core runs on a simulated device.
     ptr = alloc.malloc(1 << 20, stream=0)
     alloc.free(ptr)
     alloc.stats()["reserved_bytes.all.current"]
+
+In a training script, before the first CUDA tensor:
+
+    import allocator_ext
+    allocator_ext.install()                   # allocwatch's allocator becomes PyTorch's
+    allocator_ext.start_agent()               # or set ALLOCWATCH_TARGET
 """
 
 from allocator_ext._core import (
@@ -20,14 +26,22 @@ from allocator_ext._core import (
     round_size,
     segment_size_for,
 )
+from allocator_ext.agent import maybe_start_from_env, start_agent
+from allocator_ext.torch_integration import InstallError, allocator, install, snapshot
 
 __all__ = [
     "DEFAULT_CONFIG",
     "NATIVE_CONFIG",
     "Allocator",
+    "InstallError",
     "OutOfMemoryError",
     "SimDevice",
+    "allocator",
+    "install",
+    "maybe_start_from_env",
     "parse_config",
     "round_size",
     "segment_size_for",
+    "snapshot",
+    "start_agent",
 ]

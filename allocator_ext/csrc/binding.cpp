@@ -13,6 +13,7 @@
 #include "core/allocator.h"
 #include "core/config.h"
 #include "core/sizes.h"
+#include "torch_shim.h"
 
 namespace py = pybind11;
 using namespace allocwatch;
@@ -231,4 +232,19 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("trace_wrapped", &CachingAllocator::trace_wrapped)
       .def("snapshot", &snapshot_dict)
       .def("check_invariants", &CachingAllocator::check_invariants);
+
+  // The allocators serving PyTorch through the pluggable path (torch_shim.cpp).
+  m.def("torch_configure", &torch_shim::configure, py::arg("settings"),
+        "Settings for the allocators that serve PyTorch (named keys only; ValueError if bad).");
+  m.def(
+      "torch_allocator",
+      [](int device) { return torch_shim::get(device, false); }, py::arg("device"),
+      "The allocator serving PyTorch on `device`, or None before torch has used it.");
+  m.def("torch_devices", [] {
+    std::vector<int> devices;
+    auto all = torch_shim::all();
+    for (std::size_t i = 0; i < all.size(); ++i)
+      if (all[i]) devices.push_back(static_cast<int>(i));
+    return devices;
+  });
 }

@@ -324,6 +324,13 @@ CUresult cuStreamIsCapturing(void* stream, int* status) {
   *status = g_capture_status;
   return kSuccess;
 }
+int g_capture_mode = 0;
+CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
+  int previous = g_capture_mode;
+  g_capture_mode = *mode;
+  *mode = previous;
+  return kSuccess;
+}
 // Used by bench/device_call_costs' memory check.
 CUresult cuMemsetD8_v2(unsigned long long ptr, unsigned char value, std::size_t n) {
   if (!has_context()) return kInvalidContext;

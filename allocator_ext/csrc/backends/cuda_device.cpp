@@ -74,8 +74,27 @@ MemoryInfo CudaDevice::memory_info() {
   return info;
 }
 
+namespace {
+// During a CUDA graph capture in global mode, allocating is an "unsafe" call that would
+// invalidate the capture. Like PyTorch (cudaMallocMaybeCapturing), switch this thread to relaxed
+// mode around it: the allocation gets new memory at capture and is left alone by replays.
+class RelaxedCaptureMode {
+ public:
+  explicit RelaxedCaptureMode(const cuda::CudaDriver& d) : driver_(d) {
+    mode_ = cuda::CU_STREAM_CAPTURE_MODE_RELAXED;
+    driver_.cuThreadExchangeStreamCaptureMode(&mode_);
+  }
+  ~RelaxedCaptureMode() { driver_.cuThreadExchangeStreamCaptureMode(&mode_); }
+
+ private:
+  const cuda::CudaDriver& driver_;
+  int mode_;
+};
+}  // namespace
+
 bool CudaDevice::malloc(std::size_t size, void** ptr) {
   ContextGuard guard(driver_, context_);
+  RelaxedCaptureMode relaxed(driver_);
   CUdeviceptr address = 0;
   CUresult result = driver_.cuMemAlloc(&address, size);
   if (result == CUDA_ERROR_OUT_OF_MEMORY) return false;
@@ -123,6 +142,7 @@ void CudaDevice::free_address(std::uintptr_t base, std::size_t size) {
 bool CudaDevice::create_physical(std::size_t size, PhysicalHandle* handle) {
   require_granular(size, "size", "cuMemCreate");
   ContextGuard guard(driver_, context_);
+  RelaxedCaptureMode relaxed(driver_);
   CUmemAllocationProp prop = device_allocation(device_);
   CUmemGenericAllocationHandle created = 0;
   CUresult result = driver_.cuMemCreate(&created, size, &prop, 0);
@@ -162,6 +182,8 @@ void CudaDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handl
 }
 
 void CudaDevice::map_range(std::uintptr_t addr, const std::vector<Mapping>& mappings) {
+  ContextGuard guard(driver_, context_);
+  RelaxedCaptureMode relaxed(driver_);
   std::uintptr_t at = addr;
   for (const Mapping& m : mappings) {
     map_no_access(at, m.size, m.handle);

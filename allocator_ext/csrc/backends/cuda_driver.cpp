@@ -64,6 +64,7 @@ CudaDriver load_driver() {
   resolve(library, "cuEventSynchronize", &d.cuEventSynchronize);
   resolve(library, "cuStreamSynchronize", &d.cuStreamSynchronize);
   resolve(library, "cuStreamIsCapturing", &d.cuStreamIsCapturing);
+  resolve(library, "cuThreadExchangeStreamCaptureMode", &d.cuThreadExchangeStreamCaptureMode);
   return d;
 }
 

@@ -42,6 +42,7 @@ struct CudaDriver {
   PFN_cuEventSynchronize cuEventSynchronize = nullptr;
   PFN_cuStreamSynchronize cuStreamSynchronize = nullptr;
   PFN_cuStreamIsCapturing cuStreamIsCapturing = nullptr;
+  PFN_cuThreadExchangeStreamCaptureMode cuThreadExchangeStreamCaptureMode = nullptr;
 };
 
 // The loaded driver (dlopen + dlsym of every symbol above, and cuInit(0)), the same table for

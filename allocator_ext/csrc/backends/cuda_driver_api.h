@@ -124,6 +124,9 @@ using PFN_cuEventSynchronize = CUresult (*)(CUevent event);                 // c
 using PFN_cuStreamSynchronize = CUresult (*)(CUstream stream);              // cuStreamSynchronize
 using PFN_cuStreamIsCapturing = CUresult (*)(CUstream stream,
                                              int* status);  // cuStreamIsCapturing
+// CUstreamCaptureMode: 0 global, 1 thread-local, 2 relaxed.
+constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
+using PFN_cuThreadExchangeStreamCaptureMode = CUresult (*)(int* mode);
 
 }  // namespace cuda
 }  // namespace allocwatch

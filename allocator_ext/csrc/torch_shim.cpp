@@ -1,0 +1,139 @@
+// The allocator as PyTorch's CUDA allocator, through torch.cuda.memory.CUDAPluggableAllocator.
+//
+// PyTorch loads this library by path and calls the exported functions below: allocation and
+// free, and the hooks that make the pluggable path a complete allocator (without them
+// record_stream and empty_cache silently do nothing, and graph capture fails). Nothing here
+// includes a torch or CUDA header: PyTorch's callback types are spelled out with the same
+// layout (a stream is a CUstream_st*, a pool id a pair of unsigned long long).
+//
+// One CachingAllocator per device, made on first use with the cuda back end. Errors thrown
+// from the allocation function reach Python as RuntimeError with their message (PyTorch
+// converts them); a null pointer is never returned.
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backends/cuda_device.h"
+#include "core/allocator.h"
+#include "torch_shim.h"
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+using MempoolId_t = std::pair<unsigned long long, unsigned long long>;
+
+namespace allocwatch::torch_shim {
+
+namespace {
+
+std::mutex g_mutex;
+AllocatorConfig g_config = AllocatorConfig::allocwatch();
+std::vector<std::shared_ptr<CachingAllocator>> g_allocators;
+std::vector<double> g_pending_fractions;
+
+StreamId stream_id(cudaStream_t s) { return reinterpret_cast<StreamId>(s); }
+
+}  // namespace
+
+void configure(const std::string& settings) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_config = apply_config(g_config, settings);  // throws ConfigError, changing nothing
+  for (auto& a : g_allocators)
+    if (a) a->set_config(settings);
+}
+
+std::shared_ptr<CachingAllocator> get(int device, bool create) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (device < 0) throw std::invalid_argument("allocwatch: negative device index");
+  if (static_cast<std::size_t>(device) >= g_allocators.size()) {
+    if (!create) return nullptr;
+    g_allocators.resize(device + 1);
+  }
+  auto& slot = g_allocators[device];
+  if (!slot && create) {
+    slot = std::make_shared<CachingAllocator>(std::make_shared<CudaDevice>(device), g_config);
+    if (static_cast<std::size_t>(device) < g_pending_fractions.size() &&
+        g_pending_fractions[device] > 0) {
+      slot->set_memory_fraction(g_pending_fractions[device]);
+    }
+  }
+  return slot;
+}
+
+std::vector<std::shared_ptr<CachingAllocator>> all() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_allocators;
+}
+
+}  // namespace allocwatch::torch_shim
+
+using namespace allocwatch;
+using namespace allocwatch::torch_shim;
+
+extern "C" {
+
+__attribute__((visibility("default"))) void* allocwatch_torch_malloc(std::size_t size, int device,
+                                                                    cudaStream_t stream) {
+  // OutOfMemoryError is a std::runtime_error: PyTorch turns it into a RuntimeError that
+  // carries the allocator's explanation.
+  return get(device, true)->malloc(size, stream_id(stream));
+}
+
+__attribute__((visibility("default"))) void allocwatch_torch_free(void* ptr, std::size_t /*size*/,
+                                                                 int device,
+                                                                 cudaStream_t /*stream*/) {
+  get(device, true)->free(ptr);
+}
+
+__attribute__((visibility("default"))) void allocwatch_torch_init(int device_count) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (static_cast<int>(g_allocators.size()) < device_count) g_allocators.resize(device_count);
+}
+
+// torch.cuda.empty_cache()
+__attribute__((visibility("default"))) void allocwatch_torch_empty_cache() {
+  for (auto& a : all())
+    if (a) a->empty_cache();
+}
+
+// torch.cuda.set_per_process_memory_fraction(fraction, device)
+__attribute__((visibility("default"))) void allocwatch_torch_memory_fraction(double fraction,
+                                                                            int device) {
+  auto a = get(device, true);
+  a->set_memory_fraction(fraction);
+}
+
+// tensor.record_stream(stream): the block may not be reused before `stream`'s work is done.
+__attribute__((visibility("default"))) void allocwatch_torch_record_stream(void* ptr,
+                                                                          cudaStream_t stream) {
+  for (auto& a : all()) {
+    if (a && a->block_size(ptr) > 0) {
+      a->record_stream(ptr, stream_id(stream));
+      return;
+    }
+  }
+}
+
+// CUDA graph capture: allocations on the capturing stream(s) go to the graph's private pool.
+__attribute__((visibility("default"))) void allocwatch_torch_begin_allocate_to_pool(
+    int device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) {
+  get(device, true)->begin_allocate_to_pool(
+      id, [filter = std::move(filter)](StreamId s) {
+        return filter(reinterpret_cast<cudaStream_t>(s));
+      });
+}
+
+__attribute__((visibility("default"))) void allocwatch_torch_end_allocate_to_pool(int device,
+                                                                                 MempoolId_t id) {
+  get(device, true)->end_allocate_to_pool(id);
+}
+
+__attribute__((visibility("default"))) void allocwatch_torch_release_pool(int device,
+                                                                         MempoolId_t id) {
+  get(device, true)->release_pool(id);
+}
+
+}  // extern "C"

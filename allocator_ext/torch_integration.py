@@ -1,0 +1,239 @@
+"""allocwatch's allocator as PyTorch's CUDA allocator.
+
+``install()`` swaps it in through ``torch.cuda.memory.CUDAPluggableAllocator`` — the library
+is this package's compiled core, which exports the allocation functions and every hook PyTorch
+offers (record_stream, empty_cache, memory fraction, CUDA graph pools) — and makes PyTorch's
+statistics functions report its figures, since PyTorch raises for pluggable allocators.
+
+Settings, each layer overriding the keys it names: allocwatch's defaults, then the keys of
+``PYTORCH_CUDA_ALLOC_CONF`` (so a job's existing settings keep working), then
+``ALLOCWATCH_ALLOC_CONF``, then the ``config`` argument. ``ALLOCWATCH_DISABLE=1``, an untested
+torch version, a missing driver or ``backend:cudaMallocAsync`` leave PyTorch's allocator in
+place, with a warning that says why; the agent then reports PyTorch's own allocator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from typing import Any
+
+from allocator_ext import _core
+
+# Tested: 2.11 (+CUDA 13 on an H200) and 2.13 (CPU build). The pluggable path's hooks exist
+# since 2.3; versions outside this range fall back to PyTorch's allocator with a warning.
+SUPPORTED_TORCH = ((2, 11), (2, 14))
+
+_EXPORTS = {
+    "set_init_fn": "allocwatch_torch_init",
+    "set_reset_fn": "allocwatch_torch_empty_cache",
+    "set_memory_fraction_fn": "allocwatch_torch_memory_fraction",
+    "set_record_stream_fn": "allocwatch_torch_record_stream",
+    "set_begin_allocate_to_pool": "allocwatch_torch_begin_allocate_to_pool",
+    "set_end_allocate_to_pool_fn": "allocwatch_torch_end_allocate_to_pool",
+    "set_release_pool": "allocwatch_torch_release_pool",
+}
+_STAT_ARRAYS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+
+_installed = False
+
+
+class InstallError(RuntimeError):
+    """install() cannot do what was asked (for example, CUDA is already initialised)."""
+
+
+def installed() -> bool:
+    return _installed
+
+
+def _torch_version(torch: Any) -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _layers(config: str | None) -> list[str]:
+    layers = []
+    pytorch_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    for text in (pytorch_conf, os.environ.get("ALLOCWATCH_ALLOC_CONF"), config):
+        if text:
+            layers.append(text)
+    return layers
+
+
+def _fallback(reason: str) -> bool:
+    warnings.warn(f"allocwatch: keeping PyTorch's CUDA allocator: {reason}", stacklevel=3)
+    return False
+
+
+def install(config: str | None = None) -> bool:
+    """Makes allocwatch's allocator PyTorch's CUDA allocator; True when it did.
+
+    Must run before CUDA is initialised (before the first CUDA tensor); raises InstallError
+    after that, and ValueError (naming the key) for a bad setting, changing nothing.
+    """
+    global _installed
+    if _installed:
+        return True
+    import torch
+
+    if os.environ.get("ALLOCWATCH_DISABLE", "") not in ("", "0"):
+        return _fallback("ALLOCWATCH_DISABLE is set")
+    version = _torch_version(torch)
+    low, high = SUPPORTED_TORCH
+    if not (low <= version < high):
+        return _fallback(f"torch {torch.__version__} is not supported (supported: "
+                         f"{low[0]}.{low[1]} to {high[0]}.{high[1] - 1})")
+    if torch.cuda.is_initialized():
+        raise InstallError(
+            "allocwatch.install() must run before CUDA is initialised: call it at the top of "
+            "the training script, before any CUDA tensor, or start the job with "
+            "`allocwatch run -- python train.py ...`")
+    layers = _layers(config)
+    if any("cudaMallocAsync" in text for text in layers):
+        return _fallback("the settings ask for backend:cudaMallocAsync")
+    for text in layers:
+        _core.parse_config(text)  # validate every layer before changing anything
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return _fallback(f"no NVIDIA driver found ({e})")
+    if not torch.cuda.is_available():
+        return _fallback("torch sees no CUDA device")
+
+    for text in layers:
+        _core.torch_configure(text)
+    library = _core.__file__
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+        library, "allocwatch_torch_malloc", "allocwatch_torch_free")
+    handle = ctypes.CDLL(library)
+    inner = pluggable.allocator()
+    for setter, symbol in _EXPORTS.items():
+        address = ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
+        getattr(inner, setter)(address)
+    torch.cuda.memory.change_current_allocator(pluggable)
+    _patch_statistics(torch)
+    _installed = True
+    _start_agent_for_ours()
+    if torch.backends.cudnn.benchmark:
+        warnings.warn(
+            "allocwatch: cuDNN benchmark mode asks the allocator for cacheInfo(), which PyTorch's "
+            "pluggable path does not serve; set torch.backends.cudnn.benchmark = False "
+            "(see docs/torch.md)", stacklevel=2)
+    return True
+
+
+def allocator(device: int = 0) -> Any:
+    """The allocwatch Allocator serving PyTorch on `device` (None before torch used it)."""
+    return _core.torch_allocator(device)
+
+
+def snapshot(device: int | None = None) -> dict[str, Any]:
+    """A snapshot in the layout of torch.cuda.memory._snapshot(), which PyTorch's memory
+    viewer (pytorch.org/memory_viz) and torch.cuda._memory_viz open."""
+    devices = [device] if device is not None else _core.torch_devices()
+    result: dict[str, Any] = {"segments": [], "device_traces": [], "external_annotations": []}
+    for d in devices:
+        a = _core.torch_allocator(d)
+        if a is None:
+            result["device_traces"].append([])
+            continue
+        snap = a.snapshot()
+        for seg in snap["segments"]:
+            seg["device"] = d
+        result["segments"].extend(snap["segments"])
+        result["device_traces"].append(snap["device_traces"][0])
+        result["allocator_settings"] = snap["allocator_settings"]
+    return result
+
+
+# --- drop-in statistics ------------------------------------------------------------------------
+
+def _device_index(torch: Any, device: Any) -> int:
+    if device is None:
+        return int(torch.cuda.current_device())
+    return int(torch.cuda._utils._get_device_index(device, optional=True))
+
+
+def _nested_stats(flat: dict[str, int]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for name in _STAT_ARRAYS:
+        nested[name] = {pool: {field: flat.get(f"{name}.{pool}.{field}", 0)
+                               for field in ("current", "peak", "allocated", "freed")}
+                        for pool in ("all", "small_pool", "large_pool")}
+    for name in ("oversize_allocations", "oversize_segments"):
+        nested[name] = {field: flat.get(f"{name}.{field}", 0)
+                        for field in ("current", "peak", "allocated", "freed")}
+    for key, value in flat.items():
+        if "." not in key:
+            nested[key] = value
+    return nested
+
+
+def _patch_statistics(torch: Any) -> None:
+    """PyTorch raises for a pluggable allocator's statistics; every Python name for them
+    (torch.cuda.memory_stats, memory_allocated, memory_reserved, max_memory_*, reset_*,
+    memory_summary, torch.cuda.memory._snapshot) goes through these functions of torch._C."""
+    c = torch._C
+
+    def memory_stats(device: Any) -> dict[str, Any]:
+        a = _core.torch_allocator(_device_index(torch, device))
+        return _nested_stats(a.stats() if a is not None else {})
+
+    def reset_peak(device: Any) -> None:
+        a = _core.torch_allocator(_device_index(torch, device))
+        if a is not None:
+            a.reset_peak_stats()
+
+    def reset_accumulated(device: Any) -> None:
+        a = _core.torch_allocator(_device_index(torch, device))
+        if a is not None:
+            a.reset_accumulated_stats()
+
+    def memory_snapshot(*_args: Any, **_kwargs: Any) -> dict[str, Any]:
+        return snapshot()
+
+    c._cuda_memoryStats = memory_stats
+    c._cuda_resetPeakMemoryStats = reset_peak
+    c._cuda_resetAccumulatedMemoryStats = reset_accumulated
+    c._cuda_memorySnapshot = memory_snapshot
+
+
+def _start_agent_for_ours() -> None:
+    """With ALLOCWATCH_TARGET set, the agent publishes this allocator's counters."""
+    try:
+        from allocator_ext.agent import maybe_start_from_env, set_default_source_factory
+        from allocator_ext.agent.sources import AllocatorSource
+    except ImportError:
+        return
+
+    class TorchAllocatorSource(AllocatorSource):
+        """The per-device allocators serving PyTorch, as torch creates them."""
+
+        def __init__(self) -> None:
+            super().__init__({})
+
+        @property  # type: ignore[override]
+        def _allocators(self) -> dict[int, Any]:
+            return {d: _core.torch_allocator(d) for d in _core.torch_devices()}
+
+        @_allocators.setter
+        def _allocators(self, _value: Any) -> None:
+            pass  # the set of devices is torch's to decide
+
+    set_default_source_factory(TorchAllocatorSource)
+    maybe_start_from_env()
+
+
+def install_at_startup() -> None:
+    """For `allocwatch run`: install where torch is present (a launcher without torch, or a
+    helper process, is left alone), and start the agent either way."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    if os.environ.get("ALLOCWATCH_ALLOCATOR", "1") == "0" or not install():
+        from allocator_ext.agent import maybe_start_from_env
+
+        maybe_start_from_env(source="pytorch")

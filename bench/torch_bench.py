@@ -1,0 +1,184 @@
+"""allocwatch's allocator inside PyTorch on the GPU, beside PyTorch's own allocators.
+
+    python bench/torch_bench.py hotpath [--json FILE]
+        alloc + free pairs through torch's C++ raw_alloc/raw_delete (512 B, 64 KiB, 4 MiB,
+        64 MiB, and a mix with 1,000 blocks in use), and torch.empty from Python, under
+        PyTorch's allocator and allocwatch's, in one run; ns per pair, medians.
+    python bench/torch_bench.py train [--rounds N] [--steps N] [--fraction-of-peak F] [--json FILE]
+        a transformer LM (8 layers, width 1024, bf16 autocast) trained with random batch size
+        and sequence length, under PyTorch's default, its expandable segments, cudaMallocAsync
+        and allocwatch, runs interleaved; median step time and peak reserved / peak requested.
+        With --fraction-of-peak 1.03 every run is capped by set_per_process_memory_fraction at
+        1.03 x the workload's peak requested bytes.
+Each measurement runs in a fresh process, since the allocator is chosen before CUDA starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ALLOCATORS = {
+    "pytorch": {"PYTORCH_CUDA_ALLOC_CONF": ""},
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    "allocwatch": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1"},
+}
+
+HOTPATH_CPP = r"""
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <chrono>
+#include <vector>
+double pairs_ns(int64_t size, int64_t n, int64_t live) {
+  auto* a = c10::cuda::CUDACachingAllocator::get();
+  std::vector<void*> held;
+  for (int64_t i = 0; i < live; ++i) held.push_back(a->raw_alloc(512 + (i * 4096) % (64 << 10)));
+  std::vector<int64_t> sizes;
+  if (size > 0) sizes = {size};
+  else sizes = {512, 4096, 65536, 1 << 20, 4 << 20, 64 << 20};
+  for (int r = 0; r < 2; ++r) for (auto s : sizes) a->raw_delete(a->raw_alloc(s));
+  auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; ++i) a->raw_delete(a->raw_alloc(sizes[i % sizes.size()]));
+  auto t1 = std::chrono::steady_clock::now();
+  for (void* p : held) a->raw_delete(p);
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / n;
+}
+"""
+
+
+def _child_setup():
+    import torch
+
+    if os.environ.get("ALLOCWATCH_BENCH_INSTALL") == "1":
+        import allocator_ext
+
+        assert allocator_ext.install(), "allocwatch did not install"
+    return torch
+
+
+def child_hotpath() -> dict:
+    torch = _child_setup()
+    from torch.utils.cpp_extension import load_inline
+
+    ext = load_inline("hotpath_ext", cpp_sources=HOTPATH_CPP, functions=["pairs_ns"],
+                      extra_cflags=["-O2"], with_cuda=True, verbose=False)
+    torch.cuda.init()
+    out = {}
+    for name, size, live in [("512B", 512, 0), ("64KiB", 64 << 10, 0), ("4MiB", 4 << 20, 0),
+                             ("64MiB", 64 << 20, 0), ("mix1000", 0, 1000)]:
+        runs = [ext.pairs_ns(size, 20000, live) for _ in range(15)]
+        out[name] = statistics.median(runs)
+    runs = []
+    for _ in range(15):
+        t0 = time.perf_counter_ns()
+        for _ in range(5000):
+            torch.empty(1 << 16, dtype=torch.uint8, device="cuda")
+        runs.append((time.perf_counter_ns() - t0) / 5000)
+    out["torch.empty 64KiB (Python)"] = statistics.median(runs)
+    return out
+
+
+def child_train(steps: int, fraction_of_peak: float, peak_requested: int) -> dict:
+    torch = _child_setup()
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    import random
+
+    rng = random.Random(0)
+    vocab, width, layers = 32000, 1024, 8
+    layer = nn.TransformerEncoderLayer(width, 16, 4 * width, batch_first=True, norm_first=True)
+    model = nn.Sequential(nn.Embedding(vocab, width), nn.TransformerEncoder(layer, layers),
+                          nn.Linear(width, vocab)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if fraction_of_peak and peak_requested:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(fraction_of_peak * peak_requested / total)
+    times = []
+    oom = None
+    for step in range(steps):
+        batch, seq = rng.randint(4, 16), rng.choice([128, 256, 384, 512, 768, 1024])
+        x = torch.randint(0, vocab, (batch, seq), device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float().view(-1, vocab), x.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            oom = f"step {step}: {str(e)[:160]}"
+            break
+        times.append(time.perf_counter() - t0)
+    s = torch.cuda.memory_stats()
+    return {
+        "steps_done": len(times), "oom": oom,
+        "median_step_s": statistics.median(times[5:]) if len(times) > 5 else None,
+        "peak_reserved": s.get("reserved_bytes.all.peak", 0),
+        "peak_allocated": s.get("allocated_bytes.all.peak", 0),
+        "peak_requested": s.get("requested_bytes.all.peak", 0),
+        "num_alloc_retries": s.get("num_alloc_retries", 0),
+    }
+
+
+def run_child(kind: str, allocator: str, extra: list[str]) -> dict:
+    env = dict(os.environ, **ALLOCATORS[allocator])
+    cmd = [sys.executable, __file__, "--child", kind, *extra]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return {"error": (out.stderr or out.stdout)[-600:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["hotpath", "train"])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--fraction-of-peak", type=float, default=0.0)
+    p.add_argument("--allocators", default="pytorch,expandable,cudaMallocAsync,allocwatch")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args, _ = p.parse_known_args()
+    if args.child:
+        kind = args.child[0]
+        if kind == "hotpath":
+            print(json.dumps(child_hotpath()))
+        else:
+            steps, fraction, peak = int(args.child[1]), float(args.child[2]), int(args.child[3])
+            print(json.dumps(child_train(steps, fraction, peak)))
+        return 0
+
+    allocators = args.allocators.split(",")
+    results: dict = {"mode": args.mode, "command": " ".join(sys.argv), "runs": []}
+    if args.mode == "hotpath":
+        for a in ("pytorch", "allocwatch"):
+            results["runs"].append({"allocator": a, **run_child("hotpath", a, [])})
+            print(json.dumps(results["runs"][-1]), flush=True)
+    else:
+        peak = 0
+        if args.fraction_of_peak:
+            ref = run_child("train", "pytorch", [str(args.steps), "0", "0"])
+            peak = int(ref.get("peak_requested", 0))
+            results["reference_peak_requested"] = peak
+        for r in range(args.rounds):
+            for a in allocators:
+                res = run_child("train", a, [str(args.steps), str(args.fraction_of_peak), str(peak)])
+                results["runs"].append({"allocator": a, "round": r, **res})
+                print(json.dumps(results["runs"][-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
