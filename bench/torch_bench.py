@@ -140,7 +140,7 @@ def run_child(kind: str, allocator: str, extra: list[str]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["hotpath", "train"])
+    p.add_argument("mode", nargs="?", choices=["hotpath", "train"])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fraction-of-peak", type=float, default=0.0)

@@ -32,10 +32,12 @@ def test_replay_with_pytorchs_settings_reproduces_the_recorded_run(entry: dict) 
     """Traces recorded on an H200 (bench/record_traces.py): PyTorch's rules are deterministic,
     so the same settings must give exactly the recorded peak reserved and device allocations."""
     trace = load_trace(RECORDED / entry["file"])
-    r = replay(trace, config=native_config(entry["pytorch_cuda_alloc_conf"])).report
+    r = replay(trace, config=native_config(entry["pytorch_cuda_alloc_conf"]),
+               memory_fraction=entry["memory_fraction"]).report
     assert r["peak_reserved_bytes"] == entry["stats"]["reserved_bytes.all.peak"]
     assert r["num_device_alloc"] == entry["stats"]["num_device_alloc"]
     assert r["peak_requested_bytes"] == entry["stats"]["requested_bytes.all.peak"]
+    assert r["num_device_free"] == entry["stats"]["num_device_free"]  # GC releases too
     assert r["peak_reserved_bytes"] == r["recorded"]["peak_reserved_bytes"]
 
 

@@ -11,7 +11,9 @@ ExpandableSegment::ExpandableSegment(Device& device, StreamId stream, std::size_
       stream_(stream),
       page_size_(page_size),
       max_pages_((address_space + page_size - 1) / page_size) {
-  base_ = device_.reserve_address(page_size_ * max_pages_, page_size_);
+  // Alignment 0: the driver's granularity. Pages need no more (20 MiB pages could not ask for
+  // theirs: the driver takes only power-of-two alignments).
+  base_ = device_.reserve_address(page_size_ * max_pages_, 0);
 }
 
 ExpandableSegment::~ExpandableSegment() {
