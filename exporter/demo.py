@@ -11,9 +11,7 @@ The summary is read back from the sidecar's /metrics, so it shows what Prometheu
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
-import pickle
 import random
 import signal
 import subprocess
@@ -36,23 +34,12 @@ MiB = 1 << 20
 
 # ---------------------------------------------------------------------- simulated workload
 
-class _PlainDataUnpickler(pickle.Unpickler):
-    """Snapshots hold only dicts, lists, strings and numbers: refuse every class."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"trace refers to {module}.{name}: not plain data")
-
-
 def _trace_events(path: Path) -> list[tuple[str, int, int, int]]:
-    with gzip.open(path, "rb") as f:
-        snapshot = _PlainDataUnpickler(f).load()
-    events = []
-    for device_trace in snapshot.get("device_traces", [])[:1]:
-        for e in device_trace:
-            if e.get("action") in ("alloc", "free_requested"):
-                events.append((e["action"], int(e["addr"]), int(e["size"]),
-                               int(e.get("stream", 0))))
-    return events
+    """The example trace's allocations and frees, read with the replay's safe reader."""
+    from allocator_ext.replay.trace import load_trace
+
+    return [(e.action, e.addr, e.size, e.stream) for e in load_trace(path).events
+            if e.action in ("alloc", "free_requested")]
 
 
 def _synthetic_events(steps: int = 20, seed: int = 0) -> list[tuple[str, int, int, int]]:
