@@ -171,7 +171,8 @@ def main() -> int:
             results["reference_peak_requested"] = peak
         for r in range(args.rounds):
             for a in allocators:
-                res = run_child("train", a, [str(args.steps), str(args.fraction_of_peak), str(peak)])
+                extra = [str(args.steps), str(args.fraction_of_peak), str(peak)]
+                res = run_child("train", a, extra)
                 results["runs"].append({"allocator": a, "round": r, **res})
                 print(json.dumps(results["runs"][-1]), flush=True)
     if args.json:

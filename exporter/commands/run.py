@@ -43,7 +43,8 @@ def command_environment(args: argparse.Namespace, environ: dict[str, str]) -> di
     autostart = str(Path(allocator_ext.__file__).resolve().parent / "_autostart")
     # The package itself must stay importable in the child, wherever it was installed from.
     package_root = str(Path(allocator_ext.__file__).resolve().parent.parent)
-    paths = [autostart, package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [autostart, package_root, *inherited]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["ALLOCWATCH_RUN"] = "1"
     if args.config:
