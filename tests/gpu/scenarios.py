@@ -107,7 +107,8 @@ def statistics() -> str:
     a = torch.cuda.memory_allocated()
     assert a == torch.cuda.memory.memory_allocated() >= 64 * MiB
     assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == a
-    assert torch.cuda.memory.memory_stats()["reserved_bytes.all.current"] == torch.cuda.memory_reserved()
+    reserved = torch.cuda.memory_reserved()
+    assert torch.cuda.memory.memory_stats()["reserved_bytes.all.current"] == reserved
     del x
     assert torch.cuda.max_memory_allocated() >= 64 * MiB
     torch.cuda.reset_peak_memory_stats()
