@@ -1,0 +1,97 @@
+"""Searching allocator settings on a recorded trace.
+
+Each candidate is replayed on the simulated device; the recommendation is the candidate with
+the lowest peak reserved memory among those that never ran out of memory, ties going to fewer
+retries, then to cheaper device calls. PyTorch-expressible candidates are also reported as a
+PYTORCH_CUDA_ALLOC_CONF string, for jobs that keep PyTorch's allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from allocator_ext.replay.engine import replay
+from allocator_ext.replay.trace import Trace
+
+# (name, settings, whether PyTorch's own allocator understands them)
+CANDIDATES: list[tuple[str, str | None, bool]] = [
+    ("pytorch defaults", "native", True),
+    ("expandable segments", "native,expandable_segments:True", True),
+    ("max_split_size_mb:128", "native,max_split_size_mb:128", True),
+    ("max_split_size_mb:512", "native,max_split_size_mb:512", True),
+    ("roundup_power2_divisions:4", "native,roundup_power2_divisions:4", True),
+    ("expandable + roundup 4", "native,expandable_segments:True,roundup_power2_divisions:4", True),
+    ("allocwatch defaults", None, False),
+    ("allocwatch, 8 MiB pages", "expandable_large_page_mb:8", False),
+    ("allocwatch, 2 MiB pages", "expandable_large_page_mb:2", False),
+]
+
+
+@dataclass
+class Candidate:
+    name: str
+    settings: str
+    pytorch_conf: str | None  # the PYTORCH_CUDA_ALLOC_CONF equivalent, where there is one
+    report: dict[str, Any]
+
+
+def _pytorch_conf(settings: str) -> str:
+    keys = [k for k in settings.split(",") if k and k != "native"]
+    return ",".join(keys)
+
+
+def rank_key(c: Candidate) -> tuple:
+    r = c.report
+    return (r["num_ooms"] > 0, r["peak_reserved_bytes"], r["num_alloc_retries"],
+            r["device_call_seconds_estimate"])
+
+
+def tune(trace: Trace, device_memory: int = 0, memory_fraction: float | None = None,
+         candidates: list[tuple[str, str | None, bool]] | None = None,
+         progress: Callable[[int], None] | None = None) -> list[Candidate]:
+    """Replays every candidate; returns them best first (see rank_key)."""
+    results: list[Candidate] = []
+    n = len(trace.events)
+    for i, (name, settings, pytorch_ok) in enumerate(candidates or CANDIDATES):
+        def step(done: int, base: int = i * n) -> None:
+            if progress is not None:
+                progress(base + done)
+
+        report = replay(trace, config=settings, device_memory=device_memory,
+                        memory_fraction=memory_fraction, progress=step).report
+        results.append(Candidate(name, report["config"],
+                                 _pytorch_conf(report["config"]) if pytorch_ok else None, report))
+    return sorted(results, key=rank_key)
+
+
+def explain(best: Candidate, ranked: list[Candidate]) -> str:
+    """Why the recommendation won, in a sentence or two."""
+    r = best.report
+    survivors = [c for c in ranked if c.report["num_ooms"] == 0]
+    lines = []
+    if r["num_ooms"]:
+        lines.append("Every candidate ran out of memory under this cap; the least bad is shown.")
+    else:
+        lines.append(
+            f"'{best.name}' reserves the least at its peak ({r['peak_reserved_bytes'] / 2**30:.2f}"
+            f" GiB, {r['reserved_ratio']:.3f} x what the program requested) of the "
+            f"{len(survivors)} candidates that never ran out of memory, with "
+            f"{r['num_alloc_retries']} retries and device calls costing "
+            f"{100 * r['device_call_share']:.2f} % of the trace's active time.")
+    if r["device_call_share"] > 0.02:
+        cheaper = next((c for c in ranked if c.report["num_ooms"] == 0
+                        and c.report["device_call_share"] <= 0.02), None)
+        if cheaper is not None:
+            more = cheaper.report["peak_reserved_bytes"] - r["peak_reserved_bytes"]
+            lines.append(
+                f"Its device calls are costly, though: '{cheaper.name}' keeps them at "
+                f"{100 * cheaper.report['device_call_share']:.2f} % for "
+                f"{more / 2**30:.2f} GiB more reserved memory.")
+    pytorch = next((c for c in ranked if c.settings == "native"), None)
+    if pytorch is not None and pytorch is not best:
+        saved = pytorch.report["peak_reserved_bytes"] - r["peak_reserved_bytes"]
+        lines.append(f"Against PyTorch's defaults it saves {saved / 2**30:.2f} GiB of reserved "
+                     f"memory ({pytorch.report['num_ooms']} out-of-memory errors there).")
+    return " ".join(lines)
