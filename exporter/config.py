@@ -159,12 +159,18 @@ def _build(cls: Any, raw: Any, path: str) -> Any:
             known = sorted(fields | (set(EXTRA_SECTIONS) if not path else set()))
             raise ConfigError(f"{field_path}: unknown setting (known here: {', '.join(known)})")
     if cls is SidecarConfig:
+        # A section absent from the file gets its parser's defaults (admin API on by default).
+        for name, parser in EXTRA_SECTIONS.items():
+            if name not in extra:
+                extra[name] = parser(None, name)
         values["extra"] = extra
     return cls(**values)
 
 
 def parse_config(raw: Any) -> SidecarConfig:
     """Validated settings from parsed YAML (None or an empty document: all defaults)."""
+    import exporter.sections  # noqa: F401  (registers policy, admin, reload; no import cycle)
+
     config: SidecarConfig = _build(SidecarConfig, raw, "")
     if not config.agents.unix_socket and config.agents.tcp_port is None:
         raise ConfigError(

@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from grpc import aio
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
 from exporter import __version__
+from exporter.admin import AdminHttpServer, AdminService
+from exporter.admin_config import AdminConfig
 from exporter.collector import AllocwatchCollector
-from exporter.config import SidecarConfig
+from exporter.config import ConfigError, SidecarConfig
 from exporter.grpc_server import start_grpc_server
 from exporter.http_server import MetricsHttpServer
 from exporter.nvml import NvmlReader
+from exporter.policy import PolicyEngine, PolicyRunner
+from exporter.policy_config import PolicyConfig
 from exporter.registry import Registry
+from exporter.reload import ConfigWatcher, ReloadConfig
 
 log = logging.getLogger("exporter.sidecar")
 
@@ -29,8 +37,10 @@ log = logging.getLogger("exporter.sidecar")
 class Sidecar:
     """Start with `await start()`, stop with `await stop()`; all on one event loop."""
 
-    def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None):
+    def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None,
+                 config_path: str | Path | None = None):
         self.config = config
+        self.config_path = config_path
         self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents)
         self.nvml: NvmlReader | None = None
         if config.nvml.enabled:
@@ -39,7 +49,12 @@ class Sidecar:
             log.info("NVML disabled by settings (nvml.enabled: false): no device series "
                      "from the sidecar")
         self.metrics_registry = CollectorRegistry(auto_describe=False)
-        self.metrics_registry.register(AllocwatchCollector(self.registry, self.nvml))
+        self.policy = PolicyEngine(section(config, "policy", PolicyConfig))
+        self.policy_runner = PolicyRunner(self.policy, self.registry)
+        self.admin: AdminHttpServer | None = None
+        self.watcher: ConfigWatcher | None = None
+        self.metrics_registry.register(AllocwatchCollector(self.registry, self.nvml,
+                                                           extra_families=self._extra_families))
         # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
         ProcessCollector(registry=self.metrics_registry)
         self.grpc_server: aio.Server | None = None
@@ -72,11 +87,67 @@ class Sidecar:
         except Exception:
             self.http.stop()
             raise
+        try:
+            self._start_admin()
+        except Exception:
+            await self.grpc_server.stop(0)
+            self.http.stop()
+            raise
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        self._tasks.append(asyncio.create_task(self.policy_runner.run()))
+        reload = section(self.config, "reload", ReloadConfig)
+        if self.config_path is not None and reload.enabled:
+            self.watcher = ConfigWatcher(self.config_path, self.apply_config,
+                                         reload.interval_seconds)
+            self._tasks.append(asyncio.create_task(self.watcher.run()))
         self._ready = True
+        policy = self.policy.config
         log.info("sidecar started", extra={
             "version": __version__, "agents": self.agent_targets, "metrics": self.metrics_url,
-            "nvml": bool(self.nvml and self.nvml.available)})
+            "nvml": bool(self.nvml and self.nvml.available),
+            "admin": self.admin.addresses() if self.admin else [],
+            "policy_rules": [r.name for r in policy.rules], "policy_dry_run": policy.dry_run,
+            "watching": str(self.config_path) if self.watcher else None})
+
+    def _start_admin(self) -> None:
+        admin = section(self.config, "admin", AdminConfig)
+        if not admin.enabled:
+            log.info("admin API disabled by settings (admin.enabled: false)")
+            return
+        service = AdminService(
+            self.registry, asyncio.get_running_loop(),
+            timeout=lambda: section(self.config, "admin", AdminConfig).command_timeout_seconds)
+        self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
+        self.admin.start()
+
+    def _extra_families(self) -> Iterator[Metric]:
+        yield from self.policy.families()
+        if self.watcher is not None:
+            yield from self.watcher.families()
+        if self.admin is not None:
+            yield from self.admin.families()
+
+    def apply_config(self, new: SidecarConfig) -> list[str]:
+        """Install reloaded settings (on the event loop); returns the changed fields that only
+        a restart applies (listeners, ports), which keep their values until then."""
+        old = self.config
+        effective, restart = merge_live_settings(old, new)
+        admin = section(effective, "admin", AdminConfig)
+        if self.admin is not None and admin != section(old, "admin", AdminConfig):
+            try:
+                self.admin.set_token(admin)
+            except ConfigError as err:
+                log.error("the reloaded admin token cannot be read; the old one stays",
+                          extra={"reason": str(err)})
+        self.registry.expiry_seconds = effective.agents.expiry_seconds
+        self.registry.max_agents = effective.agents.max_agents
+        logging.getLogger().setLevel(effective.logging.level.upper())
+        if self.watcher is not None:
+            self.watcher.interval_seconds = section(effective, "reload",
+                                                    ReloadConfig).interval_seconds
+        self.policy_runner.reconfigure(section(effective, "policy", PolicyConfig))
+        self.config = effective
+        return restart
 
     def _healthy(self) -> bool:
         # The event loop is alive when its housekeeping task ran recently.
@@ -92,6 +163,8 @@ class Sidecar:
         self._ready = False
         for task in self._tasks:
             task.cancel()
+        if self.admin is not None:
+            await asyncio.to_thread(self.admin.stop)
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
         if self.http is not None:
@@ -99,6 +172,49 @@ class Sidecar:
         if self.nvml is not None:
             self.nvml.close()
         log.info("sidecar stopped")
+
+
+# Fields a reload applies at once; any other change waits for a restart (listeners, ports).
+LIVE_FIELDS = {
+    "agents": {"expiry_seconds", "max_agents"},
+    "logging": {"level"},
+    "admin": {"token_file", "token_env", "command_timeout_seconds"},
+    "reload": {"interval_seconds"},
+}
+LIVE_SECTIONS = {"policy"}  # applied whole
+
+
+def section(config: SidecarConfig, name: str, default: type) -> Any:
+    """An extra section's settings (its defaults when the config was built without it)."""
+    value = config.extra.get(name)
+    return value if value is not None else default()
+
+
+def merge_live_settings(old: SidecarConfig, new: SidecarConfig
+                        ) -> tuple[SidecarConfig, list[str]]:
+    """(the settings in force after a reload, the changed fields that need a restart)."""
+    restart: list[str] = []
+
+    def merge(name: str, before: Any, after: Any) -> Any:
+        if name in LIVE_SECTIONS or before is None or after is None:
+            return after if after is not None else before
+        live = LIVE_FIELDS.get(name, set())
+        changes = {}
+        for field in dataclasses.fields(before):
+            value = getattr(after, field.name)
+            if value == getattr(before, field.name):
+                continue
+            if field.name in live:
+                changes[field.name] = value
+            else:
+                restart.append(f"{name}.{field.name}")
+        return dataclasses.replace(before, **changes)
+
+    sections = {name: merge(name, getattr(old, name), getattr(new, name))
+                for name in ("agents", "metrics", "nvml", "logging")}
+    extra = {name: merge(name, old.extra.get(name), new.extra.get(name))
+             for name in set(old.extra) | set(new.extra)}
+    return dataclasses.replace(old, extra=extra, **sections), restart
 
 
 TRAINING_DONE_FILE = "training-done"
@@ -123,8 +239,9 @@ def training_finished(sidecar: Sidecar, grace_seconds: float) -> str | None:
     return None
 
 
-async def _serve(config: SidecarConfig, exit_after_training: bool, grace_seconds: float) -> None:
-    sidecar = Sidecar(config)
+async def _serve(config: SidecarConfig, exit_after_training: bool, grace_seconds: float,
+                 config_path: str | Path | None = None) -> None:
+    sidecar = Sidecar(config, config_path=config_path)
     await sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -146,17 +263,19 @@ async def _serve(config: SidecarConfig, exit_after_training: bool, grace_seconds
 
 
 def run_sidecar(config: SidecarConfig, exit_after_training: bool = False,
-                grace_seconds: float = 60.0) -> None:
+                grace_seconds: float = 60.0, config_path: str | Path | None = None) -> None:
     """Run until SIGTERM or SIGINT (the `allocwatch sidecar` command), or, with
-    exit_after_training, until the training is over."""
-    asyncio.run(_serve(config, exit_after_training, grace_seconds))
+    exit_after_training, until the training is over. With `config_path`, the file is watched
+    and reloaded when it changes."""
+    asyncio.run(_serve(config, exit_after_training, grace_seconds, config_path))
 
 
 class SidecarThread:
     """A sidecar on its own event loop in a background thread (tests, demo, benchmarks)."""
 
-    def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None):
-        self.sidecar = Sidecar(config, nvml_module)
+    def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None,
+                 config_path: str | Path | None = None):
+        self.sidecar = Sidecar(config, nvml_module, config_path)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="allocwatch-sidecar",
                                         daemon=True)

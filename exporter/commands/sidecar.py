@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from exporter.sidecar import run_sidecar
 
     try:
-        run_sidecar(config, args.exit_after_training, args.exit_grace)
+        run_sidecar(config, args.exit_after_training, args.exit_grace, config_path=args.config)
     except (ListenError, OSError) as err:
         logging.getLogger("exporter.sidecar").error("cannot start the sidecar",
                                                     extra={"reason": str(err)})
