@@ -1,0 +1,43 @@
+"""Helpers for the policy, admin, ctl and reload tests: a sidecar with the control sections
+(policy, admin, reload) set, and agents with chosen identities."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from _sidecar_fixtures import sidecar_config, values, wait_for
+
+from allocator_ext.agent import Agent, start_agent
+from exporter.config import parse_config
+from exporter.sidecar import SidecarThread
+
+
+def control_config(tmp_path: Path, *, policy: dict[str, Any] | None = None,
+                   admin: dict[str, Any] | None = None, reload: dict[str, Any] | None = None,
+                   **kwargs: Any):
+    """The fixtures' sidecar settings plus the control sections, parsed as from YAML."""
+    sections = parse_config({"policy": policy, "admin": admin, "reload": reload}).extra
+    return dataclasses.replace(sidecar_config(tmp_path, nvml=False, **kwargs), extra=sections)
+
+
+def start_control_sidecar(tmp_path: Path, config_path: Path | None = None,
+                          **kwargs: Any) -> SidecarThread:
+    return SidecarThread(control_config(tmp_path, **kwargs), config_path=config_path).start()
+
+
+def connect_agent(running: SidecarThread, tmp_path: Path, source: Any, *, rank: int = 0,
+                  host: str = "node-a", job: str = "job-a", interval: float = 0.05) -> Agent:
+    agent = start_agent(running.sidecar.agent_targets[0], interval=interval, source=source,
+                        identity={"rank": rank, "host": host, "training_job": job},
+                        snapshot_dir=tmp_path / "snapshots", nvml=False, stop_at_exit=False)
+    wait_for(lambda: agent.agent_key is not None and any(
+        a.key == agent.agent_key and a.last_report is not None
+        for a in running.sidecar.registry.agents()), what=f"agent rank {rank} connected")
+    return agent
+
+
+def metric(running: SidecarThread, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` with these labels (0 when none)."""
+    return sum(values(running.sidecar.metrics_url, name, **labels))
