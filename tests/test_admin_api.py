@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from _control_fixtures import connect_agent, metric, start_control_sidecar
-from _sidecar_fixtures import MiB, FakeSource, scrape
+from _sidecar_fixtures import FakeSource, MiB, scrape
 
 from exporter.config import ConfigError, parse_config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from _control_fixtures import connect_agent, metric, start_control_sidecar
-from _sidecar_fixtures import MiB, FakeSource, values, wait_for
+from _sidecar_fixtures import FakeSource, MiB, values, wait_for
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 
