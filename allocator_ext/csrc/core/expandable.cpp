@@ -162,27 +162,39 @@ void CachingAllocator::release_expandable_segment(Block* block) {
 
 std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclude,
                                                    std::size_t bytes) {
-  // Growing a segment while wholly free chunks sit elsewhere in the pool raises reserved memory
-  // for nothing: release those chunks first, so the growth reuses their physical memory.
-  // Largest free blocks first: fewest calls per byte.
-  std::vector<Block*> donors;
+  // Growing a segment while wholly free pages sit elsewhere raises reserved memory for
+  // nothing: unmap those pages first, so the growth reuses their physical memory. The pool's
+  // own free pages come first (same page size: they move as they are, no release and create);
+  // then, for the small pool, the large pool's, whose pages are released: a decoder's small
+  // KV-cache tensors then grow into memory its large pool no longer uses (decode trace: 1.050
+  // -> 1.021 reserved/requested). The other direction was measured too and left out: taking
+  // small pages for the large pool saved memory on average but cost out-of-memory errors on a
+  // convnet trace under a 1.03x cap. Largest free blocks first: fewest calls per byte.
   const std::size_t page = exclude->expandable->page_size();
-  for (Block* b : pool->blocks) {
-    if (b->expandable == nullptr || b->size < b->expandable->page_size()) continue;
-    // A donor next to the range being mapped would merge its hole into that range.
-    if (b == exclude || b->prev == exclude || b->next == exclude) continue;
-    donors.push_back(b);
+  BlockPool* sibling = nullptr;
+  if (pool->owner == nullptr) {
+    sibling = pool->is_small ? &large_blocks_ : &small_blocks_;
+  } else {
+    sibling = pool->is_small ? &pool->owner->large_blocks : &pool->owner->small_blocks;
   }
-  std::sort(donors.begin(), donors.end(), [](const Block* a, const Block* b) {
-    return a->size > b->size;
-  });
   std::size_t taken = 0;
-  for (Block* b : donors) {
-    if (taken >= bytes) break;
-    // Pages of the same size move as they are (unmap, then map elsewhere): no release and
-    // create of physical memory in between.
-    const bool movable = b->expandable->page_size() == page;
-    taken += unmap_block(b, bytes - taken, movable ? &spare_pages_ : nullptr);
+  for (BlockPool* from : {pool, sibling}) {
+    if (from == sibling && !pool->is_small) break;
+    std::vector<Block*> donors;
+    for (Block* b : from->blocks) {
+      if (b->expandable == nullptr || b->size < b->expandable->page_size()) continue;
+      // A donor next to the range being mapped would merge its hole into that range.
+      if (b == exclude || b->prev == exclude || b->next == exclude) continue;
+      donors.push_back(b);
+    }
+    std::sort(donors.begin(), donors.end(), [](const Block* a, const Block* b) {
+      return a->size > b->size;
+    });
+    for (Block* b : donors) {
+      if (taken >= bytes) return taken;
+      const bool movable = b->expandable->page_size() == page;
+      taken += unmap_block(b, bytes - taken, movable ? &spare_pages_ : nullptr);
+    }
   }
   return taken;
 }
