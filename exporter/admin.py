@@ -349,8 +349,9 @@ class AdminHttpServer:
 
     def start(self) -> None:
         for server in self._servers:
-            thread = threading.Thread(target=server.serve_forever, name="allocwatch-admin",
-                                      daemon=True)
+            # A short poll interval: shutdown() waits for it, and the sidecar stops promptly.
+            thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                                      name="allocwatch-admin", daemon=True)
             thread.start()
             self._threads.append(thread)
 
