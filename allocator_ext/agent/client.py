@@ -19,6 +19,7 @@ import grpc
 from allocator_ext.agent import convert
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.commands import execute
+from allocator_ext.agent.oom_snapshots import OomSnapshots
 from allocator_ext.agent.outbox import Outbox
 from allocator_ext.agent.sources import Source
 from exporter.nvml import NvmlReader
@@ -48,6 +49,7 @@ class Agent:
         self.identity = identity
         self.interval = interval
         self.snapshot_dir = snapshot_dir
+        self.oom_snapshots = OomSnapshots(snapshot_dir, identity.rank)
         self.nvml = nvml
         self.outbox = Outbox(buffer_reports)
         self.backoff = backoff or Backoff()
@@ -138,10 +140,12 @@ class Agent:
         for device in self.source.devices():
             uuid = self.source.gpu_uuid(device) or (
                 self.identity.gpu_uuid if device == self.identity.cuda_device else "")
+            stats = self.source.memory_stats(device)
             entry = report.devices.add(
                 cuda_device=device, gpu_uuid=uuid,
-                allocator=convert.allocator_stats(self.source.memory_stats(device)),
+                allocator=convert.allocator_stats(stats),
                 settings=self.source.settings(device))
+            self.oom_snapshots.observe(self.source, device, stats)
             gpu = self.nvml.find(uuid=uuid, index=device) if self.nvml is not None else None
             if gpu is not None:
                 if not entry.gpu_uuid:
