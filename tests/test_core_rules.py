@@ -313,3 +313,18 @@ def test_freeing_an_unknown_pointer_is_refused_and_changes_nothing() -> None:
         a.free(p)
     assert a.stats()["allocation.all.current"] == 0
     assert before["allocation.all.current"] == 1
+
+
+def test_an_explicit_reclaim_gives_back_free_pages_of_expandable_segments() -> None:
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, "garbage_collection_threshold:0.2")   # allocwatch's defaults + GC
+    a.set_memory_fraction(1.0)
+    ptrs = [a.malloc(100 * MiB) for _ in range(6)]
+    for p in ptrs[1:]:
+        a.free(p)                     # 500 MiB free in the expandable segment, 600 reserved
+    released = a.garbage_collect()
+    s = a.stats()
+    assert released > 0 and s["num_gc_reclaims"] == 1
+    assert s["reserved_bytes.all.current"] <= int(0.2 * GiB) + 20 * MiB   # down to the threshold
+    assert s["allocated_bytes.all.current"] == 100 * MiB
+    assert a.check_invariants() == ""

@@ -1,7 +1,9 @@
 // Giving memory back to the device: the out-of-memory path, empty_cache, and garbage
 // collection. Each of these trades cached memory (fast reuse) for device calls (slow, and
 // for ordinary segments a device-wide synchronisation inside cudaFree).
+#include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "allocator.h"
 
@@ -143,7 +145,30 @@ std::size_t CachingAllocator::empty_cache() {
 std::size_t CachingAllocator::garbage_collect() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!set_fraction_ || config_.garbage_collection_threshold <= 0.0) return 0;
-  return garbage_collect_cached_blocks();
+  std::size_t released = garbage_collect_cached_blocks();
+  // Asked for explicitly (an operator's or a policy's reclaim), expandable segments give back
+  // wholly free pages too, largest free blocks first, down to the same threshold. PyTorch's
+  // own collection on the allocation path skips them (they are always "split"); that path is
+  // left as PyTorch has it.
+  const auto gc_threshold = static_cast<std::size_t>(config_.garbage_collection_threshold *
+                                                     static_cast<double>(allowed_memory_maximum_));
+  if (total_allocated_memory_ <= gc_threshold) return released;
+  std::vector<Block*> free_expandable;
+  for (BlockPool* pool : {&large_blocks_, &small_blocks_})
+    for (Block* b : pool->blocks)
+      if (b->expandable != nullptr) free_expandable.push_back(b);
+  std::sort(free_expandable.begin(), free_expandable.end(),
+            [](const Block* a, const Block* b) { return a->size > b->size; });
+  std::size_t unmapped = 0;
+  for (Block* b : free_expandable) {
+    if (total_allocated_memory_ <= gc_threshold) break;
+    unmapped += unmap_block(b, total_allocated_memory_ - gc_threshold);
+  }
+  if (unmapped > 0) {
+    if (released == 0) stats_.num_gc_reclaims++;
+    stats_.gc_reclaimed_bytes += static_cast<std::int64_t>(unmapped);
+  }
+  return released + unmapped;
 }
 
 }  // namespace allocwatch
