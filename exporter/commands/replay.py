@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from exporter.commands._trace_args import add_trace_arguments, device_memory_arg, progress_bar
+
 HELP = "replay a recorded PyTorch memory trace through allocwatch's allocator (no GPU needed)"
 DESCRIPTION = """\
 Replays a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, .pickle or .pickle.gz,
@@ -27,38 +29,16 @@ argument or an unreadable, corrupt or mid-run trace."""
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("replay", help=HELP, description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="the snapshot file (.pickle or .pickle.gz)")
+    add_trace_arguments(p)
     p.add_argument("--config", metavar="STR",
                    help="allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax; 'native' is "
                         "PyTorch's defaults (default: allocwatch's defaults)")
-    p.add_argument("--device-memory", metavar="SIZE",
-                   help="cap the simulated device: a size (80GiB, 1.5G) or a multiple of the "
-                        "trace's peak requested bytes (1.03x); default: no cap")
-    p.add_argument("--memory-fraction", type=float, metavar="F",
-                   help="as torch.cuda.set_per_process_memory_fraction(F) (needed to replay a "
-                        "trace recorded with garbage_collection_threshold)")
     p.add_argument("--device", type=int,
                    help="which device's trace (default: the first with events)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="write a plot of memory over the trace")
     p.add_argument("--costs", metavar="FILE", help="device-call cost table (default: the H200 one)")
     p.set_defaults(func=run)
-
-
-def device_memory_arg(text: str | None, peak_requested: int) -> int:
-    from allocator_ext.replay.sizes import parse_size
-
-    if not text:
-        return 0
-    if text.strip().lower().endswith("x"):
-        try:
-            factor = float(text.strip()[:-1])
-        except ValueError:
-            raise ValueError(f"not a multiple: {text!r} (example: 1.03x)") from None
-        if factor <= 0:
-            raise ValueError(f"--device-memory {text}: the multiple must be positive")
-        return int(factor * peak_requested)
-    return parse_size(text)
 
 
 def human_report(r: dict) -> str:
@@ -97,28 +77,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"allocwatch replay: {e}", file=sys.stderr)
         return 2
 
-    progress = None
-    bar = None
-    if sys.stderr.isatty() and not args.json:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(trace.events), unit="ev", desc="replay", file=sys.stderr)
-        done = [0]
-
-        def progress(n: int) -> None:
-            bar.update(n - done[0])
-            done[0] = n
-
     try:
-        result = replay(trace, config=args.config, device_memory=device_memory,
-                        memory_fraction=args.memory_fraction, costs=costs,
-                        progress=progress, timeline=bool(args.plot))
+        with progress_bar(len(trace.events), "replay", args.json) as progress:
+            result = replay(trace, config=args.config, device_memory=device_memory,
+                            memory_fraction=args.memory_fraction, costs=costs,
+                            progress=progress, timeline=bool(args.plot))
     except (TraceError, ValueError) as e:
         print(f"allocwatch replay: {e}", file=sys.stderr)
         return 2
-    finally:
-        if bar is not None:
-            bar.close()
 
     if args.plot:
         from allocator_ext.replay.plot import plot_timeline

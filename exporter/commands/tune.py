@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from exporter.commands._trace_args import add_trace_arguments, device_memory_arg, progress_bar
+
 HELP = "replay a trace under candidate allocator settings and recommend one"
 DESCRIPTION = """\
 Replays a PyTorch memory snapshot under a set of candidate settings (PyTorch's defaults,
@@ -24,12 +26,7 @@ PYTORCH_CUDA_ALLOC_CONF.
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tune", help=HELP, description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="the snapshot file (.pickle or .pickle.gz)")
-    p.add_argument("--device-memory", metavar="SIZE",
-                   help="cap the simulated device: a size (80GiB) or a multiple of the trace's "
-                        "peak requested bytes (1.03x)")
-    p.add_argument("--memory-fraction", type=float, metavar="F",
-                   help="as torch.cuda.set_per_process_memory_fraction(F)")
+    add_trace_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="a bar chart of peak reserved by setting")
     p.set_defaults(func=run)
@@ -60,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     from allocator_ext.replay.sizes import format_size
     from allocator_ext.replay.trace import peak_requested_bytes
     from allocator_ext.replay.tune import CANDIDATES, explain, tune
-    from exporter.commands.replay import device_memory_arg
 
     try:
         trace = load_trace(args.trace)
@@ -69,27 +65,12 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ValueError, OSError) as e:
         print(f"allocwatch tune: {e}", file=sys.stderr)
         return 2
-    bar = None
-    progress = None
-    if sys.stderr.isatty() and not args.json:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(trace.events) * len(CANDIDATES), unit="ev", desc="tune",
-                   file=sys.stderr)
-        done = [0]
-
-        def progress(n: int) -> None:
-            bar.update(n - done[0])
-            done[0] = n
-
     try:
-        ranked = tune(trace, device_memory, args.memory_fraction, progress=progress)
+        with progress_bar(len(trace.events) * len(CANDIDATES), "tune", args.json) as progress:
+            ranked = tune(trace, device_memory, args.memory_fraction, progress=progress)
     except (TraceError, ValueError) as e:
         print(f"allocwatch tune: {e}", file=sys.stderr)
         return 2
-    finally:
-        if bar is not None:
-            bar.close()
     best = ranked[0]
     why = explain(best, ranked)
     if args.plot:
