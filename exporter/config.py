@@ -7,6 +7,7 @@ silently fall back to a default), and every error names the field's dotted path.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -31,6 +32,11 @@ class AgentsConfig:
     # TCP listener for agents; off unless a port is given. Loopback unless configured otherwise.
     tcp_port: int | None = None
     tcp_address: str = "127.0.0.1"
+    # TLS for the TCP listener (the Unix socket is local and guarded by its mode): PEM files.
+    # With tls_client_ca_file, agents must present a certificate signed by that CA (mutual TLS).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
     max_message_bytes: int = 1 << 20
     hello_timeout_seconds: float = 10.0
     # A disconnected agent's series stay this long, then disappear from /metrics.
@@ -176,7 +182,20 @@ def parse_config(raw: Any) -> SidecarConfig:
         raise ConfigError(
             "agents: no listener: set agents.unix_socket or agents.tcp_port (or both)"
         )
+    _check_tls(config.agents)
     return config
+
+
+def _check_tls(agents: AgentsConfig) -> None:
+    if bool(agents.tls_cert_file) != bool(agents.tls_key_file):
+        raise ConfigError("agents.tls_cert_file and agents.tls_key_file: give both or neither")
+    if agents.tls_client_ca_file and not agents.tls_cert_file:
+        raise ConfigError("agents.tls_client_ca_file: needs agents.tls_cert_file and "
+                          "agents.tls_key_file (the server's own certificate)")
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        path = getattr(agents, name)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"agents.{name}: cannot read {path}")
 
 
 def load_config(path: str | Path | None) -> SidecarConfig:

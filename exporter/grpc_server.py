@@ -192,7 +192,12 @@ async def start_grpc_server(registry: Registry, config: AgentsConfig
         host = config.tcp_address
         bracketed = f"[{host}]" if ":" in host else host
         try:
-            port = server.add_insecure_port(f"{bracketed}:{config.tcp_port}")
+            address = f"{bracketed}:{config.tcp_port}"
+            credentials = _tls_credentials(config)
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as err:
             raise ListenError(f"cannot listen on {bracketed}:{config.tcp_port}: {err}") from None
         targets.append(f"{bracketed}:{port}")
@@ -217,3 +222,18 @@ def _add_health_service(server: aio.Server):
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     return health
+
+
+def _tls_credentials(config: AgentsConfig) -> grpc.ServerCredentials | None:
+    """Server credentials for the TCP listener, or None for plaintext."""
+    if not config.tls_cert_file:
+        return None
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    client_ca = read(config.tls_client_ca_file) if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(read(config.tls_key_file), read(config.tls_cert_file))],
+        root_certificates=client_ca, require_client_auth=client_ca is not None)

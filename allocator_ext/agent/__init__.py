@@ -33,6 +33,7 @@ from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.client import Agent
 from allocator_ext.agent.identity import build_identity, visible_device_entry
 from allocator_ext.agent.sources import AllocatorSource, Source, TorchSource, UnsupportedCommand
+from allocator_ext.agent.tls import TlsSettings
 from exporter.nvml import NvmlReader
 
 __all__ = [
@@ -120,6 +121,7 @@ def start_agent(
     buffer_reports: int = 32,
     backoff: Backoff | None = None,
     stop_at_exit: bool = True,
+    tls: TlsSettings | None = None,
 ) -> Agent:
     """Start publishing to the sidecar at `target` (default: ALLOCWATCH_TARGET).
 
@@ -127,6 +129,7 @@ def start_agent(
     "pytorch", an allocator_ext.Allocator, a {device: Allocator} mapping, or any Source.
     identity: overrides of Identity fields (e.g. {"training_job": "llm-7b"}).
     nvml: False to skip NVML; True to read it; or a pynvml-like module (tests).
+    tls: TLS to a TCP target (default: from ALLOCWATCH_TLS_CA etc., see agent/tls.py).
     Never raises for an unreachable sidecar: the agent keeps retrying in the background.
     """
     target = target or os.environ.get("ALLOCWATCH_TARGET")
@@ -134,6 +137,9 @@ def start_agent(
         raise ValueError("no sidecar target: pass target= or set ALLOCWATCH_TARGET")
     if interval <= 0:
         raise ValueError(f"interval must be > 0 seconds, got {interval}")
+    tls = tls if tls is not None else TlsSettings.from_env()
+    if tls is not None:
+        tls.check()
     resolved = _resolve_source(source)
     reader: NvmlReader | None = None
     if nvml:
@@ -154,7 +160,7 @@ def start_agent(
     agent = Agent(
         target, resolved, ident, interval=interval,
         snapshot_dir=Path(snapshot_dir) if snapshot_dir else _default_snapshot_dir(target),
-        nvml=reader, buffer_reports=buffer_reports, backoff=backoff)
+        nvml=reader, buffer_reports=buffer_reports, backoff=backoff, tls=tls)
     agent.start()
     if stop_at_exit:
         atexit.register(agent.stop, 1.0)

@@ -22,6 +22,7 @@ from allocator_ext.agent.commands import execute
 from allocator_ext.agent.oom_snapshots import OomSnapshots
 from allocator_ext.agent.outbox import Outbox
 from allocator_ext.agent.sources import Source
+from allocator_ext.agent.tls import TlsSettings
 from exporter.nvml import NvmlReader
 from exporter.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.proto.allocwatch.v1 import agent_pb2_grpc
@@ -43,8 +44,10 @@ class Agent:
         buffer_reports: int = 32,
         backoff: Backoff | None = None,
         protocol_version: pb.ProtocolVersion | None = None,
+        tls: TlsSettings | None = None,
     ):
         self.target = target
+        self.tls = tls if tls is not None and not target.startswith("unix:") else None
         self.source = source
         self.identity = identity
         self.interval = interval
@@ -203,7 +206,12 @@ class Agent:
         stream_done = threading.Event()
         options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0)]
-        with grpc.insecure_channel(self.target, options=options) as channel:
+        if self.tls is not None:
+            channel_cm = grpc.secure_channel(self.target, self.tls.credentials(),
+                                             options=options + self.tls.options())
+        else:
+            channel_cm = grpc.insecure_channel(self.target, options=options)
+        with channel_cm as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
             call = stub.Connect(self._requests(hello, stream_done))
             with self._call_lock:
