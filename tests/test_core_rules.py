@@ -328,3 +328,13 @@ def test_an_explicit_reclaim_gives_back_free_pages_of_expandable_segments() -> N
     assert s["reserved_bytes.all.current"] <= int(0.2 * GiB) + 20 * MiB   # down to the threshold
     assert s["allocated_bytes.all.current"] == 100 * MiB
     assert a.check_invariants() == ""
+
+
+def test_chunked_growth_maps_whole_chunks_then_single_pages() -> None:
+    dev, a = native(config="native,expandable_segments:True,expandable_large_page_mb:2,"
+                    "expandable_chunk_mb:20")
+    a.malloc(46 * MiB)                    # 2 chunks of 20 MiB, then 3 pages of 2 MiB
+    c = dev.counters()
+    assert c["create"]["count"] == 5
+    assert c["map_only"]["count"] == 5 and c["set_access"]["count"] == 1
+    assert a.stats()["reserved_bytes.all.current"] == 46 * MiB

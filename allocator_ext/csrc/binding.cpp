@@ -38,6 +38,7 @@ py::dict config_dict(const AllocatorConfig& c) {
   d["roundup_power2_divisions"] = divisions;
   d["expandable_large_page"] = c.expandable_large_page;
   d["expandable_grow"] = c.expandable_grow;
+  d["expandable_chunk"] = c.expandable_chunk;
   d["reuse_free_pages"] = c.reuse_free_pages;
   d["release_lock_on_cudamalloc"] = c.release_lock_on_cudamalloc;
   d["pinned_use_cuda_host_register"] = c.pinned_use_cuda_host_register;

@@ -26,6 +26,8 @@ CANDIDATES: list[tuple[str, str | None, bool]] = [
     ("allocwatch defaults", None, False),
     ("allocwatch, 8 MiB pages", "expandable_large_page_mb:8", False),
     ("allocwatch, 2 MiB pages", "expandable_large_page_mb:2", False),
+    ("allocwatch, 2 MiB pages in 20 MiB chunks",
+     "expandable_large_page_mb:2,expandable_chunk_mb:20", False),
 ]
 
 

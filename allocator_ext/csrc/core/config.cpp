@@ -178,13 +178,19 @@ void apply_key(const std::string& key, Tokens& tok, AllocatorConfig& cfg) {
     if (mb % 2 != 0) fail(key, value, "must be a multiple of 2 (MiB), or 0");
     if (mb > kNoMaxSplit / kMiB) fail(key, value, "number too large");
     cfg.expandable_grow = mb * kMiB;
+  } else if (key == "expandable_chunk_mb") {
+    std::size_t mb = parse_count(key, value);
+    if (mb % 2 != 0) fail(key, value, "must be a multiple of 2 (MiB), or 0");
+    if (mb > kNoMaxSplit / kMiB) fail(key, value, "number too large");
+    cfg.expandable_chunk = mb * kMiB;
   } else if (key == "reuse_free_pages") {
     cfg.reuse_free_pages = parse_bool(key, value);
   } else {
     fail(key, "",
          "unknown key (known: max_split_size_mb, max_non_split_rounding_mb, "
          "garbage_collection_threshold, expandable_segments, roundup_power2_divisions, "
-         "expandable_large_page_mb, expandable_grow_mb, reuse_free_pages, backend, release_lock_on_cudamalloc, "
+         "expandable_large_page_mb, expandable_grow_mb, expandable_chunk_mb, reuse_free_pages, "
+         "backend, release_lock_on_cudamalloc, "
          "pinned_use_cuda_host_register, pinned_num_register_threads, "
          "pinned_use_background_threads; preset: native)");
   }
@@ -221,6 +227,7 @@ std::vector<std::pair<std::string, std::string>> AllocatorConfig::items() const 
       {"roundup_power2_divisions", roundup.str()},
       {"expandable_large_page_mb", std::to_string(expandable_large_page / kMiB)},
       {"expandable_grow_mb", std::to_string(expandable_grow / kMiB)},
+      {"expandable_chunk_mb", std::to_string(expandable_chunk / kMiB)},
       {"reuse_free_pages", bool_text(reuse_free_pages)},
       {"release_lock_on_cudamalloc", bool_text(release_lock_on_cudamalloc)},
       {"pinned_use_cuda_host_register", bool_text(pinned_use_cuda_host_register)},

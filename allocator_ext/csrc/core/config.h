@@ -48,6 +48,9 @@ struct AllocatorConfig {
   // Minimum growth of a large-pool expandable segment, mapped as one chunk (0: PyTorch's way,
   // one physical allocation and one map call per page).
   std::size_t expandable_grow = 0;  // expandable_grow_mb
+  // Large-pool growth maps physical chunks of this size where a whole one fits, and single
+  // pages for the rest (0: pages only).
+  std::size_t expandable_chunk = 0;  // expandable_chunk_mb
   // Before growing an expandable segment, release wholly free chunks elsewhere in the same
   // pool, so that the growth reuses their memory instead of raising reserved memory.
   bool reuse_free_pages = false;

@@ -57,12 +57,21 @@ std::size_t CachingAllocator::grow_size(const BlockPool* pool, std::size_t neede
 
 bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
   ExpandableSegment* es = to_map->expandable;
-  const bool one_chunk = !to_map->pool->is_small && config_.expandable_grow > 0;
+  // Large-pool growth maps whole chunks where it can (few calls), single pages for the rest
+  // (a fine tail, easy to give back).
+  std::size_t chunk_pages = 1;
+  if (!to_map->pool->is_small) {
+    if (config_.expandable_grow > 0) {
+      chunk_pages = (size + es->page_size() - 1) / es->page_size();
+    } else if (config_.expandable_chunk > es->page_size()) {
+      chunk_pages = config_.expandable_chunk / es->page_size();
+    }
+  }
   if (config_.reuse_free_pages) {
     const std::size_t page = es->page_size();
     take_back_free_pages(to_map->pool, to_map, (size + page - 1) / page * page);
   }
-  Range mapped = es->map(Range{to_map->ptr, size}, one_chunk, &spare_pages_);
+  Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
   // returned to the device.
   for (PhysicalHandle h : spare_pages_) device_->release_physical(h, es->page_size());

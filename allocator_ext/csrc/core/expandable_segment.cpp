@@ -29,15 +29,15 @@ ExpandableSegment::~ExpandableSegment() {
   }
 }
 
-Range ExpandableSegment::map(Range r, bool one_chunk, std::vector<PhysicalHandle>* spare) {
+Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<PhysicalHandle>* spare) {
   const std::size_t begin = page_floor(r.ptr);
   const std::size_t end = page_ceil(r.ptr + r.size);
   assert(base_ + begin * page_size_ == r.ptr);
   if (begin == end) return pages(begin, end);
-  const std::size_t step = one_chunk ? end - begin : 1;
+  const std::size_t chunk = chunk_pages == 0 ? 1 : chunk_pages;
   std::vector<std::size_t> made;
-  for (std::size_t first = begin; first < end; first += step) {
-    const std::size_t n = std::min(step, end - first);
+  for (std::size_t first = begin, n = 0; first < end; first += n) {
+    n = end - first >= chunk ? chunk : 1;
     PhysicalHandle handle = 0;
     if (n == 1 && spare != nullptr && !spare->empty()) {
       handle = spare->back();

@@ -28,13 +28,14 @@ class ExpandableSegment {
   ExpandableSegment(const ExpandableSegment&) = delete;
   ExpandableSegment& operator=(const ExpandableSegment&) = delete;
 
-  // Maps the pages covering [r.ptr, r.ptr + r.size); r.ptr must be page aligned. With
-  // `one_chunk`, all of them come from one physical allocation mapped in one call (device
-  // calls cost mostly per call, so growing by 1 GiB in one chunk is hundreds of times cheaper
-  // than in 2 MiB pages); otherwise one allocation per page, as PyTorch does. Returns the range
-  // mapped, or an empty range when the device is out of memory (nothing stays mapped).
-  // In page mode, physical pages from `spare` (taken back elsewhere) are used before new ones.
-  Range map(Range r, bool one_chunk = false, std::vector<PhysicalHandle>* spare = nullptr);
+  // Maps the pages covering [r.ptr, r.ptr + r.size); r.ptr must be page aligned. Physical
+  // memory comes in chunks of `chunk_pages` pages while that many remain, then page by page
+  // (1: one allocation per page, as PyTorch does). Device calls cost mostly per call, so larger
+  // chunks are cheaper to map; single pages are cheaper to give back, since a chunk can only be
+  // unmapped whole. Single pages come from `spare` (taken back elsewhere) before new ones.
+  // Returns the range mapped, or an empty range when the device is out of memory (nothing
+  // stays mapped).
+  Range map(Range r, std::size_t chunk_pages = 1, std::vector<PhysicalHandle>* spare = nullptr);
   // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part), after the
   // segment's stream is idle, and releases its physical memory. At most `limit` bytes when
   // limit > 0, taking chunks from the front. Returns the contiguous range unmapped (possibly
