@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,22 @@ def connect_agent(running: SidecarThread, tmp_path: Path, source: Any, *, rank: 
 def metric(running: SidecarThread, name: str, **labels: str) -> float:
     """Sum of the samples of `name` with these labels (0 when none)."""
     return sum(values(running.sidecar.metrics_url, name, **labels))
+
+
+@contextlib.contextmanager
+def two_agents_running(tmp_path: Path) -> Iterator[tuple[SidecarThread, str, list[Any]]]:
+    """A sidecar with two agents on different ranks, hosts and jobs; yields the sidecar, its
+    admin address and the agents' (fake) sources."""
+    from _sidecar_fixtures import FakeSource
+
+    running = start_control_sidecar(tmp_path)
+    sources = [FakeSource(), FakeSource()]
+    agents = [connect_agent(running, tmp_path, sources[0], rank=0, host="node-a", job="j1"),
+              connect_agent(running, tmp_path, sources[1], rank=1, host="node-b", job="j2")]
+    (address,) = running.sidecar.admin.addresses()
+    try:
+        yield running, address, sources
+    finally:
+        for agent in agents:
+            agent.stop()
+        running.stop()

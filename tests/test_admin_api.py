@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _control_fixtures import connect_agent, metric, start_control_sidecar
+from _control_fixtures import connect_agent, metric, start_control_sidecar, two_agents_running
 from _sidecar_fixtures import FakeSource, MiB, scrape
 
 from exporter.config import ConfigError, parse_config
@@ -55,15 +55,8 @@ def call(address: str, method: str, path: str, body: Any = None,
 
 @pytest.fixture
 def two_agents(tmp_path: Path):
-    running = start_control_sidecar(tmp_path)
-    sources = [FakeSource(), FakeSource()]
-    agents = [connect_agent(running, tmp_path, sources[0], rank=0, host="node-a", job="j1"),
-              connect_agent(running, tmp_path, sources[1], rank=1, host="node-b", job="j2")]
-    (address,) = running.sidecar.admin.addresses()
-    yield running, address, sources
-    for agent in agents:
-        agent.stop()
-    running.stop()
+    with two_agents_running(tmp_path) as running:
+        yield running
 
 
 def test_unix_socket_is_private_and_lists_agents_by_selector(two_agents) -> None:

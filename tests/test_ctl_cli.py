@@ -8,7 +8,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from _control_fixtures import connect_agent, start_control_sidecar
+from _control_fixtures import connect_agent, start_control_sidecar, two_agents_running
 from _sidecar_fixtures import FakeSource
 
 from exporter.cli import main
@@ -19,15 +19,8 @@ TOKEN = "0a1b2c3d4e5f60718293a4b5c6d7e8f9"
 
 @pytest.fixture
 def two_agents(tmp_path: Path):
-    running = start_control_sidecar(tmp_path)
-    sources = [FakeSource(), FakeSource()]
-    agents = [connect_agent(running, tmp_path, sources[0], rank=0, host="node-a", job="j1"),
-              connect_agent(running, tmp_path, sources[1], rank=1, host="node-b", job="j2")]
-    (address,) = running.sidecar.admin.addresses()
-    yield address, sources, tmp_path
-    for agent in agents:
-        agent.stop()
-    running.stop()
+    with two_agents_running(tmp_path) as (_, address, sources):
+        yield address, sources, tmp_path
 
 
 def test_agents_set_reclaim_reset(two_agents, capsys: pytest.CaptureFixture[str]) -> None:
