@@ -26,7 +26,6 @@ from allocator_ext._core import (
     round_size,
     segment_size_for,
 )
-from allocator_ext.agent import maybe_start_from_env, start_agent
 from allocator_ext.torch_integration import InstallError, allocator, install, snapshot
 
 __all__ = [
@@ -45,3 +44,13 @@ __all__ = [
     "snapshot",
     "start_agent",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The agent pulls in gRPC: load it when asked for, so that the core, replay and tune stay
+    # quick to import.
+    if name in ("start_agent", "maybe_start_from_env"):
+        from allocator_ext import agent
+
+        return getattr(agent, name)
+    raise AttributeError(f"module 'allocator_ext' has no attribute {name!r}")
