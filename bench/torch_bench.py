@@ -54,10 +54,17 @@ double pairs_ns(int64_t size, int64_t n, int64_t live) {
 def _child_setup():
     import torch
 
+    installed = False
     if os.environ.get("ALLOCWATCH_BENCH_INSTALL") == "1":
         import allocator_ext
 
         assert allocator_ext.install(), "allocwatch did not install"
+        installed = True
+    target = os.environ.get("ALLOCWATCH_BENCH_AGENT")
+    if target:  # bench/agent_overhead.py: the same loop with the agent publishing every second
+        from allocator_ext.agent import start_agent
+
+        start_agent(target, interval=1.0, source="allocwatch" if installed else "pytorch")
     return torch
 
 

@@ -1,0 +1,34 @@
+"""The GPU benchmarks' plumbing, exercised on the CPU so that a GPU session does not spend its
+minutes on a broken script (the measurements themselves need the H200)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out_file = tmp_path / "soak.json"
+    out = subprocess.run([sys.executable, "bench/gpu_soak.py", "--self-check", "--json",
+                          str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["corrupt_steps"] == 0 and result["steps"] > 100
+    assert result["sidecar_kills"] >= 2
+    assert result["agent_back_after_restart"] == result["sidecar_kills"]
+    assert result["counters_went_back"] == 0
+
+
+@pytest.mark.parametrize("script", ["agent_overhead.py", "torch_bench.py", "gpu_soak.py",
+                                    "fragmentation.py"])
+def test_bench_scripts_explain_themselves(script: str) -> None:
+    out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "usage:" in out.stdout
