@@ -27,7 +27,7 @@ def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_pat
 
 
 @pytest.mark.parametrize("script", ["agent_overhead.py", "torch_bench.py", "gpu_soak.py",
-                                    "fragmentation.py"])
+                                    "fragmentation.py", "policy_under_cap.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
