@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _sidecar_process import SidecarProcess
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench" / "torch_bench.py"
@@ -35,17 +34,7 @@ def main() -> int:
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="allocwatch-overhead-"))
-    sock = tmp / "agent.sock"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tmp / "sidecar.yaml"
-    config.write_text(f"agents:\n  unix_socket: {sock}\nmetrics:\n  address: 127.0.0.1\n"
-                      f"  port: {port}\n")
-    sidecar = subprocess.Popen([sys.executable, "-m", "exporter.cli", "sidecar", "--config",
-                                str(config)], cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    sidecar = SidecarProcess("allocwatch-overhead-").start()
     time.sleep(3)
     runs: list[dict] = []
     try:
@@ -55,7 +44,7 @@ def main() -> int:
                 if args.allocator == "allocwatch":
                     env["ALLOCWATCH_BENCH_INSTALL"] = "1"
                 if with_agent:
-                    env["ALLOCWATCH_BENCH_AGENT"] = f"unix://{sock}"
+                    env["ALLOCWATCH_BENCH_AGENT"] = sidecar.target
                 out = subprocess.run([sys.executable, str(BENCH), "--child", "train",
                                       str(args.steps), "0", "0"], env=env, capture_output=True,
                                      text=True, timeout=600)
@@ -64,8 +53,7 @@ def main() -> int:
                 runs.append({"round": r, "agent": with_agent, **result})
                 print(json.dumps(runs[-1]), flush=True)
     finally:
-        sidecar.send_signal(signal.SIGTERM)
-        sidecar.wait(10)
+        sidecar.stop()
     with_ = [x["median_step_s"] for x in runs if x.get("agent") and x.get("median_step_s")]
     without = [x["median_step_s"] for x in runs if not x.get("agent") and x.get("median_step_s")]
     summary = {"command": " ".join(sys.argv), "allocator": args.allocator, "runs": runs}

@@ -19,23 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from _sidecar_process import SidecarProcess
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------- the worker
@@ -91,12 +84,6 @@ def worker(target: str, seconds: float, self_check: bool) -> int:
 
 # ------------------------------------------------------------------------------- the driver
 
-def start_sidecar(config: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "exporter.cli", "sidecar", "--config",
-                             str(config)], cwd=REPO, stdout=log.open("ab"),
-                            stderr=subprocess.STDOUT)
-
-
 def allocations_total(url: str) -> float | None:
     try:
         text = urllib.request.urlopen(url, timeout=2).read().decode()
@@ -132,17 +119,10 @@ def main() -> int:
     if args.worker:
         return worker(args.worker, args.minutes * 60, args.self_check)
 
-    tmp = Path(tempfile.mkdtemp(prefix="allocwatch-soak-"))
-    sock = tmp / "run" / "agent.sock"
-    port = free_port()
-    config = tmp / "sidecar.yaml"
-    config.write_text(f"agents:\n  unix_socket: {sock}\n  expiry_seconds: 120\n"
-                      f"metrics:\n  address: 127.0.0.1\n  port: {port}\n"
-                      f"admin:\n  enabled: false\n")
-    url = f"http://127.0.0.1:{port}/metrics"
-    log = tmp / "sidecar.log"
-    sidecar = start_sidecar(config, log)
-    cmd = [sys.executable, __file__, "--worker", f"unix://{sock}", "--minutes", str(args.minutes)]
+    sidecar = SidecarProcess("allocwatch-soak-", agents_yaml="  expiry_seconds: 120\n",
+                             extra_yaml="admin:\n  enabled: false\n").start()
+    url = sidecar.metrics_url
+    cmd = [sys.executable, __file__, "--worker", sidecar.target, "--minutes", str(args.minutes)]
     if args.self_check:
         cmd.append("--self-check")
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
@@ -157,11 +137,10 @@ def main() -> int:
         time.sleep(0.2)
         if time.monotonic() < next_kill:
             continue
-        sidecar.send_signal(signal.SIGKILL)
-        sidecar.wait()
+        sidecar.kill()
         kills += 1
         time.sleep(1.0)
-        sidecar = start_sidecar(config, log)
+        sidecar.start()
         t0 = time.monotonic()
         value = wait_for_agent(url, 30)
         if value is not None:
@@ -171,8 +150,7 @@ def main() -> int:
             last = value
         next_kill = time.monotonic() + args.kill_every
     out, _ = work.communicate()
-    sidecar.send_signal(signal.SIGTERM)
-    sidecar.wait(10)
+    sidecar.stop()
     result = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"error": "no output"}
     result.update({
         "command": " ".join(sys.argv), "minutes": args.minutes, "sidecar_kills": kills,

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _sidecar_process import SidecarProcess
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench" / "torch_bench.py"
@@ -65,30 +64,19 @@ def main() -> int:
 
     reference = child("pytorch", args.steps, 0.0, 0, None)
     peak = int(reference.get("peak_requested", 0))
-    tmp = Path(tempfile.mkdtemp(prefix="allocwatch-policy-"))
-    sock = tmp / "agent.sock"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tmp / "sidecar.yaml"
-    config.write_text(f"agents:\n  unix_socket: {sock}\nmetrics:\n  address: 127.0.0.1\n"
-                      f"  port: {port}\n" + POLICY)
-    sidecar = subprocess.Popen([sys.executable, "-m", "exporter.cli", "sidecar", "--config",
-                                str(config)], cwd=REPO, stdout=(tmp / "sidecar.log").open("wb"),
-                               stderr=subprocess.STDOUT)
+    sidecar = SidecarProcess("allocwatch-policy-", extra_yaml=POLICY).start()
     time.sleep(3)
     runs = []
     try:
         for allocator in ("pytorch", "allocwatch"):
             for mode in ("fixed", "tuned"):
-                agent = f"unix://{sock}" if mode == "tuned" else None
+                agent = sidecar.target if mode == "tuned" else None
                 result = child(allocator, args.steps, args.fraction_of_peak, peak, agent)
                 runs.append({"allocator": allocator, "mode": mode, **result})
                 print(json.dumps(runs[-1]), flush=True)
     finally:
-        sidecar.send_signal(signal.SIGTERM)
-        sidecar.wait(10)
-    actions = [line for line in (tmp / "sidecar.log").read_text().splitlines()
+        sidecar.stop()
+    actions = [line for line in sidecar.log.read_text().splitlines()
                if "switch-to-expandable" in line and '"act"' in line]
     summary = {"command": " ".join(sys.argv), "peak_requested": peak, "runs": runs,
                "policy_actions_logged": len(actions)}
