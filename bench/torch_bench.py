@@ -4,11 +4,14 @@
         alloc + free pairs through torch's C++ raw_alloc/raw_delete (512 B, 64 KiB, 4 MiB,
         64 MiB, and a mix with 1,000 blocks in use), and torch.empty from Python, under
         PyTorch's allocator and allocwatch's, in one run; ns per pair, medians.
-    python bench/torch_bench.py train [--rounds N] [--steps N] [--fraction-of-peak F] [--json FILE]
-        a transformer LM (8 layers, width 1024, bf16 autocast) trained with random batch size
-        and sequence length, under PyTorch's default, its expandable segments, cudaMallocAsync
-        and allocwatch, runs interleaved; median step time and peak reserved / peak requested.
-        With --fraction-of-peak 1.03 every run is capped by set_per_process_memory_fraction at
+    python bench/torch_bench.py train [--model transformer|convnet] [--rounds N] [--steps N]
+                                      [--fraction-of-peak F] [--json FILE]
+        transformer: a language model (8 layers, width 1024, bf16 autocast) trained with random
+        batch size and sequence length; convnet: a residual convolutional net (bf16 autocast,
+        cuDNN benchmark mode off) trained on images of random batch size and resolution.
+        Under PyTorch's default, its expandable segments, cudaMallocAsync and allocwatch, runs
+        interleaved; median step time and peak reserved / peak requested. With
+        --fraction-of-peak 1.03 every run is capped by set_per_process_memory_fraction at
         1.03 x the workload's peak requested bytes.
 Each measurement runs in a fresh process, since the allocator is chosen before CUDA starts.
 """
@@ -90,18 +93,78 @@ def child_hotpath() -> dict:
     return out
 
 
-def child_train(steps: int, fraction_of_peak: float, peak_requested: int) -> dict:
-    torch = _child_setup()
+def _transformer(torch, rng):
+    """A language model; each step a random batch size and sequence length."""
     import torch.nn as nn
 
-    torch.manual_seed(0)
-    import random
-
-    rng = random.Random(0)
     vocab, width, layers = 32000, 1024, 8
     layer = nn.TransformerEncoderLayer(width, 16, 4 * width, batch_first=True, norm_first=True)
     model = nn.Sequential(nn.Embedding(vocab, width), nn.TransformerEncoder(layer, layers),
                           nn.Linear(width, vocab)).cuda()
+
+    def batch():
+        size, seq = rng.randint(4, 16), rng.choice([128, 256, 384, 512, 768, 1024])
+        x = torch.randint(0, vocab, (size, seq), device="cuda")
+        return x, x
+
+    def loss_of(x, y):
+        return nn.functional.cross_entropy(model(x).float().view(-1, vocab), y.view(-1))
+
+    return model, batch, loss_of
+
+
+def _convnet(torch, rng):
+    """A residual convolutional net; each step a random batch size and image resolution, so
+    activation sizes vary as in detection or multi-resolution training."""
+    import torch.nn as nn
+
+    torch.backends.cudnn.benchmark = False  # its workspace calls bypass the pluggable path
+
+    class Residual(nn.Module):
+        def __init__(self, channels: int):
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                nn.BatchNorm2d(channels), nn.ReLU(inplace=True),
+                nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels))
+
+        def forward(self, x):
+            return torch.relu(x + self.body(x))
+
+    layers: list = [nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64),
+                    nn.ReLU(inplace=True)]
+    channels = 64
+    for stage, width in enumerate((64, 128, 256, 512)):
+        if stage:
+            layers += [nn.Conv2d(channels, width, 3, stride=2, padding=1, bias=False),
+                       nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+        layers += [Residual(width), Residual(width)]
+        channels = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 1000)]
+    model = nn.Sequential(*layers).cuda().to(memory_format=torch.channels_last)
+
+    def batch():
+        size, side = rng.randint(16, 64), rng.choice([128, 160, 192, 224, 256, 320, 384])
+        x = torch.randn(size, 3, side, side, device="cuda").to(memory_format=torch.channels_last)
+        return x, torch.randint(0, 1000, (size,), device="cuda")
+
+    def loss_of(x, y):
+        return nn.functional.cross_entropy(model(x).float(), y)
+
+    return model, batch, loss_of
+
+
+MODELS = {"transformer": _transformer, "convnet": _convnet}
+
+
+def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
+                model_name: str = "transformer") -> dict:
+    torch = _child_setup()
+    import random
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model, batch, loss_of = MODELS[model_name](torch, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if fraction_of_peak and peak_requested:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -109,13 +172,12 @@ def child_train(steps: int, fraction_of_peak: float, peak_requested: int) -> dic
     times = []
     oom = None
     for step in range(steps):
-        batch, seq = rng.randint(4, 16), rng.choice([128, 256, 384, 512, 768, 1024])
-        x = torch.randint(0, vocab, (batch, seq), device="cuda")
+        x, y = batch()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(model(x).float().view(-1, vocab), x.view(-1))
+                loss = loss_of(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -150,6 +212,8 @@ def main() -> int:
     p.add_argument("mode", nargs="?", choices=["hotpath", "train"])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--model", choices=sorted(MODELS), default="transformer",
+                   help="the training workload (train mode)")
     p.add_argument("--fraction-of-peak", type=float, default=0.0)
     p.add_argument("--allocators", default="pytorch,expandable,cudaMallocAsync,allocwatch")
     p.add_argument("--json", metavar="FILE")
@@ -161,11 +225,13 @@ def main() -> int:
             print(json.dumps(child_hotpath()))
         else:
             steps, fraction, peak = int(args.child[1]), float(args.child[2]), int(args.child[3])
-            print(json.dumps(child_train(steps, fraction, peak)))
+            model = args.child[4] if len(args.child) > 4 else "transformer"
+            print(json.dumps(child_train(steps, fraction, peak, model)))
         return 0
 
     allocators = args.allocators.split(",")
-    results: dict = {"mode": args.mode, "command": " ".join(sys.argv), "runs": []}
+    results: dict = {"mode": args.mode, "model": args.model, "command": " ".join(sys.argv),
+                     "runs": []}
     if args.mode == "hotpath":
         for a in ("pytorch", "allocwatch"):
             results["runs"].append({"allocator": a, **run_child("hotpath", a, [])})
@@ -173,12 +239,12 @@ def main() -> int:
     else:
         peak = 0
         if args.fraction_of_peak:
-            ref = run_child("train", "pytorch", [str(args.steps), "0", "0"])
+            ref = run_child("train", "pytorch", [str(args.steps), "0", "0", args.model])
             peak = int(ref.get("peak_requested", 0))
             results["reference_peak_requested"] = peak
         for r in range(args.rounds):
             for a in allocators:
-                extra = [str(args.steps), str(args.fraction_of_peak), str(peak)]
+                extra = [str(args.steps), str(args.fraction_of_peak), str(peak), args.model]
                 res = run_child("train", a, extra)
                 results["runs"].append({"allocator": a, "round": r, **res})
                 print(json.dumps(results["runs"][-1]), flush=True)

@@ -1,12 +1,14 @@
-"""Two torchrun ranks on two GPUs, each with an agent started from the environment (what
-`allocwatch run` does), publishing PyTorch's allocator figures through one sidecar: both ranks
-show, each with its own device and series. Needs 2 CUDA GPUs (skipped elsewhere, saying why)."""
+"""Two torchrun ranks on two GPUs publishing through one sidecar: both ranks show, each with its
+own device and series — with PyTorch's allocator as the source (agent started from the
+environment), and under `allocwatch run` with allocwatch's allocator installed in every worker
+without a code change. Needs 2 CUDA GPUs (skipped elsewhere, saying why)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -62,6 +64,57 @@ def test_two_ranks_through_one_sidecar(tmp_path: Path) -> None:
         assert found["0"][1] != found["1"][1] and all(v[1].startswith("GPU-")
                                                       for v in found.values())
         assert found["1"][2] > found["0"][2]  # rank 1 holds twice the memory
+        assert child.wait(120) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        running.stop()
+
+
+OURS_RANK_SCRIPT = textwrap.dedent("""\
+    import os, time, torch
+    import allocator_ext
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    assert allocator_ext.installed(), "allocwatch run did not install the allocator"
+    blocks = [torch.empty((1 + local_rank) * 64 << 20, dtype=torch.uint8, device="cuda")]
+    assert torch.cuda.memory_allocated() >= (1 + local_rank) * 64 << 20
+    deadline = time.time() + float(os.environ["RUN_SECONDS"])
+    while time.time() < deadline:
+        x = torch.randn(1024, 1024, device="cuda")
+        assert torch.allclose((x @ x)[0, :4], x[0] @ x[:, :4], rtol=1e-3, atol=1e-3)
+        time.sleep(0.05)
+    """)
+
+
+def test_allocwatch_run_under_torchrun_installs_ours_in_every_rank(tmp_path: Path) -> None:
+    """`allocwatch run -- torchrun ...`: no code change, our allocator in both workers, each
+    rank publishing its own device's allocwatch series."""
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    running = start_sidecar(tmp_path)
+    url = running.sidecar.metrics_url
+    script = tmp_path / "rank.py"
+    script.write_text(OURS_RANK_SCRIPT)
+    env = {**os.environ, "ALLOCWATCH_INTERVAL": "0.2", "RUN_SECONDS": "12"}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", "run", "--target",
+         running.sidecar.agent_targets[0], "--", torchrun, "--standalone", "--nproc-per-node",
+         "2", str(script)], env=env)
+    try:
+        def ranks() -> dict[str, tuple[str, float]]:
+            backends = {dict(ls)["rank"]: dict(ls)["backend"]
+                        for (n, ls), _ in samples(url).items()
+                        if n == "torch_cuda_allocator_info" and "rank" in dict(ls)}
+            return {dict(ls)["rank"]: (dict(ls)["cuda_device"], v)
+                    for (n, ls), v in samples(url).items()
+                    if n == "torch_cuda_allocator_allocated_bytes" and "pool" not in dict(ls)
+                    and backends.get(dict(ls)["rank"]) == "allocwatch"}
+        found = wait_for(lambda: len(ranks()) == 2 and ranks(), timeout=90, interval=0.5,
+                         what="both ranks with allocwatch's allocator on /metrics")
+        assert {found["0"][0], found["1"][0]} == {"0", "1"}
+        assert found["1"][1] > found["0"][1] >= 64 << 20
         assert child.wait(120) == 0
     finally:
         if child.poll() is None:

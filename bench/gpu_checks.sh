@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU checks of the PyTorch-integration, agent, tuning and reliability issues, in parts that
+# fit the device tool's 10-minute calls. Run from the repository root on a GPU machine:
+#   OUT=/some/folder bash bench/gpu_checks.sh PART...
+# Parts (each prints its command; a part that fails is reported and the next still runs):
+#   install      python -m pip install --no-build-isolation --no-deps -e .
+#   tests        the gpu-marked tests (tests/test_*gpu*.py; the torchrun ones need 2 GPUs)
+#   soak-start   starts bench/gpu_soak.py (10 min, sidecar SIGKILLed every 60 s) in its own
+#                session on the last GPU, so other parts can use GPU 0 meanwhile
+#   soak-wait    waits for it and copies its JSON and log to $OUT
+#   overhead     bench/agent_overhead.py for allocwatch's allocator and PyTorch's
+#   hotpath      bench/torch_bench.py hotpath
+#   train        bench/torch_bench.py train (transformer), then the convnet
+#   cap          bench/torch_bench.py train --fraction-of-peak 1.03 (transformer)
+#   policy       bench/policy_under_cap.py --fraction-of-peak 1.10
+# Everything printed is also in $OUT/checks.log.
+set -u -o pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+: "${OUT:?set OUT to the folder whose files come back}"
+mkdir -p "$OUT"
+PYTHON="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+SOAK_DIR=/tmp/allocwatch-soak
+
+declare -a PART_NAMES=() PART_RESULTS=()
+part() {
+  local name="$1"; shift
+  local started=$SECONDS
+  echo; echo "=== $name: $* ==="
+  "$@"
+  local rc=$?
+  local result="ok"
+  [ $rc -ne 0 ] && result="FAILED (exit $rc)"
+  PART_NAMES+=("$name"); PART_RESULTS+=("$result, $((SECONDS - started)) s")
+  echo "--- $name: $result, $((SECONDS - started)) s"
+}
+
+last_gpu() { echo $(( $(nvidia-smi -L | wc -l) - 1 )); }
+
+soak_start() {
+  rm -rf "$SOAK_DIR" && mkdir -p "$SOAK_DIR"
+  CUDA_VISIBLE_DEVICES="$(last_gpu)" setsid "$PYTHON" bench/gpu_soak.py --minutes 10 \
+    --kill-every 60 --json "$SOAK_DIR/soak.json" >"$SOAK_DIR/soak.log" 2>&1 < /dev/null &
+  echo "soak running on GPU $(last_gpu), pid $!, log $SOAK_DIR/soak.log"
+}
+
+soak_wait() {
+  while pgrep -f "bench/gpu_soak.py" >/dev/null; do sleep 5; done
+  cp "$SOAK_DIR/soak.log" "$OUT/soak.log"; tail -30 "$SOAK_DIR/soak.log"
+  cp "$SOAK_DIR/soak.json" "$OUT/soak.json"
+}
+
+run_part() {
+  case "$1" in
+    install) part install "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e . ;;
+    tests) part tests "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_torch_gpu.py \
+        tests/test_agent_torch_gpu.py tests/test_agent_torchrun_gpu.py ;;
+    soak-start) part soak-start soak_start ;;
+    soak-wait) part soak-wait soak_wait ;;
+    overhead)
+      part "overhead allocwatch" "$PYTHON" bench/agent_overhead.py --rounds 4 --steps 40 \
+        --allocator allocwatch --json "$OUT/overhead_allocwatch.json"
+      part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --rounds 4 --steps 40 \
+        --allocator pytorch --json "$OUT/overhead_pytorch.json" ;;
+    hotpath) part hotpath "$PYTHON" bench/torch_bench.py hotpath --json "$OUT/hotpath.json" ;;
+    train)
+      part "train transformer" "$PYTHON" bench/torch_bench.py train --rounds 2 --steps 40 \
+        --json "$OUT/train_transformer.json"
+      part "train convnet" "$PYTHON" bench/torch_bench.py train --model convnet --rounds 2 \
+        --steps 40 --json "$OUT/train_convnet.json" ;;
+    cap) part cap "$PYTHON" bench/torch_bench.py train --rounds 1 --steps 40 \
+        --fraction-of-peak 1.03 --allocators expandable,allocwatch --json "$OUT/cap.json" ;;
+    policy) part policy "$PYTHON" bench/policy_under_cap.py --fraction-of-peak 1.10 --steps 40 \
+        --json "$OUT/policy.json" ;;
+    *) echo "unknown part: $1 (see the comment at the top of $0)"; return 2 ;;
+  esac
+}
+
+main() {
+  echo "gpu_checks: $(date -u +%FT%TZ) on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv,noheader
+  for p in "$@"; do run_part "$p"; done
+  echo; echo "=== summary ==="
+  local failed=0 i
+  for i in "${!PART_NAMES[@]}"; do
+    printf '  %-22s %s\n' "${PART_NAMES[$i]}" "${PART_RESULTS[$i]}"
+    case "${PART_RESULTS[$i]}" in FAILED*) failed=1 ;; esac
+  done
+  return $failed
+}
+
+main "$@" 2>&1 | tee -a "$OUT/checks.log"
+exit "${PIPESTATUS[0]}"
