@@ -26,7 +26,7 @@ from allocator_ext._core import (
     round_size,
     segment_size_for,
 )
-from allocator_ext.torch_integration import InstallError, allocator, install, snapshot
+from allocator_ext.torch_integration import InstallError, allocator, install, installed, snapshot
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -37,6 +37,7 @@ __all__ = [
     "SimDevice",
     "allocator",
     "install",
+    "installed",
     "maybe_start_from_env",
     "parse_config",
     "round_size",

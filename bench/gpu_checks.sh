@@ -5,12 +5,16 @@
 # Parts (each prints its command; a part that fails is reported and the next still runs):
 #   install      python -m pip install --no-build-isolation --no-deps -e .
 #   tests        the gpu-marked tests (tests/test_*gpu*.py; the torchrun ones need 2 GPUs)
+#   torchrun     only the torchrun tests (2 GPUs)
 #   soak-start   starts bench/gpu_soak.py (10 min, sidecar SIGKILLed every 60 s) in its own
 #                session on the last GPU, so other parts can use GPU 0 meanwhile
 #   soak-wait    waits for it and copies its JSON and log to $OUT
-#   overhead     bench/agent_overhead.py for allocwatch's allocator and PyTorch's
+#   overhead     bench/agent_overhead.py (in-process A/B blocks) for allocwatch's allocator and
+#                PyTorch's
 #   hotpath      bench/torch_bench.py hotpath
 #   train        bench/torch_bench.py train (transformer), then the convnet
+#   steptime     step times only, more rounds: convnet (3 rounds: pytorch, expandable, allocwatch),
+#                transformer (2 rounds: expandable, allocwatch)
 #   cap          bench/torch_bench.py train --fraction-of-peak 1.03 (transformer)
 #   policy       bench/policy_under_cap.py --fraction-of-peak 1.10
 # Everything printed is also in $OUT/checks.log.
@@ -56,12 +60,14 @@ run_part() {
     install) part install "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e . ;;
     tests) part tests "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_torch_gpu.py \
         tests/test_agent_torch_gpu.py tests/test_agent_torchrun_gpu.py ;;
+    torchrun) part torchrun "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+        tests/test_agent_torchrun_gpu.py ;;
     soak-start) part soak-start soak_start ;;
     soak-wait) part soak-wait soak_wait ;;
     overhead)
-      part "overhead allocwatch" "$PYTHON" bench/agent_overhead.py --rounds 4 --steps 40 \
+      part "overhead allocwatch" "$PYTHON" bench/agent_overhead.py --blocks 8 --steps 25 \
         --allocator allocwatch --json "$OUT/overhead_allocwatch.json"
-      part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --rounds 4 --steps 40 \
+      part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --blocks 8 --steps 25 \
         --allocator pytorch --json "$OUT/overhead_pytorch.json" ;;
     hotpath) part hotpath "$PYTHON" bench/torch_bench.py hotpath --json "$OUT/hotpath.json" ;;
     train)
@@ -69,6 +75,11 @@ run_part() {
         --json "$OUT/train_transformer.json"
       part "train convnet" "$PYTHON" bench/torch_bench.py train --model convnet --rounds 2 \
         --steps 40 --json "$OUT/train_convnet.json" ;;
+    steptime)
+      part "steptime convnet" "$PYTHON" bench/torch_bench.py train --model convnet --rounds 3 \
+        --steps 40 --allocators pytorch,expandable,allocwatch --json "$OUT/steptime_convnet.json"
+      part "steptime transformer" "$PYTHON" bench/torch_bench.py train --rounds 2 --steps 40 \
+        --allocators expandable,allocwatch --json "$OUT/steptime_transformer.json" ;;
     cap) part cap "$PYTHON" bench/torch_bench.py train --rounds 1 --steps 40 \
         --fraction-of-peak 1.03 --allocators expandable,allocwatch --json "$OUT/cap.json" ;;
     policy) part policy "$PYTHON" bench/policy_under_cap.py --fraction-of-peak 1.10 --steps 40 \

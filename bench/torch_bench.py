@@ -194,6 +194,10 @@ def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
         "peak_allocated": s.get("allocated_bytes.all.peak", 0),
         "peak_requested": s.get("requested_bytes.all.peak", 0),
         "num_alloc_retries": s.get("num_alloc_retries", 0),
+        # device calls over the whole run: a step-time gap with few of these is not the driver's
+        "num_device_alloc": s.get("num_device_alloc", 0),
+        "num_device_free": s.get("num_device_free", 0),
+        "num_sync_all_streams": s.get("num_sync_all_streams", 0),
     }
 
 
