@@ -9,6 +9,8 @@
 // One CachingAllocator per device, made on first use with the cuda back end. Errors thrown
 // from the allocation function reach Python as RuntimeError with their message (PyTorch
 // converts them); a null pointer is never returned.
+#include <array>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -33,6 +35,12 @@ std::mutex g_mutex;
 AllocatorConfig g_config = AllocatorConfig::allocwatch();
 std::vector<std::shared_ptr<CachingAllocator>> g_allocators;
 std::vector<double> g_pending_fractions;
+
+// The hot path (every tensor's malloc and free) reads the device's allocator from here without
+// the mutex or a shared_ptr copy: allocators are made once and live as long as the process
+// (g_allocators keeps them), so a published pointer stays valid.
+constexpr std::size_t kFastDevices = 64;
+std::array<std::atomic<CachingAllocator*>, kFastDevices> g_fast{};
 
 StreamId stream_id(cudaStream_t s) { return reinterpret_cast<StreamId>(s); }
 
@@ -59,9 +67,22 @@ std::shared_ptr<CachingAllocator> get(int device, bool create) {
         g_pending_fractions[device] > 0) {
       slot->set_memory_fraction(g_pending_fractions[device]);
     }
+    if (static_cast<std::size_t>(device) < kFastDevices)
+      g_fast[device].store(slot.get(), std::memory_order_release);
   }
   return slot;
 }
+
+namespace {
+
+CachingAllocator& hot(int device) {
+  if (device >= 0 && static_cast<std::size_t>(device) < kFastDevices) {
+    if (auto* a = g_fast[device].load(std::memory_order_acquire)) return *a;
+  }
+  return *get(device, true);  // first use of the device (or one beyond the fast table)
+}
+
+}  // namespace
 
 std::vector<std::shared_ptr<CachingAllocator>> all() {
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -79,13 +100,13 @@ __attribute__((visibility("default"))) void* allocwatch_torch_malloc(std::size_t
                                                                     cudaStream_t stream) {
   // OutOfMemoryError is a std::runtime_error: PyTorch turns it into a RuntimeError that
   // carries the allocator's explanation.
-  return get(device, true)->malloc(size, stream_id(stream));
+  return hot(device).malloc(size, stream_id(stream));
 }
 
 __attribute__((visibility("default"))) void allocwatch_torch_free(void* ptr, std::size_t /*size*/,
                                                                  int device,
                                                                  cudaStream_t /*stream*/) {
-  get(device, true)->free(ptr);
+  hot(device).free(ptr);
 }
 
 __attribute__((visibility("default"))) void allocwatch_torch_init(int device_count) {
