@@ -7,6 +7,8 @@ loop: commands are handed to the loop with run_coroutine_threadsafe and awaited 
 Where it listens: a Unix socket (mode 0600 by default: file permissions are the access control),
 and, only when configured, TCP (loopback unless configured otherwise) where every request must
 carry `Authorization: Bearer TOKEN`; the token is compared in constant time and never logged.
+With admin.tls_cert_file/tls_key_file the TCP listener speaks HTTPS (and with
+tls_client_ca_file asks for client certificates), so the token never crosses a network in clear.
 
     GET  /v1/agents?rank=&host=&job=&agent=      the agents and their live figures
     POST /v1/settings     {"settings": "...", selectors}
@@ -30,6 +32,7 @@ import logging
 import os
 import socket
 import socketserver
+import ssl
 import stat
 import threading
 import time
@@ -41,7 +44,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from exporter.admin_config import AdminConfig, read_token
+from exporter.admin_config import AdminConfig, read_token, server_tls_context
 from exporter.collector import fragmentation_ratio
 from exporter.config import ConfigError
 from exporter.proto.allocwatch.v1 import agent_pb2 as pb
@@ -306,6 +309,57 @@ class _TcpServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     requires_token = True
+    tls: _TlsFiles | None = None
+    handshake_timeout = 10.0
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        # The TLS handshake runs here, in the request's own thread, so a client that stalls
+        # it holds up nobody else (wrapping the listening socket would do it in accept()).
+        if self.tls is not None:
+            request.settimeout(self.handshake_timeout)
+            try:
+                request = self.tls.context().wrap_socket(request, server_side=True)
+            except (OSError, ValueError) as err:
+                log.warning("admin API: TLS handshake failed",
+                            extra={"client": str(client_address[0]), "reason": str(err)})
+                return
+            request.settimeout(None)
+        super().finish_request(request, client_address)
+
+
+class _TlsFiles:
+    """The TLS context of the TCP listener, rebuilt when its files change on disk, so that a
+    renewed certificate (a cert-manager Secret update, say) is served without a restart."""
+
+    def __init__(self, config: AdminConfig):
+        self._config = config
+        self._files = [f for f in (config.tls_cert_file, config.tls_key_file,
+                                   config.tls_client_ca_file) if f]
+        self._lock = threading.Lock()
+        self._stamp = self._read_stamp()
+        context = server_tls_context(config)
+        assert context is not None
+        self._context: ssl.SSLContext = context
+
+    def _read_stamp(self) -> tuple[float, ...]:
+        try:
+            return tuple(os.stat(f).st_mtime for f in self._files)
+        except OSError:
+            return ()
+
+    def context(self) -> ssl.SSLContext:
+        with self._lock:
+            stamp = self._read_stamp()
+            if stamp and stamp != self._stamp:
+                try:
+                    fresh = server_tls_context(self._config)
+                except (OSError, ValueError) as err:  # half-written files: keep the old one
+                    log.warning("admin API: the renewed TLS files cannot be loaded yet; the "
+                                "previous certificate stays", extra={"reason": str(err)})
+                else:
+                    if fresh is not None:
+                        self._context, self._stamp = fresh, stamp
+            return self._context
 
 
 class _TcpServer6(_TcpServer):
@@ -336,9 +390,11 @@ class AdminHttpServer:
             host = config.tcp_address
             server_class = _TcpServer6 if ":" in host else _TcpServer
             tcp = server_class((host, config.tcp_port), handler)
+            tcp.tls = _TlsFiles(config) if config.tls_cert_file else None
             self._servers.append(tcp)
             shown = f"[{host}]" if ":" in host else host
-            self.tcp_url = f"http://{shown}:{tcp.server_address[1]}"
+            scheme = "https" if tcp.tls is not None else "http"
+            self.tcp_url = f"{scheme}://{shown}:{tcp.server_address[1]}"
 
     def set_token(self, config: AdminConfig) -> None:
         """A reloaded settings file (or a rotated Secret) brings a new token."""

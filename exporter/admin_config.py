@@ -6,6 +6,9 @@
       tcp_port: 9465                 # off by default; needs a token
       tcp_address: 127.0.0.1
       token_file: /var/run/secrets/allocwatch/token   # or token_env: ALLOCWATCH_ADMIN_TOKEN
+      tls_cert_file: /etc/allocwatch/tls/tls.crt      # HTTPS on the TCP port (optional)
+      tls_key_file: /etc/allocwatch/tls/tls.key
+      tls_client_ca_file: /etc/allocwatch/tls/ca.crt # and client certificates (optional)
 
 The token itself never enters the settings object (only where to read it), so printing or
 logging the settings cannot leak it.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,11 @@ class AdminConfig:
     tcp_address: str = "127.0.0.1"
     token_file: str = ""
     token_env: str = ""
+    # HTTPS on the TCP port: the token then never crosses the network in clear. With
+    # tls_client_ca_file, clients must also present a certificate signed by that CA.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
     command_timeout_seconds: float = 30.0
 
     def socket_path(self, agents_socket: str) -> str:
@@ -97,4 +106,39 @@ def parse_admin_section(raw: Any, path: str = "admin") -> AdminConfig:
                               "token: set admin.token_file (e.g. a mounted Secret) or "
                               "admin.token_env")
         read_token(config)  # refuse now, not at the first request
+    _check_tls(config, path)
     return config
+
+
+def _check_tls(config: AdminConfig, path: str) -> None:
+    if bool(config.tls_cert_file) != bool(config.tls_key_file):
+        raise ConfigError(f"{path}.tls_cert_file and {path}.tls_key_file: give both or neither")
+    if config.tls_client_ca_file and not config.tls_cert_file:
+        raise ConfigError(f"{path}.tls_client_ca_file: needs {path}.tls_cert_file and "
+                          f"{path}.tls_key_file (the server's own certificate)")
+    if config.tls_cert_file and config.tcp_port is None:
+        raise ConfigError(f"{path}.tls_cert_file: TLS applies to the TCP listener; set "
+                          f"{path}.tcp_port too")
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        file = getattr(config, name)
+        if file and not os.access(file, os.R_OK):
+            raise ConfigError(f"{path}.{name}: cannot read {file}")
+    if config.tls_cert_file:
+        try:
+            server_tls_context(config)
+        except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+            raise ConfigError(f"{path}.tls_cert_file / tls_key_file: not a usable certificate "
+                              f"and key: {err}") from None
+
+
+def server_tls_context(config: AdminConfig) -> ssl.SSLContext | None:
+    """The server side of HTTPS for the TCP listener, or None for plain HTTP."""
+    if not config.tls_cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    if config.tls_client_ca_file:
+        context.load_verify_locations(config.tls_client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

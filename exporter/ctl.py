@@ -1,17 +1,20 @@
 """`allocwatch ctl`: the operator's client of the sidecar's admin API (exporter.admin).
 
 The address is `unix:///path/admin.sock` (default: /run/allocwatch/admin.sock, or
-$ALLOCWATCH_ADMIN) or `http://127.0.0.1:PORT`, which needs the bearer token
-(--token-file F, or $ALLOCWATCH_ADMIN_TOKEN).
+$ALLOCWATCH_ADMIN), `http://127.0.0.1:PORT` or `https://HOST:PORT`; TCP needs the bearer token
+(--token-file F, or $ALLOCWATCH_ADMIN_TOKEN), and HTTPS verifies the sidecar's certificate
+(--tls-ca-file, else the system's CAs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import os
 import socket
+import ssl
 import sys
 import urllib.parse
 from pathlib import Path
@@ -45,17 +48,40 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientTls:
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """Verifies the sidecar's certificate and host name, always."""
+        if bool(self.cert_file) != bool(self.key_file):
+            raise CtlError("--tls-cert-file and --tls-key-file: give both or neither")
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file)
+            if self.cert_file:
+                context.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ValueError) as err:
+            raise CtlError(f"TLS files: {err}") from None
+        return context
+
+
 class AdminClient:
-    def __init__(self, address: str, token: str | None = None, timeout: float = 120.0):
+    def __init__(self, address: str, token: str | None = None, timeout: float = 120.0,
+                 tls: ClientTls | None = None):
         url = urllib.parse.urlsplit(address)
+        self._tls: ssl.SSLContext | None = None
         if url.scheme == "unix":
             self._unix = url.path or url.netloc
             self._host = ""
-        elif url.scheme == "http" and url.hostname:
+        elif url.scheme in ("http", "https") and url.hostname:
             self._unix, self._host = "", url.netloc
+            if url.scheme == "https":
+                self._tls = (tls or ClientTls()).context()
         else:
-            raise CtlError(f"--admin {address!r}: expected unix:///path/admin.sock or "
-                           "http://127.0.0.1:PORT")
+            raise CtlError(f"--admin {address!r}: expected unix:///path/admin.sock, "
+                           "http://127.0.0.1:PORT or https://HOST:PORT")
         self.address = address
         self._token = token
         self._timeout = timeout
@@ -63,6 +89,9 @@ class AdminClient:
     def _connection(self) -> http.client.HTTPConnection:
         if self._unix:
             return _UnixConnection(self._unix, self._timeout)
+        if self._tls is not None:
+            return http.client.HTTPSConnection(self._host, timeout=self._timeout,
+                                               context=self._tls)
         return http.client.HTTPConnection(self._host, timeout=self._timeout)
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
@@ -75,6 +104,9 @@ class AdminClient:
             connection.request(method, path, body=data, headers=headers)
             response = connection.getresponse()
             payload = response.read()
+        except ssl.SSLError as err:  # before OSError: it is one, but not "unreachable"
+            raise CtlError(f"TLS with the sidecar's admin API at {self.address} failed: "
+                           f"{err.reason or err}") from None
         except OSError as err:
             raise CtlError(f"cannot reach the sidecar's admin API at {self.address}: "
                            f"{err.strerror or err}", 3) from None
@@ -178,7 +210,12 @@ def read_token(args: argparse.Namespace) -> str | None:
 
 def client_for(args: argparse.Namespace) -> AdminClient:
     address = args.admin or os.environ.get("ALLOCWATCH_ADMIN") or DEFAULT_ADMIN
-    return AdminClient(address, read_token(args), timeout=args.timeout)
+    tls = ClientTls(
+        ca_file=getattr(args, "tls_ca_file", None) or os.environ.get("ALLOCWATCH_ADMIN_TLS_CA"),
+        cert_file=(getattr(args, "tls_cert_file", None)
+                   or os.environ.get("ALLOCWATCH_ADMIN_TLS_CERT")),
+        key_file=getattr(args, "tls_key_file", None) or os.environ.get("ALLOCWATCH_ADMIN_TLS_KEY"))
+    return AdminClient(address, read_token(args), timeout=args.timeout, tls=tls)
 
 
 def _emit(args: argparse.Namespace, answer: dict[str, Any], out: TextIO) -> int:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from _pki import make_ca, make_leaf
 from _sidecar_fixtures import FakeSource, SidecarThread, sidecar_config, values, wait_for
 
 from allocator_ext.agent import start_agent
@@ -18,25 +18,6 @@ from allocator_ext.agent.tls import TlsSettings
 from exporter.config import ConfigError, parse_config
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command")
-
-
-def make_ca(d: Path, name: str) -> tuple[Path, Path]:
-    key, cert = d / f"{name}.key", d / f"{name}.crt"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                    "-subj", f"/CN={name}", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return key, cert
-
-
-def make_leaf(d: Path, name: str, ca: tuple[Path, Path], san: str) -> tuple[Path, Path]:
-    key, csr, cert, ext = d / f"{name}.key", d / f"{name}.csr", d / f"{name}.crt", d / f"{name}.ext"
-    ext.write_text(f"subjectAltName={san}\n")
-    subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                    "-keyout", str(key), "-out", str(csr)], check=True, capture_output=True)
-    subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca[1]), "-CAkey",
-                    str(ca[0]), "-CAcreateserial", "-days", "2", "-extfile", str(ext),
-                    "-out", str(cert)], check=True, capture_output=True)
-    return key, cert
 
 
 @pytest.fixture(scope="module")

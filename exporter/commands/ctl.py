@@ -21,7 +21,9 @@ each agent answers with its result and the settings now in force.
   allocwatch ctl diagnose --rank 0 [--replay] [--apply]  walk the out-of-memory checklist
 
 Address: --admin unix:///run/allocwatch/admin.sock (the default; $ALLOCWATCH_ADMIN) or
---admin http://127.0.0.1:PORT --token-file FILE ($ALLOCWATCH_ADMIN_TOKEN). In Kubernetes:
+--admin http://127.0.0.1:PORT --token-file FILE ($ALLOCWATCH_ADMIN_TOKEN); with TLS,
+--admin https://HOST:PORT --tls-ca-file CA.crt (and --tls-cert-file/--tls-key-file where the
+sidecar asks for client certificates). In Kubernetes:
   kubectl exec POD -c allocwatch-sidecar -- allocwatch ctl agents
 
 Exit status: 0 every selected agent answered OK, 1 some did not, 2 the request was refused
@@ -45,11 +47,19 @@ def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
     where = parser.add_argument_group("sidecar and selection")
     where.add_argument("--admin", metavar="ADDRESS", default=default(None),
-                       help="unix:///path/admin.sock or http://127.0.0.1:PORT (default: "
-                            "$ALLOCWATCH_ADMIN, else unix:///run/allocwatch/admin.sock)")
+                       help="unix:///path/admin.sock, http://127.0.0.1:PORT or https://HOST:PORT "
+                            "(default: $ALLOCWATCH_ADMIN, else unix:///run/allocwatch/admin.sock)")
     where.add_argument("--token-file", metavar="FILE", default=default(None),
-                       help="file holding the bearer token, for http:// (default: "
+                       help="file holding the bearer token, for http(s):// (default: "
                             "$ALLOCWATCH_ADMIN_TOKEN)")
+    where.add_argument("--tls-ca-file", metavar="FILE", default=default(None),
+                       help="for https://: the CA that signed the sidecar's certificate "
+                            "(default: $ALLOCWATCH_ADMIN_TLS_CA, else the system's CAs)")
+    where.add_argument("--tls-cert-file", metavar="FILE", default=default(None),
+                       help="for https://: a client certificate, where the sidecar asks for one "
+                            "(default: $ALLOCWATCH_ADMIN_TLS_CERT)")
+    where.add_argument("--tls-key-file", metavar="FILE", default=default(None),
+                       help="its key (default: $ALLOCWATCH_ADMIN_TLS_KEY)")
     where.add_argument("--rank", type=int, default=default(None), help="only this rank")
     where.add_argument("--host", default=default(None), help="only agents on this host")
     where.add_argument("--job", default=default(None), help="only this training job")
