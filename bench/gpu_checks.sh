@@ -16,7 +16,7 @@
 #   steptime     step times only, more rounds: convnet (3 rounds: pytorch, expandable, allocwatch),
 #                transformer (2 rounds: expandable, allocwatch)
 #   cap          bench/torch_bench.py train --fraction-of-peak 1.03 (transformer)
-#   policy       bench/policy_under_cap.py --fraction-of-peak 1.10
+#   policy       bench/policy_under_cap.py --fraction-of-peak 1.03 (POLICY_FRACTION overrides)
 # Everything printed is also in $OUT/checks.log.
 set -u -o pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -82,7 +82,7 @@ run_part() {
         --allocators expandable,allocwatch --json "$OUT/steptime_transformer.json" ;;
     cap) part cap "$PYTHON" bench/torch_bench.py train --rounds 1 --steps 40 \
         --fraction-of-peak 1.03 --allocators expandable,allocwatch --json "$OUT/cap.json" ;;
-    policy) part policy "$PYTHON" bench/policy_under_cap.py --fraction-of-peak 1.10 --steps 40 \
+    policy) part policy "$PYTHON" bench/policy_under_cap.py --fraction-of-peak "${POLICY_FRACTION:-1.03}" --steps 40 \
         --json "$OUT/policy.json" ;;
     *) echo "unknown part: $1 (see the comment at the top of $0)"; return 2 ;;
   esac

@@ -57,7 +57,7 @@ def child(allocator: str, steps: int, fraction: float, peak: int, agent: str | N
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fraction-of-peak", type=float, default=1.10)
+    p.add_argument("--fraction-of-peak", type=float, default=1.03)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
