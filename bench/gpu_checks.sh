@@ -13,8 +13,8 @@
 #                PyTorch's
 #   hotpath      bench/torch_bench.py hotpath
 #   train        bench/torch_bench.py train (transformer), then the convnet
-#   steptime     step times only, more rounds: convnet (3 rounds: pytorch, expandable, allocwatch),
-#                transformer (2 rounds: expandable, allocwatch)
+#   steptime     step times against expandable segments, 6 rounds each (mean step time, paired
+#                by round): transformer, then convnet
 #   cap          bench/torch_bench.py train --fraction-of-peak 1.03 (transformer)
 #   policy       bench/policy_under_cap.py --fraction-of-peak 1.03 (POLICY_FRACTION overrides)
 # Everything printed is also in $OUT/checks.log.
@@ -65,9 +65,9 @@ run_part() {
     soak-start) part soak-start soak_start ;;
     soak-wait) part soak-wait soak_wait ;;
     overhead)
-      part "overhead allocwatch" "$PYTHON" bench/agent_overhead.py --blocks 8 --steps 25 \
+      part "overhead allocwatch" "$PYTHON" bench/agent_overhead.py --blocks 40 --steps 50 \
         --allocator allocwatch --json "$OUT/overhead_allocwatch.json"
-      part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --blocks 8 --steps 25 \
+      part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --blocks 40 --steps 50 \
         --allocator pytorch --json "$OUT/overhead_pytorch.json" ;;
     hotpath) part hotpath "$PYTHON" bench/torch_bench.py hotpath --json "$OUT/hotpath.json" ;;
     train)
@@ -76,10 +76,10 @@ run_part() {
       part "train convnet" "$PYTHON" bench/torch_bench.py train --model convnet --rounds 2 \
         --steps 40 --json "$OUT/train_convnet.json" ;;
     steptime)
-      part "steptime convnet" "$PYTHON" bench/torch_bench.py train --model convnet --rounds 3 \
-        --steps 40 --allocators pytorch,expandable,allocwatch --json "$OUT/steptime_convnet.json"
-      part "steptime transformer" "$PYTHON" bench/torch_bench.py train --rounds 2 --steps 40 \
-        --allocators expandable,allocwatch --json "$OUT/steptime_transformer.json" ;;
+      part "steptime transformer" "$PYTHON" bench/torch_bench.py train --rounds 6 --steps 30 \
+        --allocators expandable,allocwatch --json "$OUT/steptime_transformer.json"
+      part "steptime convnet" "$PYTHON" bench/torch_bench.py train --model convnet --rounds 6 \
+        --steps 30 --allocators expandable,allocwatch --json "$OUT/steptime_convnet.json" ;;
     cap) part cap "$PYTHON" bench/torch_bench.py train --rounds 1 --steps 40 \
         --fraction-of-peak 1.03 --allocators expandable,allocwatch --json "$OUT/cap.json" ;;
     policy) part policy "$PYTHON" bench/policy_under_cap.py --fraction-of-peak "${POLICY_FRACTION:-1.03}" --steps 40 \

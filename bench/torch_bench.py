@@ -10,7 +10,8 @@
         batch size and sequence length; convnet: a residual convolutional net (bf16 autocast,
         cuDNN benchmark mode off) trained on images of random batch size and resolution.
         Under PyTorch's default, its expandable segments, cudaMallocAsync and allocwatch, runs
-        interleaved; median step time and peak reserved / peak requested. With
+        interleaved; mean and median step time (steps 6 on) and peak reserved / peak
+        requested; the per-allocator summary compares means, paired by round. With
         --fraction-of-peak 1.03 every run is capped by set_per_process_memory_fraction at
         1.03 x the workload's peak requested bytes.
 Each measurement runs in a fresh process, since the allocator is chosen before CUDA starts.
@@ -190,6 +191,10 @@ def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
     return {
         "steps_done": len(times), "oom": oom,
         "median_step_s": statistics.median(times[5:]) if len(times) > 5 else None,
+        # With random shapes, step times spread widely and the median jumps between them with
+        # small perturbations; the mean over the same shape sequence is the steadier figure.
+        "mean_step_s": statistics.fmean(times[5:]) if len(times) > 5 else None,
+        "step_times_s": [round(t, 6) for t in times],
         "peak_reserved": s.get("reserved_bytes.all.peak", 0),
         "peak_allocated": s.get("allocated_bytes.all.peak", 0),
         "peak_requested": s.get("requested_bytes.all.peak", 0),
@@ -199,6 +204,24 @@ def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
         "num_device_free": s.get("num_device_free", 0),
         "num_sync_all_streams": s.get("num_sync_all_streams", 0),
     }
+
+
+def compare_step_times(runs: list[dict], ours: str) -> dict:
+    """Per other allocator: allocwatch's mean step time over its, paired by round (mean of the
+    rounds' ratios, and its standard error)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for run in runs:
+        if run.get("mean_step_s"):
+            by_round.setdefault(run["round"], {})[run["allocator"]] = run["mean_step_s"]
+    out = {}
+    others = {a for r in by_round.values() for a in r if a != ours}
+    for other in sorted(others):
+        ratios = [r[ours] / r[other] for r in by_round.values() if ours in r and other in r]
+        if ratios:
+            se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
+            out[other] = {"mean_ratio": statistics.fmean(ratios), "stderr": se,
+                          "pairs": len(ratios)}
+    return out
 
 
 def run_child(kind: str, allocator: str, extra: list[str]) -> dict:
@@ -247,11 +270,17 @@ def main() -> int:
             peak = int(ref.get("peak_requested", 0))
             results["reference_peak_requested"] = peak
         for r in range(args.rounds):
-            for a in allocators:
+            # Each round starts with the next allocator, so drift over time spreads evenly.
+            for a in allocators[r % len(allocators):] + allocators[:r % len(allocators)]:
                 extra = [str(args.steps), str(args.fraction_of_peak), str(peak), args.model]
                 res = run_child("train", a, extra)
                 results["runs"].append({"allocator": a, "round": r, **res})
-                print(json.dumps(results["runs"][-1]), flush=True)
+                shown = {k: v for k, v in results["runs"][-1].items() if k != "step_times_s"}
+                print(json.dumps(shown), flush=True)
+        results["compared"] = compare_step_times(results["runs"], "allocwatch")
+        for other, c in results["compared"].items():
+            print(f"allocwatch vs {other}: mean step time {100 * c['mean_ratio'] - 100:+.2f} % "
+                  f"± {100 * c['stderr']:.2f} % over {c['pairs']} rounds", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
