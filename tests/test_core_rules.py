@@ -330,6 +330,38 @@ def test_an_explicit_reclaim_gives_back_free_pages_of_expandable_segments() -> N
     assert a.check_invariants() == ""
 
 
+def test_growth_takes_back_wholly_free_pages_before_asking_the_device() -> None:
+    # allocwatch's defaults: the small pool grows into pages the large pool no longer uses.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev)
+    a.free(a.malloc(100 * MiB))               # 100 MiB of free large pages
+    creates = dev.counters()["create"]["count"]
+    smalls = [a.malloc(512 << 10) for _ in range(8)]
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] < 100 * MiB   # large pages released for small ones
+    assert dev.counters()["create"]["count"] - creates == 2
+    assert a.check_invariants() == ""
+    for p in smalls:
+        a.free(p)
+
+
+def test_large_pool_moves_free_small_pages_only_when_pages_are_the_same_size() -> None:
+    for large_page_mb, new_pages, reserved_mb in ((2, 0, 20), (20, 1, 40)):
+        dev = ae.SimDevice(capacity=GiB)
+        a = ae.Allocator(dev, "native,expandable_segments:True,reuse_free_pages:True,"
+                              f"expandable_large_page_mb:{large_page_mb}")
+        for p in [a.malloc(512 << 10) for _ in range(40)]:
+            a.free(p)                         # 20 MiB of small pages, all free
+        creates = dev.counters()["create"]["count"]
+        a.malloc(16 * MiB)
+        s = a.stats()
+        # 2 MiB large pages: eight small pages move over as they are (no release, no create);
+        # 20 MiB pages: a new page, the small pool keeps its own.
+        assert dev.counters()["create"]["count"] - creates == new_pages, large_page_mb
+        assert s["reserved_bytes.all.current"] == reserved_mb * MiB, large_page_mb
+        assert a.check_invariants() == ""
+
+
 def test_chunked_growth_maps_whole_chunks_then_single_pages() -> None:
     dev, a = native(config="native,expandable_segments:True,expandable_large_page_mb:2,"
                     "expandable_chunk_mb:20")
