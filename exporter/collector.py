@@ -182,22 +182,31 @@ class AllocwatchCollector(Collector):
         seen: set[tuple[str, ...]] = set()
         for agent in reversed(agents):  # newest first: it wins a label clash
             ident = agent.identity
-            labels = [_label(ident.rank), _label(ident.local_rank),
-                      _label(ident.cuda_device), ident.gpu_uuid]
-            if tuple(labels) in seen:
-                continue
-            seen.add(tuple(labels))
-            info.add_metric(labels, {
-                "backend": ident.backend,
-                "torch_version": ident.torch_version,
-                "cuda_version": ident.cuda_version,
-                "pid": str(ident.pid),
-                "host": ident.host,
-                "training_job": ident.training_job,
-                "world_size": _label(ident.world_size),
-                "agent_version": ident.agent_version,
-                "protocol": agent.protocol,
-            })
+            # One info series per device the agent reports, labelled as that device's allocator
+            # series, so that `* on(rank, cuda_device) group_left(...) ..._info` joins every one
+            # of them — also when the process chose its device after the agent started (as
+            # under `allocwatch run`, where the hello names no device yet).
+            report = agent.last_report
+            devices = ([(_label(d.cuda_device), d.gpu_uuid) for d in report.devices]
+                       if report is not None and report.devices else [])
+            if not devices:
+                devices = [(_label(ident.cuda_device), ident.gpu_uuid)]
+            for cuda_device, gpu_uuid in devices:
+                labels = [_label(ident.rank), _label(ident.local_rank), cuda_device, gpu_uuid]
+                if tuple(labels) in seen:
+                    continue
+                seen.add(tuple(labels))
+                info.add_metric(labels, {
+                    "backend": ident.backend,
+                    "torch_version": ident.torch_version,
+                    "cuda_version": ident.cuda_version,
+                    "pid": str(ident.pid),
+                    "host": ident.host,
+                    "training_job": ident.training_job,
+                    "world_size": _label(ident.world_size),
+                    "agent_version": ident.agent_version,
+                    "protocol": agent.protocol,
+                })
         yield info
 
     def _device_families(self, agents: list[AgentState], rows) -> Iterator[Metric]:

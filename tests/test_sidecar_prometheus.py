@@ -93,6 +93,8 @@ def test_prometheus_scrapes_the_sidecar_and_answers_a_query(publishing: str, tmp
         joined = query('torch_cuda_allocator_reserved_bytes{pool=""} * on(rank, cuda_device) '
                        'group_left(training_job) torch_cuda_allocator_info')
         assert {r["metric"].get("training_job") for r in joined} == {"llm"}
+        # Every device of the process joins, not only the one its hello named.
+        assert {r["metric"]["cuda_device"] for r in joined} == {"0", "1"}
     finally:
         server.terminate()
         try:
