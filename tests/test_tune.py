@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from allocator_ext.replay import load_trace
 from allocator_ext.replay.trace import peak_requested_bytes
 from allocator_ext.replay.tune import CANDIDATES, tune
@@ -61,3 +63,18 @@ def test_tune_refuses_a_bad_trace(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "exporter.cli", "tune", str(bad)],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2 and "allocwatch tune:" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["gpt_varlen", "multistream", "ckpt"])
+def test_tune_on_the_shared_traces_recommends_the_least_reserved(shared_traces: Path,
+                                                                 name: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "tune",
+                          str(shared_traces / f"{name}.pickle.gz"), "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    survivors = [c for c in result["candidates"] if c["num_ooms"] == 0]
+    [chosen] = [c for c in result["candidates"] if c["name"] == result["recommended"]["name"]]
+    assert chosen in survivors
+    assert chosen["peak_reserved_bytes"] == min(c["peak_reserved_bytes"] for c in survivors)
+    assert "reserves the least" in result["recommended"]["why"]
