@@ -4,6 +4,7 @@ are — installs allocwatch at start-up, before the user's code, without code ch
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,19 @@ def test_grandchildren_install_too_as_torchrun_workers_do() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("torch-loaded") == 1
     assert out.stderr.count("keeping PyTorch's CUDA allocator") == 2   # parent and child
+
+
+def test_under_torchrun_the_workers_install_and_the_launcher_does_not(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    script = tmp_path / "worker.py"
+    script.write_text(CHILD)
+    out = allocwatch_run("--", torchrun, "--standalone", "--nproc-per-node", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("torch-loaded") == 2                       # both workers
+    assert out.stderr.count("keeping PyTorch's CUDA allocator") == 2   # not the launcher
 
 
 def test_the_exit_status_is_the_commands() -> None:

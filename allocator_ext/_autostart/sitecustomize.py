@@ -6,9 +6,20 @@ environment. Nothing here may break the user's program: failures become one line
 import os
 import sys
 
+_LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch"}
+
+
+def _is_launcher() -> bool:
+    """torchrun's own process: it starts the workers and touches no GPU, so it gets no
+    allocator and no agent (its workers do, as they inherit the environment)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    if len(argv) > 1 and os.path.basename(argv[1]) in _LAUNCHERS:
+        return True
+    return any(a == "-m" and b in _LAUNCHERS for a, b in zip(argv, argv[1:], strict=False))
+
 
 def _allocwatch_autostart() -> None:
-    if os.environ.get("ALLOCWATCH_RUN") != "1":
+    if os.environ.get("ALLOCWATCH_RUN") != "1" or _is_launcher():
         return
     try:
         from allocator_ext.torch_integration import install_at_startup
