@@ -26,8 +26,21 @@ def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_pat
     assert result["counters_went_back"] == 0
 
 
+def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_path: Path) -> None:
+    out_file = tmp_path / "agent_cpu.json"
+    out = subprocess.run([sys.executable, "bench/agent_cpu_cost.py", "--seconds", "3",
+                          "--interval", "0.5", "--json", str(out_file)], cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["reports_sent"] >= 5           # it really published, every half second
+    assert result["sample_median_us"] > 0
+    assert "agent_cpu_share_of_one_core" in result
+
+
 @pytest.mark.parametrize("script", ["agent_overhead.py", "torch_bench.py", "gpu_soak.py",
-                                    "fragmentation.py", "policy_under_cap.py"])
+                                    "fragmentation.py", "policy_under_cap.py",
+                                    "agent_cpu_cost.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
