@@ -330,6 +330,18 @@ def test_an_explicit_reclaim_gives_back_free_pages_of_expandable_segments() -> N
     assert a.check_invariants() == ""
 
 
+def test_largest_free_block_is_what_cudnn_may_use_for_its_workspace() -> None:
+    _, a = native()
+    assert a.largest_free_block() == 0                    # nothing cached yet
+    big, small = a.malloc(50 * MiB), a.malloc(512 << 10)
+    a.free(big)
+    assert a.largest_free_block() == 50 * MiB
+    a.free(small)                                          # small pool's blocks do not count
+    assert a.largest_free_block() == 50 * MiB
+    a.empty_cache()
+    assert a.largest_free_block() == 0
+
+
 def test_growth_takes_back_wholly_free_pages_before_asking_the_device() -> None:
     # allocwatch's defaults: the small pool grows into pages the large pool no longer uses.
     dev = ae.SimDevice(capacity=GiB)

@@ -198,6 +198,8 @@ PYBIND11_MODULE(_core, m) {
           py::arg("ptr"), py::arg("stream"))
       .def("block_size",
            [](CachingAllocator& a, std::uintptr_t ptr) { return a.block_size(reinterpret_cast<void*>(ptr)); })
+      .def("largest_free_block", &CachingAllocator::largest_free_block,
+           "The largest cached free block of the large pool (PyTorch's cacheInfo), 0 if none.")
       .def("empty_cache", &CachingAllocator::empty_cache,
            "Release every cached block that is not split; returns the bytes released.")
       .def("garbage_collect", &CachingAllocator::garbage_collect,

@@ -10,6 +10,7 @@
 // from the allocation function reach Python as RuntimeError with their message (PyTorch
 // converts them); a null pointer is never returned.
 #include <array>
+#include <cstdint>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -136,6 +137,49 @@ __attribute__((visibility("default"))) void allocwatch_torch_record_stream(void*
       return;
     }
   }
+}
+
+// --- for the native shim (allocator_ext/native/): what PyTorch's C++ callers ask directly ---
+
+// free() whose device the caller does not know (a DataPtr's deleter gets only the pointer).
+__attribute__((visibility("default"))) void allocwatch_torch_free_any(void* ptr) {
+  for (std::size_t d = 0; d < kFastDevices; ++d) {
+    CachingAllocator* a = g_fast[d].load(std::memory_order_acquire);
+    if (a != nullptr && a->block_size(ptr) > 0) {
+      a->free(ptr);
+      return;
+    }
+  }
+  for (auto& a : all()) {
+    if (a && a->block_size(ptr) > 0) {
+      a->free(ptr);
+      return;
+    }
+  }
+}
+
+// Every statistic of `device` as (key, value) through `emit`, keys as in memory_stats();
+// returns 0 (and emits nothing) when torch has not used the device yet.
+__attribute__((visibility("default"))) int allocwatch_torch_stats(
+    int device, void (*emit)(void*, const char*, std::int64_t), void* context) {
+  auto a = get(device, false);
+  if (!a) return 0;
+  for (const auto& [key, value] : a->stats()) emit(context, key.c_str(), value);
+  return 1;
+}
+
+__attribute__((visibility("default"))) void allocwatch_torch_reset_peak(int device) {
+  if (auto a = get(device, false)) a->reset_peak_stats();
+}
+
+__attribute__((visibility("default"))) void allocwatch_torch_reset_accumulated(int device) {
+  if (auto a = get(device, false)) a->reset_accumulated_stats();
+}
+
+__attribute__((visibility("default"))) std::size_t allocwatch_torch_largest_free_block(
+    int device) {
+  auto a = get(device, false);
+  return a ? a->largest_free_block() : 0;
 }
 
 // CUDA graph capture: allocations on the capturing stream(s) go to the graph's private pool.

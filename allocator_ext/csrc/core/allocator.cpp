@@ -345,6 +345,13 @@ std::size_t CachingAllocator::block_size(void* ptr) const {
   return block == nullptr ? 0 : block->size;
 }
 
+std::size_t CachingAllocator::largest_free_block() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t largest = 0;
+  for (const Block* b : large_blocks_.blocks) largest = std::max(largest, b->size);
+  return largest;
+}
+
 void CachingAllocator::raise_out_of_memory(const AllocParams& p) {
   MemoryInfo info = device_->memory_info();
   trace_.record(TraceAction::oom, info.free, p.size, p.stream);

@@ -75,6 +75,9 @@ class CachingAllocator {
   // The block at ptr is in use on `stream` as well: do not reuse it before that work is done.
   void record_stream(void* ptr, StreamId stream);
   std::size_t block_size(void* ptr) const;
+  // The largest cached free block of the large pool (what cuDNN's benchmark mode asks, through
+  // PyTorch's cacheInfo, to size its workspace); 0 when none.
+  std::size_t largest_free_block() const;
 
   // --- reclaiming ---
   std::size_t empty_cache();       // release every cached block that is not split
