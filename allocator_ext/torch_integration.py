@@ -38,6 +38,7 @@ _STAT_ARRAYS = ("allocation", "segment", "active", "inactive_split", "allocated_
                 "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
 
 _installed = False
+_native = False  # through the native shim rather than the pluggable path
 
 
 class InstallError(RuntimeError):
@@ -46,6 +47,11 @@ class InstallError(RuntimeError):
 
 def installed() -> bool:
     return _installed
+
+
+def native() -> bool:
+    """Whether the native shim (not the pluggable path) serves PyTorch."""
+    return _native
 
 
 def _torch_version(torch: Any) -> tuple[int, int]:
@@ -67,11 +73,13 @@ def _fallback(reason: str) -> bool:
     return False
 
 
-def install(config: str | None = None) -> bool:
+def install(config: str | None = None, native: bool | None = None) -> bool:
     """Makes allocwatch's allocator PyTorch's CUDA allocator; True when it did.
 
     Must run before CUDA is initialised (before the first CUDA tensor); raises InstallError
     after that, and ValueError (naming the key) for a bad setting, changing nothing.
+    native: through the native shim built against this torch (default: ALLOCWATCH_NATIVE=1);
+    where it cannot be built, a warning says why and the pluggable path serves.
     """
     global _installed
     if _installed:
@@ -105,6 +113,22 @@ def install(config: str | None = None) -> bool:
     for text in layers:
         _core.torch_configure(text)
     library = _core.__file__
+    global _native
+    if native is None:
+        native = os.environ.get("ALLOCWATCH_NATIVE", "") not in ("", "0")
+    if native:
+        from allocator_ext import native_shim
+
+        try:
+            native_shim.install(library)
+        except native_shim.NativeShimError as err:
+            warnings.warn(f"allocwatch: {err}; using the pluggable path", stacklevel=2)
+        else:
+            _native = True
+            _patch_statistics(torch)
+            _installed = True
+            _start_agent_for_ours()
+            return True
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(
         library, "allocwatch_torch_malloc", "allocwatch_torch_free")
     handle = ctypes.CDLL(library)

@@ -3,7 +3,8 @@
     python bench/torch_bench.py hotpath [--json FILE]
         alloc + free pairs through torch's C++ raw_alloc/raw_delete (512 B, 64 KiB, 4 MiB,
         64 MiB, and a mix with 1,000 blocks in use), and torch.empty from Python, under
-        PyTorch's allocator and allocwatch's, in one run; ns per pair, medians.
+        PyTorch's allocator and allocwatch's (pluggable path, and native shim), in one run;
+        ns per pair, medians.
     python bench/torch_bench.py train [--model transformer|convnet] [--rounds N] [--steps N]
                                       [--fraction-of-peak F] [--json FILE]
         transformer: a language model (8 layers, width 1024, bf16 autocast) trained with random
@@ -32,6 +33,9 @@ ALLOCATORS = {
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     "allocwatch": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1"},
+    # The same core through the native shim built against this torch (allocator_ext/native/).
+    "allocwatch-native": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
+                          "ALLOCWATCH_NATIVE": "1"},
 }
 
 HOTPATH_CPP = r"""
@@ -63,6 +67,8 @@ def _child_setup():
         import allocator_ext
 
         assert allocator_ext.install(), "allocwatch did not install"
+        if os.environ.get("ALLOCWATCH_NATIVE") == "1":
+            assert allocator_ext.torch_integration.native(), "the native shim did not install"
         installed = True
     target = os.environ.get("ALLOCWATCH_BENCH_AGENT")
     if target:  # bench/agent_overhead.py: the same loop with the agent publishing every second
@@ -260,7 +266,7 @@ def main() -> int:
     results: dict = {"mode": args.mode, "model": args.model, "command": " ".join(sys.argv),
                      "runs": []}
     if args.mode == "hotpath":
-        for a in ("pytorch", "allocwatch"):
+        for a in ("pytorch", "allocwatch", "allocwatch-native"):
             results["runs"].append({"allocator": a, **run_child("hotpath", a, [])})
             print(json.dumps(results["runs"][-1]), flush=True)
     else:

@@ -3,6 +3,7 @@ Each scenario runs in a fresh process: install() must precede CUDA's initialisat
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,19 @@ SCENARIOS = Path(__file__).resolve().parent / "gpu" / "scenarios.py"
 def test_scenario_on_the_gpu(name: str) -> None:
     out = subprocess.run([sys.executable, str(SCENARIOS), name], capture_output=True, text=True,
                          timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"PASS {name}" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["record_stream", "graph_capture", "expandable_and_empty_cache",
+                                  "out_of_memory", "statistics", "cudnn_benchmark"])
+def test_scenario_through_the_native_shim(name: str) -> None:
+    """The same scenarios with the shim built against this torch (ALLOCWATCH_NATIVE=1), and
+    cuDNN benchmark mode, which only the shim serves."""
+    env = {**os.environ, "ALLOCWATCH_NATIVE": "1"}
+    out = subprocess.run([sys.executable, str(SCENARIOS), name], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"PASS {name}" in out.stdout
 

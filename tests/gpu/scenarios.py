@@ -124,7 +124,31 @@ def statistics() -> str:
     return f"memory_allocated={a}, summary {len(summary)} chars, viewer html {len(html)} chars"
 
 
+def cudnn_benchmark() -> str:
+    """cuDNN benchmark mode sizes its workspace with the allocator's cacheInfo(), which only
+    the native shim serves: convolutions of changing shapes give the same results as without
+    benchmark mode."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1).cuda()
+    results = {}
+    for benchmark in (False, True):
+        torch.backends.cudnn.benchmark = benchmark
+        outs = []
+        for side in (32, 48, 64):
+            torch.manual_seed(side)
+            x = torch.randn(4, 16, side, side, device="cuda")
+            outs.append(conv(x).float().sum().item())
+        results[benchmark] = outs
+    for a, b in zip(results[False], results[True], strict=True):
+        assert abs(a - b) <= 1e-3 * max(1.0, abs(a)), (a, b)
+    return f"benchmark mode ran {len(results[True])} shapes, sums match"
+
+
 if __name__ == "__main__":
+    import os
+
     name = sys.argv[1]
     assert allocator_ext.install(), "install() fell back to PyTorch's allocator"
+    if os.environ.get("ALLOCWATCH_NATIVE") == "1":
+        assert allocator_ext.torch_integration.native(), "the native shim did not install"
     print(f"PASS {name}: {globals()[name]()}", flush=True)
