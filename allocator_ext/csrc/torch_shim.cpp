@@ -9,6 +9,7 @@
 // One CachingAllocator per device, made on first use with the cuda back end. Errors thrown
 // from the allocation function reach Python as RuntimeError with their message (PyTorch
 // converts them); a null pointer is never returned.
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <atomic>
@@ -140,6 +141,24 @@ __attribute__((visibility("default"))) void allocwatch_torch_record_stream(void*
 }
 
 // --- for the native shim (allocator_ext/native/): what PyTorch's C++ callers ask directly ---
+
+// malloc() that reports running out of memory as a null pointer and its explanation in
+// `message` (other errors still throw), so that the shim can raise PyTorch's own
+// OutOfMemoryError (torch.cuda.OutOfMemoryError in Python).
+__attribute__((visibility("default"))) void* allocwatch_torch_try_malloc(
+    std::size_t size, int device, cudaStream_t stream, char* message, std::size_t capacity) {
+  try {
+    return hot(device).malloc(size, stream_id(stream));
+  } catch (const OutOfMemoryError& e) {
+    if (capacity > 0) {
+      const std::string text = e.what();
+      const std::size_t n = std::min(text.size(), capacity - 1);
+      text.copy(message, n);
+      message[n] = '\0';
+    }
+    return nullptr;
+  }
+}
 
 // free() whose device the caller does not know (a DataPtr's deleter gets only the pointer).
 __attribute__((visibility("default"))) void allocwatch_torch_free_any(void* ptr) {

@@ -10,6 +10,7 @@
 //   getDeviceStats, resetPeakStats, resetAccumulatedStats   for C++ callers (memory_stats() and
 //                                                            the functions built on it)
 //   cacheInfo                                               cuDNN benchmark mode's workspace
+// and raises PyTorch's OutOfMemoryError with the core's explanation.
 // The pluggable hooks (record_stream, empty_cache, memory fraction, graph pools) are set exactly
 // as the pluggable path sets them. The core is reached through the C ABI that
 // allocator_ext/_core exports (torch_shim.cpp), looked up with dlsym in the library whose path
@@ -35,6 +36,7 @@ using Emit = void (*)(void*, const char*, std::int64_t);
 // The core's C ABI (torch_shim.cpp).
 struct Core {
   void* (*malloc)(std::size_t, int, cudaStream_t) = nullptr;
+  void* (*try_malloc)(std::size_t, int, cudaStream_t, char*, std::size_t) = nullptr;
   void (*free)(void*, std::size_t, int, cudaStream_t) = nullptr;
   void (*free_any)(void*) = nullptr;
   void (*init)(int) = nullptr;
@@ -63,6 +65,15 @@ void resolve(void* library, const char* name, F& slot) {
 }
 
 void delete_any(void* ptr) { g_core.free_any(ptr); }
+
+// The core's allocation, its out-of-memory explanation raised as PyTorch's OutOfMemoryError
+// (torch.cuda.OutOfMemoryError in Python), which the pluggable path cannot do.
+void* core_malloc(std::size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+  char message[2048];
+  void* ptr = g_core.try_malloc(size, device, stream, message, sizeof(message));
+  TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, message);
+  return ptr;
+}
 
 // memory_stats() keys ("allocated_bytes.small_pool.peak") into PyTorch's DeviceStats.
 void fill(void* context, const char* key, std::int64_t value) {
@@ -136,9 +147,9 @@ class NativeAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
   // record every pointer in a map under its mutex, and call through std::function.
   c10::DataPtr allocate(std::size_t size) override {
     const c10::DeviceIndex device = c10::cuda::current_device();
-    void* ptr = size == 0 ? nullptr
-                          : g_core.malloc(size, device,
-                                          c10::cuda::getCurrentCUDAStream(device).stream());
+    void* ptr = size == 0
+                    ? nullptr
+                    : core_malloc(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
     return {ptr, ptr, &delete_any, c10::Device(c10::DeviceType::CUDA, device)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &delete_any; }
@@ -148,7 +159,7 @@ class NativeAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
   }
   void* raw_alloc_with_stream(std::size_t nbytes, cudaStream_t stream) override {
     if (nbytes == 0) return nullptr;
-    return g_core.malloc(nbytes, c10::cuda::current_device(), stream);
+    return core_malloc(nbytes, c10::cuda::current_device(), stream);
   }
   void raw_delete(void* ptr) override {
     if (ptr != nullptr) g_core.free_any(ptr);
@@ -191,6 +202,7 @@ void install(const std::string& core_library) {
   }
   Core core;
   resolve(library, "allocwatch_torch_malloc", core.malloc);
+  resolve(library, "allocwatch_torch_try_malloc", core.try_malloc);
   resolve(library, "allocwatch_torch_free", core.free);
   resolve(library, "allocwatch_torch_free_any", core.free_any);
   resolve(library, "allocwatch_torch_init", core.init);
