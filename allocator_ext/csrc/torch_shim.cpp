@@ -11,6 +11,7 @@
 // converts them); a null pointer is never returned.
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstdint>
 #include <atomic>
 #include <functional>
@@ -22,7 +23,9 @@
 #include <vector>
 
 #include "backends/cuda_device.h"
+#include "backends/sim_device.h"
 #include "core/allocator.h"
+#include "core/text.h"
 #include "torch_shim.h"
 
 struct CUstream_st;
@@ -46,6 +49,18 @@ std::array<std::atomic<CachingAllocator*>, kFastDevices> g_fast{};
 
 StreamId stream_id(cudaStream_t s) { return reinterpret_cast<StreamId>(s); }
 
+// The device behind each allocator: the GPU through libcuda, or, with ALLOCWATCH_SHIM_DEVICE=sim
+// (its capacity in ALLOCWATCH_SHIM_SIM_BYTES), the simulated device, so that the entry points
+// PyTorch calls can be exercised on a machine without a GPU (tests/test_torch_shim_abi.py).
+std::shared_ptr<Device> make_device(int device) {
+  const char* kind = std::getenv("ALLOCWATCH_SHIM_DEVICE");
+  if (kind != nullptr && std::string(kind) == "sim") {
+    const char* bytes = std::getenv("ALLOCWATCH_SHIM_SIM_BYTES");
+    return std::make_shared<SimDevice>(bytes ? std::stoull(bytes) : 0, device);
+  }
+  return std::make_shared<CudaDevice>(device);
+}
+
 }  // namespace
 
 void configure(const std::string& settings) {
@@ -64,7 +79,7 @@ std::shared_ptr<CachingAllocator> get(int device, bool create) {
   }
   auto& slot = g_allocators[device];
   if (!slot && create) {
-    slot = std::make_shared<CachingAllocator>(std::make_shared<CudaDevice>(device), g_config);
+    slot = std::make_shared<CachingAllocator>(make_device(device), g_config);
     if (static_cast<std::size_t>(device) < g_pending_fractions.size() &&
         g_pending_fractions[device] > 0) {
       slot->set_memory_fraction(g_pending_fractions[device]);
@@ -175,6 +190,10 @@ __attribute__((visibility("default"))) void allocwatch_torch_free_any(void* ptr)
       return;
     }
   }
+  Text msg;
+  msg << "allocwatch: free of " << ptr << ", which no device's allocator handed out "
+      << "(or which was already freed)";
+  throw std::invalid_argument(msg.str());
 }
 
 // Every statistic of `device` as (key, value) through `emit`, keys as in memory_stats();

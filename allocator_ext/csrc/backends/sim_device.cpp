@@ -12,7 +12,13 @@ constexpr std::size_t kUnlimitedTotal = 150109880320ull;
 [[noreturn]] void misuse(const std::string& what) { throw DeviceError("sim device: " + what); }
 }  // namespace
 
-SimDevice::SimDevice(std::size_t capacity, int index) : index_(index), capacity_(capacity) {}
+SimDevice::SimDevice(std::size_t capacity, int index) : index_(index), capacity_(capacity) {
+  // Each device's addresses in a range of their own, as unified virtual addressing gives real
+  // GPUs: a pointer names one device.
+  const std::uintptr_t offset = static_cast<std::uintptr_t>(index) * 0x40000000000ull;  // 4 TiB
+  next_address_ += offset;
+  next_reservation_ += offset;
+}
 
 void SimDevice::count(const char* call, std::size_t bytes) {
   CallCount& c = counters_[call];
