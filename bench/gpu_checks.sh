@@ -65,9 +65,9 @@ run_part() {
     soak-start) part soak-start soak_start ;;
     soak-wait) part soak-wait soak_wait ;;
     overhead)
-      part "overhead allocwatch" "$PYTHON" bench/agent_overhead.py --blocks 40 --steps 50 \
+      part "overhead allocwatch" "$PYTHON" bench/agent_overhead.py --blocks 80 --steps 50 \
         --allocator allocwatch --json "$OUT/overhead_allocwatch.json"
-      part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --blocks 40 --steps 50 \
+      part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --blocks 80 --steps 50 \
         --allocator pytorch --json "$OUT/overhead_pytorch.json" ;;
     hotpath) part hotpath "$PYTHON" bench/torch_bench.py hotpath --json "$OUT/hotpath.json" ;;
     train)
