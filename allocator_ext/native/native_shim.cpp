@@ -32,6 +32,12 @@ namespace {
 
 using c10::cuda::MempoolId_t;
 using Emit = void (*)(void*, const char*, std::int64_t);
+// Named through the members' types: the namespaces of Stat and StatArray moved between torch
+// releases, DeviceStats' fields and the pool order (all, small, large) did not.
+using DeviceStats = c10::cuda::CUDACachingAllocator::DeviceStats;
+using StatArray = decltype(DeviceStats::allocation);
+using Stat = decltype(DeviceStats::oversize_allocations);
+constexpr std::size_t kAll = 0, kSmallPool = 1, kLargePool = 2;
 
 // The core's C ABI (torch_shim.cpp).
 struct Core {
@@ -77,9 +83,9 @@ void* core_malloc(std::size_t size, c10::DeviceIndex device, cudaStream_t stream
 
 // memory_stats() keys ("allocated_bytes.small_pool.peak") into PyTorch's DeviceStats.
 void fill(void* context, const char* key, std::int64_t value) {
-  auto& stats = *static_cast<c10::CachingDeviceAllocator::DeviceStats*>(context);
+  auto& stats = *static_cast<DeviceStats*>(context);
   std::string k(key);
-  auto stat_field = [&](c10::CachingAllocator::Stat& stat, const std::string& field) {
+  auto stat_field = [&](Stat& stat, const std::string& field) {
     if (field == "current") stat.current = value;
     else if (field == "peak") stat.peak = value;
     else if (field == "allocated") stat.allocated = value;
@@ -103,12 +109,11 @@ void fill(void* context, const char* key, std::int64_t value) {
   if (second == std::string::npos) return;
   const std::string pool = rest.substr(0, second);
   const std::string field = rest.substr(second + 1);
-  using c10::CachingAllocator::StatType;
-  StatType type = StatType::AGGREGATE;
-  if (pool == "small_pool") type = StatType::SMALL_POOL;
-  else if (pool == "large_pool") type = StatType::LARGE_POOL;
+  std::size_t type = kAll;
+  if (pool == "small_pool") type = kSmallPool;
+  else if (pool == "large_pool") type = kLargePool;
   else if (pool != "all") return;
-  c10::CachingAllocator::StatArray* array = nullptr;
+  StatArray* array = nullptr;
   if (name == "allocation") array = &stats.allocation;
   else if (name == "segment") array = &stats.segment;
   else if (name == "active") array = &stats.active;
@@ -118,7 +123,7 @@ void fill(void* context, const char* key, std::int64_t value) {
   else if (name == "active_bytes") array = &stats.active_bytes;
   else if (name == "inactive_split_bytes") array = &stats.inactive_split_bytes;
   else if (name == "requested_bytes") array = &stats.requested_bytes;
-  if (array != nullptr) stat_field((*array)[static_cast<std::size_t>(type)], field);
+  if (array != nullptr) stat_field((*array)[type], field);
 }
 
 class NativeAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
@@ -165,8 +170,8 @@ class NativeAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
     if (ptr != nullptr) g_core.free_any(ptr);
   }
 
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
-    c10::CachingDeviceAllocator::DeviceStats stats;
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    DeviceStats stats;
     g_core.stats(device, &fill, &stats);
     return stats;
   }
