@@ -22,6 +22,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -70,7 +71,9 @@ void resolve(void* library, const char* name, F& slot) {
   slot = reinterpret_cast<F>(symbol);
 }
 
-void delete_any(void* ptr) { g_core.free_any(ptr); }
+void delete_any(void* ptr) {
+  if (ptr != nullptr) g_core.free_any(ptr);
+}
 
 // The core's allocation, its out-of-memory explanation raised as PyTorch's OutOfMemoryError
 // (torch.cuda.OutOfMemoryError in Python), which the pluggable path cannot do.
@@ -180,17 +183,13 @@ class NativeAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
     g_core.reset_accumulated(device);
   }
   void cacheInfo(c10::DeviceIndex device, std::size_t* largest_block) override {
-    // As PyTorch's allocator: the largest cached block, or, when nothing is cached, the
-    // device's free memory as a first guess.
-    const std::size_t cached = g_core.largest_free_block(device);
-    if (cached > 0) {
-      *largest_block = cached;
-      return;
-    }
+    // As PyTorch's allocator: a zero guess starts from the device's free memory, then the
+    // largest cached block raises it.
     if (*largest_block == 0) {
       std::size_t free = 0, total = 0;
       if (cudaMemGetInfo(&free, &total) == cudaSuccess) *largest_block = free;
     }
+    *largest_block = std::max(*largest_block, g_core.largest_free_block(device));
   }
   std::string name() override { return "allocwatch"; }
 };
