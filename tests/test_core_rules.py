@@ -357,8 +357,8 @@ def test_growth_takes_back_wholly_free_pages_before_asking_the_device() -> None:
         a.free(p)
 
 
-def test_large_pool_moves_free_small_pages_only_when_pages_are_the_same_size() -> None:
-    for large_page_mb, new_pages, reserved_mb in ((2, 0, 20), (20, 1, 40)):
+def test_large_pool_takes_free_small_pages_but_leaves_the_small_pool_a_reserve() -> None:
+    for large_page_mb, new_pages, reserved_mb in ((2, 0, 20), (20, 1, 24)):
         dev = ae.SimDevice(capacity=GiB)
         a = ae.Allocator(dev, "native,expandable_segments:True,reuse_free_pages:True,"
                               f"expandable_large_page_mb:{large_page_mb}")
@@ -367,10 +367,12 @@ def test_large_pool_moves_free_small_pages_only_when_pages_are_the_same_size() -
         creates = dev.counters()["create"]["count"]
         a.malloc(16 * MiB)
         s = a.stats()
-        # 2 MiB large pages: eight small pages move over as they are (no release, no create);
-        # 20 MiB pages: a new page, the small pool keeps its own.
+        # 2 MiB large pages: eight small pages move over as they are (no release, no create).
+        # 20 MiB pages: one new page, for which eight small pages are released; either way the
+        # small pool keeps two free pages, so that it does not re-create at once what it gave.
         assert dev.counters()["create"]["count"] - creates == new_pages, large_page_mb
         assert s["reserved_bytes.all.current"] == reserved_mb * MiB, large_page_mb
+        assert s["reserved_bytes.small_pool.current"] == 4 * MiB, large_page_mb
         assert a.check_invariants() == ""
 
 

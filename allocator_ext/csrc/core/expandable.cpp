@@ -9,6 +9,10 @@ namespace allocwatch {
 
 namespace {
 
+// Free small-pool pages the large pool leaves in place when it takes the rest (see
+// take_back_free_pages).
+constexpr std::size_t kSmallPagesKept = 2;
+
 bool allocatable(const Block* b) {
   return b != nullptr && !b->allocated && b->event_count == 0 && b->stream_uses.empty();
 }
@@ -176,10 +180,13 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   // own free pages come first (same page size: they move as they are, no release and create);
   // then, for the small pool, the large pool's, whose pages are released: a decoder's small
   // KV-cache tensors then grow into memory its large pool no longer uses (decode trace: 1.050
-  // -> 1.021 reserved/requested). The large pool takes the small pool's pages only where they
-  // are the same size (expandable_large_page_mb:2), moved without release and create (moe
-  // trace: 1.032 -> 1.013); releasing small pages to create large ones saved memory on average
-  // but cost out-of-memory errors on a convnet trace under a 1.03x cap. Largest free blocks
+  // -> 1.021 reserved/requested). The large pool takes the small pool's pages too: moved as
+  // they are where the sizes match (expandable_large_page_mb:2; moe 1.032 -> 1.013), else
+  // released so that their memory goes into the large page created instead — but never the
+  // small pool's last kSmallPagesKept free pages: without that reserve the small pool at once
+  // re-creates what it gave, and the churn cost out-of-memory errors on the convnet trace
+  // under a 1.03x cap (with it: convnet 1.036 -> 1.030, moe 1.038 -> 1.020, no error; a
+  // reserve of 1 page was too few, 3 or more kept more than needed). Largest free blocks
   // first: fewest calls per byte.
   const std::size_t page = exclude->expandable->page_size();
   BlockPool* sibling = nullptr;
@@ -190,7 +197,8 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   }
   std::size_t taken = 0;
   for (BlockPool* from : {pool, sibling}) {
-    if (from == sibling && !pool->is_small && page != kSmallBuffer) break;
+    // The large pool releasing small pages (not moving them): only beyond the reserve.
+    const bool releases_small = from == sibling && !pool->is_small && page != kSmallBuffer;
     std::vector<Block*> donors;
     for (Block* b : from->blocks) {
       if (b->expandable == nullptr || b->size < b->expandable->page_size()) continue;
@@ -201,10 +209,20 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
     std::sort(donors.begin(), donors.end(), [](const Block* a, const Block* b) {
       return a->size > b->size;
     });
+    std::size_t budget = bytes;
+    if (releases_small) {
+      std::size_t free_pages_bytes = 0;
+      for (const Block* b : donors) free_pages_bytes += b->size;
+      const std::size_t reserve = kSmallPagesKept * kSmallBuffer;
+      budget = free_pages_bytes > reserve ? free_pages_bytes - reserve : 0;
+    }
     for (Block* b : donors) {
-      if (taken >= bytes) return taken;
+      if (taken >= bytes || budget == 0) return taken;
       const bool movable = b->expandable->page_size() == page;
-      taken += unmap_block(b, bytes - taken, movable ? &spare_pages_ : nullptr);
+      const std::size_t got =
+          unmap_block(b, std::min(bytes - taken, budget), movable ? &spare_pages_ : nullptr);
+      taken += got;
+      if (releases_small) budget -= std::min(budget, got);
     }
   }
   return taken;
