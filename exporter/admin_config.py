@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from exporter.config import ConfigError, _build
+from exporter.config import ConfigError, _build, check_tls_files
 
 MAX_TOKEN_BYTES = 4096
 MIN_TOKEN_BYTES = 16
@@ -111,18 +111,10 @@ def parse_admin_section(raw: Any, path: str = "admin") -> AdminConfig:
 
 
 def _check_tls(config: AdminConfig, path: str) -> None:
-    if bool(config.tls_cert_file) != bool(config.tls_key_file):
-        raise ConfigError(f"{path}.tls_cert_file and {path}.tls_key_file: give both or neither")
-    if config.tls_client_ca_file and not config.tls_cert_file:
-        raise ConfigError(f"{path}.tls_client_ca_file: needs {path}.tls_cert_file and "
-                          f"{path}.tls_key_file (the server's own certificate)")
+    check_tls_files(config, path)
     if config.tls_cert_file and config.tcp_port is None:
         raise ConfigError(f"{path}.tls_cert_file: TLS applies to the TCP listener; set "
                           f"{path}.tcp_port too")
-    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
-        file = getattr(config, name)
-        if file and not os.access(file, os.R_OK):
-            raise ConfigError(f"{path}.{name}: cannot read {file}")
     if config.tls_cert_file:
         try:
             server_tls_context(config)

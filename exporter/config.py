@@ -182,20 +182,22 @@ def parse_config(raw: Any) -> SidecarConfig:
         raise ConfigError(
             "agents: no listener: set agents.unix_socket or agents.tcp_port (or both)"
         )
-    _check_tls(config.agents)
+    check_tls_files(config.agents, "agents")
     return config
 
 
-def _check_tls(agents: AgentsConfig) -> None:
-    if bool(agents.tls_cert_file) != bool(agents.tls_key_file):
-        raise ConfigError("agents.tls_cert_file and agents.tls_key_file: give both or neither")
-    if agents.tls_client_ca_file and not agents.tls_cert_file:
-        raise ConfigError("agents.tls_client_ca_file: needs agents.tls_cert_file and "
-                          "agents.tls_key_file (the server's own certificate)")
+def check_tls_files(section: Any, path: str) -> None:
+    """The tls_cert_file / tls_key_file / tls_client_ca_file fields of a TCP listener's
+    section (agents, admin): both or neither, a client CA only with them, every file readable."""
+    if bool(section.tls_cert_file) != bool(section.tls_key_file):
+        raise ConfigError(f"{path}.tls_cert_file and {path}.tls_key_file: give both or neither")
+    if section.tls_client_ca_file and not section.tls_cert_file:
+        raise ConfigError(f"{path}.tls_client_ca_file: needs {path}.tls_cert_file and "
+                          f"{path}.tls_key_file (the server's own certificate)")
     for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
-        path = getattr(agents, name)
-        if path and not os.access(path, os.R_OK):
-            raise ConfigError(f"agents.{name}: cannot read {path}")
+        file = getattr(section, name)
+        if file and not os.access(file, os.R_OK):
+            raise ConfigError(f"{path}.{name}: cannot read {file}")
 
 
 def load_config(path: str | Path | None) -> SidecarConfig:
