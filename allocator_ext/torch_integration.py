@@ -116,19 +116,34 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
     global _native
     if native is None:
         native = os.environ.get("ALLOCWATCH_NATIVE", "") not in ("", "0")
-    if native:
-        from allocator_ext import native_shim
+    _native = native and _install_native(library)
+    if not _native:
+        _install_pluggable(torch, library)
+    _patch_statistics(torch)
+    _installed = True
+    _start_agent_for_ours()
+    if not _native and torch.backends.cudnn.benchmark:
+        warnings.warn(
+            "allocwatch: cuDNN benchmark mode asks the allocator for cacheInfo(), which PyTorch's "
+            "pluggable path does not serve; set torch.backends.cudnn.benchmark = False "
+            "(see docs/torch.md)", stacklevel=2)
+    return True
 
-        try:
-            native_shim.install(library)
-        except native_shim.NativeShimError as err:
-            warnings.warn(f"allocwatch: {err}; using the pluggable path", stacklevel=2)
-        else:
-            _native = True
-            _patch_statistics(torch)
-            _installed = True
-            _start_agent_for_ours()
-            return True
+
+def _install_native(library: str) -> bool:
+    """Through the native shim; False (with a warning saying why) where it cannot be built."""
+    from allocator_ext import native_shim
+
+    try:
+        native_shim.install(library)
+    except native_shim.NativeShimError as err:
+        warnings.warn(f"allocwatch: {err}; using the pluggable path", stacklevel=3)
+        return False
+    return True
+
+
+def _install_pluggable(torch: Any, library: str) -> None:
+    """Through torch.cuda.memory.CUDAPluggableAllocator, with every hook it offers."""
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(
         library, "allocwatch_torch_malloc", "allocwatch_torch_free")
     handle = ctypes.CDLL(library)
@@ -137,15 +152,6 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
         address = ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
         getattr(inner, setter)(address)
     torch.cuda.memory.change_current_allocator(pluggable)
-    _patch_statistics(torch)
-    _installed = True
-    _start_agent_for_ours()
-    if torch.backends.cudnn.benchmark:
-        warnings.warn(
-            "allocwatch: cuDNN benchmark mode asks the allocator for cacheInfo(), which PyTorch's "
-            "pluggable path does not serve; set torch.backends.cudnn.benchmark = False "
-            "(see docs/torch.md)", stacklevel=2)
-    return True
 
 
 def allocator(device: int = 0) -> Any:
