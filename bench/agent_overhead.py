@@ -39,7 +39,7 @@ def child(steps: int, blocks: int, target: str, allocator: str, model_name: str)
     import random
 
     import torch
-    from torch_bench import MODELS
+    from torch_bench import MODELS, timed_step
 
     if allocator == "allocwatch":
         import allocator_ext
@@ -54,19 +54,7 @@ def child(steps: int, blocks: int, target: str, allocator: str, model_name: str)
 
     def run_block() -> list[float]:
         shapes.seed(1)  # every block sees the same batch shapes
-        times = []
-        for _ in range(steps):
-            x, y = batch()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_of(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return times
+        return [timed_step(torch, opt, loss_of, *batch()) for _ in range(steps)]
 
     run_block()  # warm-up: the allocator's cache and cuBLAS/cuDNN plans settle
     out: list[dict] = []

@@ -164,6 +164,20 @@ def _convnet(torch, rng):
 MODELS = {"transformer": _transformer, "convnet": _convnet}
 
 
+def timed_step(torch, opt, loss_of, x, y) -> float:
+    """One training step on (x, y), bf16 autocast; seconds from a synchronised start to its
+    synchronised end."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss_of(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
                 model_name: str = "transformer") -> dict:
     torch = _child_setup()
@@ -180,19 +194,11 @@ def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
     oom = None
     for step in range(steps):
         x, y = batch()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
         try:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_of(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
+            times.append(timed_step(torch, opt, loss_of, x, y))
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             oom = f"step {step}: {str(e)[:160]}"
             break
-        times.append(time.perf_counter() - t0)
     s = torch.cuda.memory_stats()
     return {
         "steps_done": len(times), "oom": oom,
