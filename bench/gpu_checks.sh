@@ -27,18 +27,7 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 SOAK_DIR=/tmp/allocwatch-soak
 
-declare -a PART_NAMES=() PART_RESULTS=()
-part() {
-  local name="$1"; shift
-  local started=$SECONDS
-  echo; echo "=== $name: $* ==="
-  "$@"
-  local rc=$?
-  local result="ok"
-  [ $rc -ne 0 ] && result="FAILED (exit $rc)"
-  PART_NAMES+=("$name"); PART_RESULTS+=("$result, $((SECONDS - started)) s")
-  echo "--- $name: $result, $((SECONDS - started)) s"
-}
+source "$repo/bench/_parts.sh"
 
 last_gpu() { echo $(( $(nvidia-smi -L | wc -l) - 1 )); }
 
@@ -93,12 +82,7 @@ main() {
   nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv,noheader
   for p in "$@"; do run_part "$p"; done
   echo; echo "=== summary ==="
-  local failed=0 i
-  for i in "${!PART_NAMES[@]}"; do
-    printf '  %-22s %s\n' "${PART_NAMES[$i]}" "${PART_RESULTS[$i]}"
-    case "${PART_RESULTS[$i]}" in FAILED*) failed=1 ;; esac
-  done
-  return $failed
+  parts_summary
 }
 
 main "$@" 2>&1 | tee -a "$OUT/checks.log"

@@ -19,21 +19,7 @@ PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 work="$repo/build/gpu_session"
 rm -rf "$work" && mkdir -p "$work"
 
-declare -a PART_NAMES=() PART_RESULTS=()
-# part NAME COMMAND...: runs one part, records its status and time, never stops the session.
-part() {
-  local name="$1"; shift
-  local started=$SECONDS
-  echo
-  echo "=== $name ==="
-  "$@"
-  local rc=$?
-  local result="ok"
-  [ $rc -ne 0 ] && result="FAILED (exit $rc)"
-  PART_NAMES+=("$name")
-  PART_RESULTS+=("$result, $((SECONDS - started)) s")
-  echo "--- $name: $result"
-}
+source "$repo/bench/_parts.sh"
 
 facts() {
   nvidia-smi -L
@@ -79,11 +65,8 @@ main() {
   echo "=================== summary ==================="
   "$PYTHON" bench/summarize_gpu_session.py "$OUT/device_costs.json" "$OUT/traces_manifest.json"
   echo
-  local failed=0 i
-  for i in "${!PART_NAMES[@]}"; do
-    printf '  %-20s %s\n' "${PART_NAMES[$i]}" "${PART_RESULTS[$i]}"
-    case "${PART_RESULTS[$i]}" in FAILED*) failed=1 ;; esac
-  done
+  local failed=0
+  parts_summary || failed=1
   echo "  total ${SECONDS} s; files in \$OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
   return $failed
 }
