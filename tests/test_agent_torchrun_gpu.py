@@ -39,10 +39,21 @@ RANK_SCRIPT = textwrap.dedent("""\
     """)
 
 
-def test_two_ranks_through_one_sidecar(tmp_path: Path) -> None:
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
+@pytest.fixture
+def torchrun() -> str:
+    path = shutil.which("torchrun")
+    if path is None:
         pytest.skip("torchrun is not on PATH")
+    return path
+
+
+def allocated_by_rank(url: str) -> dict[str, tuple[dict[str, str], float]]:
+    """Each rank's allocated-bytes series (all pools): its labels and value."""
+    return {dict(ls)["rank"]: (dict(ls), v) for (n, ls), v in samples(url).items()
+            if n == "torch_cuda_allocator_allocated_bytes" and "pool" not in dict(ls)}
+
+
+def test_two_ranks_through_one_sidecar(tmp_path: Path, torchrun: str) -> None:
     running = start_sidecar(tmp_path)
     url = running.sidecar.metrics_url
     script = tmp_path / "rank.py"
@@ -55,9 +66,8 @@ def test_two_ranks_through_one_sidecar(tmp_path: Path) -> None:
                              env=env)
     try:
         def ranks() -> dict[str, tuple[str, str, float]]:
-            return {dict(ls)["rank"]: (dict(ls)["cuda_device"], dict(ls)["gpu_uuid"], v)
-                    for (n, ls), v in samples(url).items()
-                    if n == "torch_cuda_allocator_allocated_bytes" and "pool" not in dict(ls)}
+            return {rank: (ls["cuda_device"], ls["gpu_uuid"], v)
+                    for rank, (ls, v) in allocated_by_rank(url).items()}
         found = wait_for(lambda: len(ranks()) == 2 and ranks(), timeout=90, interval=0.5,
                          what="both ranks on /metrics")
         assert {found["0"][0], found["1"][0]} == {"0", "1"}
@@ -87,12 +97,10 @@ OURS_RANK_SCRIPT = textwrap.dedent("""\
     """)
 
 
-def test_allocwatch_run_under_torchrun_installs_ours_in_every_rank(tmp_path: Path) -> None:
+def test_allocwatch_run_under_torchrun_installs_ours_in_every_rank(tmp_path: Path,
+                                                                   torchrun: str) -> None:
     """`allocwatch run -- torchrun ...`: no code change, our allocator in both workers, each
     rank publishing its own device's allocwatch series."""
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
     running = start_sidecar(tmp_path)
     url = running.sidecar.metrics_url
     script = tmp_path / "rank.py"
@@ -107,10 +115,9 @@ def test_allocwatch_run_under_torchrun_installs_ours_in_every_rank(tmp_path: Pat
             backends = {dict(ls)["rank"]: dict(ls)["backend"]
                         for (n, ls), _ in samples(url).items()
                         if n == "torch_cuda_allocator_info" and "rank" in dict(ls)}
-            return {dict(ls)["rank"]: (dict(ls)["cuda_device"], v)
-                    for (n, ls), v in samples(url).items()
-                    if n == "torch_cuda_allocator_allocated_bytes" and "pool" not in dict(ls)
-                    and backends.get(dict(ls)["rank"]) == "allocwatch"}
+            return {rank: (ls["cuda_device"], v)
+                    for rank, (ls, v) in allocated_by_rank(url).items()
+                    if backends.get(rank) == "allocwatch"}
         found = wait_for(lambda: len(ranks()) == 2 and ranks(), timeout=90, interval=0.5,
                          what="both ranks with allocwatch's allocator on /metrics")
         assert {found["0"][0], found["1"][0]} == {"0", "1"}
