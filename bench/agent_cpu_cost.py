@@ -1,11 +1,15 @@
 """The agent's own CPU time: an upper bound on what it can take from a training loop.
 
-    python bench/agent_cpu_cost.py [--seconds 30] [--interval 1.0] [--json FILE]
+    python bench/agent_cpu_cost.py [--seconds 30] [--interval 1.0] [--source sim|pytorch|allocwatch]
+                                   [--json FILE]
 
-A process holds allocwatch's core on the simulated device with 1,000 blocks in use and runs the
-agent publishing to a real sidecar (its own process) for SECONDS; the same process without the
-agent is the baseline. Reported: the agent's CPU seconds per wall-clock second (all its threads:
-sampling, serialising, gRPC), and the time one sample takes while holding the GIL — the only
+A process holds 1,000 blocks in use and runs the agent publishing to a real sidecar (its own
+process) for SECONDS; the same process without the agent is the baseline. The blocks come from
+allocwatch's core on the simulated device (--source sim, no GPU, NVML off), or, on a GPU, from
+CUDA tensors under PyTorch's allocator (--source pytorch: the agent reads
+torch.cuda.memory_stats) or allocwatch's (--source allocwatch), with NVML read as in training.
+Reported: the agent's CPU seconds per wall-clock second (all its threads: sampling,
+serialising, gRPC), and the time one sample takes while holding the GIL — the only
 part that can delay the training thread. Whatever the step time, the agent cannot cost a loop
 more than its share of one core; this bounds the overhead that bench/agent_overhead.py measures
 on the GPU, where noise hides anything this small.
@@ -28,18 +32,33 @@ from _sidecar_process import SidecarProcess
 MiB = 1 << 20
 
 
-def child(seconds: float, interval: float, target: str) -> dict:
+SIZES = [512, 4096, MiB, 8 * MiB, 64 * MiB] * 200  # 1,000 blocks, 14.6 GiB
+
+
+def hold_blocks(source: str) -> tuple[list, object, bool]:
+    """(blocks held, the agent's source, whether to read NVML)"""
     import allocator_ext as ae
 
-    dev = ae.SimDevice(capacity=80 << 30)
-    alloc = ae.Allocator(dev)
-    held = [alloc.malloc(size) for size in [512, 4096, MiB, 8 * MiB, 64 * MiB] * 200]
+    if source == "sim":
+        alloc = ae.Allocator(ae.SimDevice(capacity=80 << 30))
+        return [alloc.malloc(size) for size in SIZES], alloc, False
+    import torch
+
+    if source == "allocwatch":
+        assert ae.install(), "allocwatch did not install"
+    held = [torch.empty(size, dtype=torch.uint8, device="cuda") for size in SIZES]
+    torch.cuda.synchronize()
+    return held, source, True
+
+
+def child(seconds: float, interval: float, target: str, source: str) -> dict:
+    held, agent_source, nvml = hold_blocks(source)
     agent = None
     samples: list[float] = []
     if target:
         from allocator_ext.agent import start_agent
 
-        agent = start_agent(target, interval=interval, source=alloc, nvml=False,
+        agent = start_agent(target, interval=interval, source=agent_source, nvml=nvml,
                             stop_at_exit=False)
         time.sleep(2 * interval)  # connected and publishing
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -65,12 +84,14 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--source", choices=["sim", "pytorch", "allocwatch"], default="sim",
+                   help="whose blocks the agent samples (pytorch and allocwatch need a GPU)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         seconds, interval, target = float(args.child[0]), float(args.child[1]), args.child[2]
-        print(json.dumps(child(seconds, interval, "" if target == "-" else target)))
+        print(json.dumps(child(seconds, interval, "" if target == "-" else target, args.source)))
         return 0
 
     sidecar = SidecarProcess("allocwatch-agent-cpu-").start()
@@ -79,7 +100,8 @@ def main() -> int:
     try:
         for name, target in (("without", "-"), ("with", sidecar.target)):
             out = subprocess.run([sys.executable, __file__, "--child", str(args.seconds),
-                                  str(args.interval), target], capture_output=True, text=True,
+                                  str(args.interval), target, "--source", args.source],
+                                 capture_output=True, text=True,
                                  timeout=args.seconds + 120, env=dict(os.environ))
             if out.returncode != 0:
                 print(out.stderr[-800:], file=sys.stderr)
@@ -88,7 +110,7 @@ def main() -> int:
     finally:
         sidecar.stop()
     extra = runs["with"]["cpu_s"] - runs["without"]["cpu_s"]
-    summary = {"command": " ".join(sys.argv), "runs": runs,
+    summary = {"command": " ".join(sys.argv), "source": args.source, "runs": runs,
                "agent_cpu_share_of_one_core": extra / runs["with"]["wall_s"],
                "sample_median_us": runs["with"]["sample_median_us"],
                "reports_sent": runs["with"]["reports_sent"]}

@@ -15,6 +15,10 @@
 #   train        bench/torch_bench.py train (transformer), then the convnet
 #   steptime     step times against expandable segments, 6 rounds each (mean step time, paired
 #                by round): transformer, then convnet
+#   lockstep     bench/step_lockstep.py against expandable segments, transformer then convnet:
+#                the two processes take turns step by step (steadier than steptime)
+#   agentcpu     bench/agent_cpu_cost.py --source pytorch, then allocwatch: the agent's CPU
+#                share and its sample's time with CUDA tensors and NVML
 #   cap          bench/torch_bench.py train --fraction-of-peak 1.03 (transformer)
 #   policy       bench/policy_under_cap.py --fraction-of-peak 1.03 (POLICY_FRACTION overrides)
 # Everything printed is also in $OUT/checks.log.
@@ -69,6 +73,16 @@ run_part() {
         --allocators expandable,allocwatch --json "$OUT/steptime_transformer.json"
       part "steptime convnet" "$PYTHON" bench/torch_bench.py train --model convnet --rounds 6 \
         --steps 30 --allocators expandable,allocwatch --json "$OUT/steptime_convnet.json" ;;
+    lockstep)
+      part "lockstep transformer" "$PYTHON" bench/step_lockstep.py --rounds 3 --steps 40 \
+        --json "$OUT/lockstep_transformer.json"
+      part "lockstep convnet" "$PYTHON" bench/step_lockstep.py --model convnet --rounds 3 \
+        --steps 40 --json "$OUT/lockstep_convnet.json" ;;
+    agentcpu)
+      part "agentcpu pytorch" "$PYTHON" bench/agent_cpu_cost.py --seconds 20 --source pytorch \
+        --json "$OUT/agent_cpu_pytorch.json"
+      part "agentcpu allocwatch" "$PYTHON" bench/agent_cpu_cost.py --seconds 20 \
+        --source allocwatch --json "$OUT/agent_cpu_allocwatch.json" ;;
     cap) part cap "$PYTHON" bench/torch_bench.py train --rounds 1 --steps 40 \
         --fraction-of-peak 1.03 --allocators expandable,allocwatch --json "$OUT/cap.json" ;;
     policy) part policy "$PYTHON" bench/policy_under_cap.py --fraction-of-peak "${POLICY_FRACTION:-1.03}" --steps 40 \

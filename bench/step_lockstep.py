@@ -1,0 +1,162 @@
+"""Step time of allocwatch's allocator against another, two training processes in lockstep.
+
+    python bench/step_lockstep.py [--model transformer|convnet] [--against expandable]
+                                  [--rounds 3] [--steps 40] [--json FILE]          (on a GPU)
+
+Runs of one allocator in separate processes, one after another, differ by 10-25 % on the H200
+hosts (bench/torch_bench.py train): the host and the GPU drift between runs and a process's
+placement matters, far more than the effect sought. Here two processes, one per allocator, train
+bench/torch_bench.py's model on the same sequence of random shapes and take turns step by step
+on the same GPU and the same CPU cores: step i of one runs right before or after step i of the
+other (who goes first alternates), each alone on the device, so both see the same drift and the
+same shape. Both first run the whole sequence once untimed (cuBLAS/cuDNN plan selection and
+the allocators' growth are not what is compared). Each round uses fresh processes.
+
+Reported per round: allocwatch's total step time over the other's; over all rounds, the mean of
+those ratios with its standard error, and the median of the per-step ratios. Also each
+allocator's peak reserved / peak requested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_bench import ALLOCATORS, MODELS  # noqa: E402
+
+
+def child(model_name: str, steps: int, cores: str) -> None:
+    """Answers each 'step' line on stdin with one timed step's seconds; 'stats' with the
+    memory statistics; both processes see the same shapes (seeded alike)."""
+    import random
+
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    from torch_bench import _child_setup, timed_step
+
+    torch = _child_setup()
+    torch.backends.cudnn.benchmark = False
+    torch.manual_seed(0)
+    shapes = random.Random(0)
+    model, batch, loss_of = MODELS[model_name](torch, shapes)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shapes.seed(1)
+    for _ in range(steps):  # untimed pass over the same shapes
+        timed_step(torch, opt, loss_of, *batch())
+    shapes.seed(1)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "step":
+            print(timed_step(torch, opt, loss_of, *batch()), flush=True)
+        elif line.strip() == "stats":
+            s = torch.cuda.memory_stats()
+            print(json.dumps({"peak_reserved": s.get("reserved_bytes.all.peak", 0),
+                              "peak_requested": s.get("requested_bytes.all.peak", 0),
+                              "num_alloc_retries": s.get("num_alloc_retries", 0)}), flush=True)
+            return
+
+
+def spawn(allocator: str, model: str, steps: int, cores: str) -> subprocess.Popen:
+    env = dict(os.environ, **ALLOCATORS[allocator])
+    return subprocess.Popen([sys.executable, __file__, "--child", model, str(steps), cores],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            bufsize=1)
+
+
+def ask(proc: subprocess.Popen, what: str) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(what + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"a training process ended (exit {proc.wait()})")
+    return line.strip()
+
+
+def one_round(r: int, model: str, against: str, steps: int, cores: str) -> dict:
+    procs = {a: spawn(a, model, steps, cores) for a in ("allocwatch", against)}
+    try:
+        for a, proc in procs.items():  # both warm up at once; timing starts when both are ready
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the {a} process did not start (exit {proc.wait()})")
+        times: dict[str, list[float]] = {a: [] for a in procs}
+        for i in range(steps):
+            order = ["allocwatch", against] if (i + r) % 2 == 0 else [against, "allocwatch"]
+            for a in order:
+                times[a].append(float(ask(procs[a], "step")))
+        stats = {a: json.loads(ask(procs[a], "stats")) for a in procs}
+    finally:
+        for proc in procs.values():
+            if proc.stdin:
+                proc.stdin.close()
+            proc.wait(timeout=60)
+    ours, other = times["allocwatch"], times[against]
+    return {"round": r, "ratio": sum(ours) / sum(other),
+            "step_ratios": [a / b for a, b in zip(ours, other, strict=True)],
+            "step_times_s": {a: [round(t, 6) for t in ts] for a, ts in times.items()},
+            "reserved_over_requested": {a: s["peak_reserved"] / max(1, s["peak_requested"])
+                                        for a, s in stats.items()},
+            "num_alloc_retries": {a: s["num_alloc_retries"] for a, s in stats.items()}}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    ratios = [r["ratio"] for r in rounds]
+    steps = [x for r in rounds for x in r["step_ratios"]]
+    return {"mean_ratio": statistics.fmean(ratios),
+            "stderr": statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1
+            else None,
+            "median_step_ratio": statistics.median(steps), "steps_compared": len(steps)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="transformer")
+    p.add_argument("--against", choices=sorted(set(ALLOCATORS) - {"allocwatch"}),
+                   default="expandable", help="the allocator compared with allocwatch's")
+    p.add_argument("--rounds", type=int, default=3, help="pairs of fresh processes")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per process and round")
+    p.add_argument("--cores", default="",
+                   help="CPU cores both processes run on, e.g. 2,3,4,5 (default: the first "
+                        "four this process may use)")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]), args.child[2])
+        return 0
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
+    cores = args.cores or ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:4])
+    rounds = []
+    for r in range(args.rounds):
+        rounds.append(one_round(r, args.model, args.against, args.steps, cores))
+        rr = rounds[-1]
+        print(f"round {r}: allocwatch / {args.against} total step time {rr['ratio']:.4f}; "
+              f"reserved/requested "
+              + ", ".join(f"{a} {v:.3f}" for a, v in rr["reserved_over_requested"].items()),
+              flush=True)
+    summary = summarize(rounds)
+    se = summary["stderr"]
+    print(f"allocwatch vs {args.against} ({args.model}): step time "
+          f"{100 * summary['mean_ratio'] - 100:+.2f} %"
+          + (f" ± {100 * se:.2f} % (standard error over {len(rounds)} rounds)" if se else "")
+          + f"; median per-step ratio {summary['median_step_ratio']:.4f} over "
+            f"{summary['steps_compared']} steps", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "model": args.model,
+                                               "against": args.against, "cores": cores,
+                                               **summary, "rounds": rounds}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
