@@ -74,9 +74,9 @@ run_part() {
       part "steptime convnet" "$PYTHON" bench/torch_bench.py train --model convnet --rounds 6 \
         --steps 30 --allocators expandable,allocwatch --json "$OUT/steptime_convnet.json" ;;
     lockstep)
-      part "lockstep transformer" "$PYTHON" bench/step_lockstep.py --rounds 3 --steps 40 \
+      part "lockstep transformer" "$PYTHON" bench/step_lockstep.py --rounds 4 --steps 40 \
         --json "$OUT/lockstep_transformer.json"
-      part "lockstep convnet" "$PYTHON" bench/step_lockstep.py --model convnet --rounds 3 \
+      part "lockstep convnet" "$PYTHON" bench/step_lockstep.py --model convnet --rounds 4 \
         --steps 40 --json "$OUT/lockstep_convnet.json" ;;
     agentcpu)
       part "agentcpu pytorch" "$PYTHON" bench/agent_cpu_cost.py --seconds 20 --source pytorch \

@@ -51,15 +51,21 @@ def child(model_name: str, steps: int, cores: str) -> None:
     for _ in range(steps):  # untimed pass over the same shapes
         timed_step(torch, opt, loss_of, *batch())
     shapes.seed(1)
+    warm = torch.cuda.memory_stats()
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() == "step":
             print(timed_step(torch, opt, loss_of, *batch()), flush=True)
         elif line.strip() == "stats":
             s = torch.cuda.memory_stats()
+            # device calls during the timed pass only: what the allocator still does once the
+            # shapes have all been seen
+            timed = {k: s.get(k, 0) - warm.get(k, 0)
+                     for k in ("num_device_alloc", "num_device_free", "num_sync_all_streams")}
             print(json.dumps({"peak_reserved": s.get("reserved_bytes.all.peak", 0),
                               "peak_requested": s.get("requested_bytes.all.peak", 0),
-                              "num_alloc_retries": s.get("num_alloc_retries", 0)}), flush=True)
+                              "num_alloc_retries": s.get("num_alloc_retries", 0),
+                              "timed_pass": timed}), flush=True)
             return
 
 
@@ -104,7 +110,8 @@ def one_round(r: int, model: str, against: str, steps: int, cores: str) -> dict:
             "step_times_s": {a: [round(t, 6) for t in ts] for a, ts in times.items()},
             "reserved_over_requested": {a: s["peak_reserved"] / max(1, s["peak_requested"])
                                         for a, s in stats.items()},
-            "num_alloc_retries": {a: s["num_alloc_retries"] for a, s in stats.items()}}
+            "num_alloc_retries": {a: s["num_alloc_retries"] for a, s in stats.items()},
+            "timed_pass_device_calls": {a: s["timed_pass"] for a, s in stats.items()}}
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -142,7 +149,9 @@ def main() -> int:
         rr = rounds[-1]
         print(f"round {r}: allocwatch / {args.against} total step time {rr['ratio']:.4f}; "
               f"reserved/requested "
-              + ", ".join(f"{a} {v:.3f}" for a, v in rr["reserved_over_requested"].items()),
+              + ", ".join(f"{a} {v:.3f}" for a, v in rr["reserved_over_requested"].items())
+              + "; device calls while timed "
+              + ", ".join(f"{a} {c}" for a, c in rr["timed_pass_device_calls"].items()),
               flush=True)
     summary = summarize(rounds)
     se = summary["stderr"]

@@ -71,11 +71,21 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
       chunk_pages = config_.expandable_chunk / es->page_size();
     }
   }
-  if (config_.reuse_free_pages) {
-    const std::size_t page = es->page_size();
-    take_back_free_pages(to_map->pool, to_map, (size + page - 1) / page * page);
-  }
+  // Taking pages back costs an unmap, which waits for the stream: worth it only where growing
+  // would raise reserved memory above its high-water mark (the peak that counts), or where the
+  // device has no memory left. Below the mark new pages are created instead, so a training
+  // loop whose shapes vary settles with its peak's pages mapped and stops moving them (before
+  // this rule, every large step moved pages: its step time 15 % over expandable segments').
+  const std::size_t page = es->page_size();
+  const std::size_t rounded = (size + page - 1) / page * page;
+  const bool take_back = config_.reuse_free_pages &&
+                         total_allocated_memory_ + rounded > reserved_high_water_;
+  if (take_back) take_back_free_pages(to_map->pool, to_map, rounded);
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
+  if (mapped.size == 0 && config_.reuse_free_pages && !take_back &&
+      take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
+    mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
+  }
   // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
   // returned to the device.
   for (PhysicalHandle h : spare_pages_) device_->release_physical(h, es->page_size());
@@ -100,6 +110,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
   pool.insert_into_blocks(to_map);
 
   total_allocated_memory_ += mapped.size;
+  reserved_high_water_ = std::max(reserved_high_water_, total_allocated_memory_);
   stats_.reserved_bytes.increase(pool.kind(), static_cast<std::int64_t>(mapped.size));
   stats_.num_device_alloc++;
   trace_.record(TraceAction::segment_map, mapped.ptr, mapped.size, to_map->stream);

@@ -139,7 +139,11 @@ std::size_t CachingAllocator::garbage_collect_cached_blocks() {
 std::size_t CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.num_empty_cache_calls++;
-  return release_cached_blocks();
+  const std::size_t released = release_cached_blocks();
+  // An explicit reclaim asks for less memory from now on: growth moves free pages again
+  // before it raises reserved above what is left.
+  reserved_high_water_ = total_allocated_memory_;
+  return released;
 }
 
 std::size_t CachingAllocator::garbage_collect() {
