@@ -17,6 +17,8 @@
 #                by round): transformer, then convnet
 #   lockstep     bench/step_lockstep.py against expandable segments, transformer then convnet:
 #                the two processes take turns step by step (steadier than steptime)
+#   caplockstep  bench/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
+#                expandable segments, both capped at 1.03 x the workload's peak requested bytes
 #   agentcpu     bench/agent_cpu_cost.py --source pytorch, then allocwatch: the agent's CPU
 #                share and its sample's time with CUDA tensors and NVML
 #   cap          bench/torch_bench.py train --fraction-of-peak 1.03 (transformer)
@@ -78,6 +80,8 @@ run_part() {
         --json "$OUT/lockstep_transformer.json"
       part "lockstep convnet" "$PYTHON" bench/step_lockstep.py --model convnet --rounds 4 \
         --steps 40 --json "$OUT/lockstep_convnet.json" ;;
+    caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/step_lockstep.py --rounds 4 \
+        --steps 40 --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     agentcpu)
       part "agentcpu pytorch" "$PYTHON" bench/agent_cpu_cost.py --seconds 20 --source pytorch \
         --json "$OUT/agent_cpu_pytorch.json"

@@ -1,7 +1,8 @@
 """Step time of allocwatch's allocator against another, two training processes in lockstep.
 
     python bench/step_lockstep.py [--model transformer|convnet] [--against expandable]
-                                  [--rounds 3] [--steps 40] [--json FILE]          (on a GPU)
+                                  [--rounds 3] [--steps 40] [--fraction-of-peak F]
+                                  [--json FILE]                                    (on a GPU)
 
 Runs of one allocator in separate processes, one after another, differ by 10-25 % on the H200
 hosts (bench/torch_bench.py train): the host and the GPU drift between runs and a process's
@@ -10,7 +11,11 @@ bench/torch_bench.py's model on the same sequence of random shapes and take turn
 on the same GPU and the same CPU cores: step i of one runs right before or after step i of the
 other (who goes first alternates), each alone on the device, so both see the same drift and the
 same shape. Both first run the whole sequence once untimed (cuBLAS/cuDNN plan selection and
-the allocators' growth are not what is compared). Each round uses fresh processes.
+the allocators' growth are not what is compared). Each round uses fresh processes. With
+--fraction-of-peak F, each process then caps itself with set_per_process_memory_fraction at F x
+the peak requested bytes of that pass, empties its cache, and runs the sequence once more
+untimed under the cap before the timed pass; a process that runs out of memory ends the round
+and is reported.
 
 Reported per round: allocwatch's total step time over the other's; over all rounds, the mean of
 those ratios with its standard error, and the median of the per-step ratios. Also each
@@ -32,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch_bench import ALLOCATORS, MODELS  # noqa: E402
 
 
-def child(model_name: str, steps: int, cores: str) -> None:
+def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
     """Answers each 'step' line on stdin with one timed step's seconds; 'stats' with the
     memory statistics; both processes see the same shapes (seeded alike)."""
     import random
@@ -47,15 +52,35 @@ def child(model_name: str, steps: int, cores: str) -> None:
     shapes = random.Random(0)
     model, batch, loss_of = MODELS[model_name](torch, shapes)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    shapes.seed(1)
-    for _ in range(steps):  # untimed pass over the same shapes
-        timed_step(torch, opt, loss_of, *batch())
+    oom = (torch.cuda.OutOfMemoryError, RuntimeError)
+
+    def untimed_pass() -> None:
+        shapes.seed(1)
+        for _ in range(steps):
+            timed_step(torch, opt, loss_of, *batch())
+
+    untimed_pass()
+    if fraction:
+        peak = torch.cuda.memory_stats()["requested_bytes.all.peak"]
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(fraction * peak / total)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            untimed_pass()
+        except oom as e:
+            print(f"oom in the capped untimed pass: {str(e)[:200]!r}", flush=True)
+            return
     shapes.seed(1)
     warm = torch.cuda.memory_stats()
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() == "step":
-            print(timed_step(torch, opt, loss_of, *batch()), flush=True)
+            try:
+                print(timed_step(torch, opt, loss_of, *batch()), flush=True)
+            except oom as e:
+                print(f"oom: {str(e)[:200]!r}", flush=True)
+                return
         elif line.strip() == "stats":
             s = torch.cuda.memory_stats()
             # device calls during the timed pass only: what the allocator still does once the
@@ -69,9 +94,10 @@ def child(model_name: str, steps: int, cores: str) -> None:
             return
 
 
-def spawn(allocator: str, model: str, steps: int, cores: str) -> subprocess.Popen:
+def spawn(allocator: str, model: str, steps: int, cores: str, fraction: float) -> subprocess.Popen:
     env = dict(os.environ, **ALLOCATORS[allocator])
-    return subprocess.Popen([sys.executable, __file__, "--child", model, str(steps), cores],
+    return subprocess.Popen([sys.executable, __file__, "--child", model, str(steps), cores,
+                             str(fraction)],
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             bufsize=1)
 
@@ -86,18 +112,29 @@ def ask(proc: subprocess.Popen, what: str) -> str:
     return line.strip()
 
 
-def one_round(r: int, model: str, against: str, steps: int, cores: str) -> dict:
-    procs = {a: spawn(a, model, steps, cores) for a in ("allocwatch", against)}
+class OutOfMemory(Exception):
+    """A training process ran out of memory (under --fraction-of-peak)."""
+
+
+def one_round(r: int, model: str, against: str, steps: int, cores: str,
+              fraction: float) -> dict:
+    procs = {a: spawn(a, model, steps, cores, fraction) for a in ("allocwatch", against)}
     try:
         for a, proc in procs.items():  # both warm up at once; timing starts when both are ready
             assert proc.stdout is not None
-            if proc.stdout.readline().strip() != "ready":
+            line = proc.stdout.readline().strip()
+            if line.startswith("oom"):
+                raise OutOfMemory(f"{a}: {line}")
+            if line != "ready":
                 raise RuntimeError(f"the {a} process did not start (exit {proc.wait()})")
         times: dict[str, list[float]] = {a: [] for a in procs}
         for i in range(steps):
             order = ["allocwatch", against] if (i + r) % 2 == 0 else [against, "allocwatch"]
             for a in order:
-                times[a].append(float(ask(procs[a], "step")))
+                answer = ask(procs[a], "step")
+                if answer.startswith("oom"):
+                    raise OutOfMemory(f"{a}, timed step {i}: {answer}")
+                times[a].append(float(answer))
         stats = {a: json.loads(ask(procs[a], "stats")) for a in procs}
     finally:
         for proc in procs.values():
@@ -134,18 +171,30 @@ def main() -> int:
     p.add_argument("--cores", default="",
                    help="CPU cores both processes run on, e.g. 2,3,4,5 (default: the first "
                         "four this process may use)")
+    p.add_argument("--fraction-of-peak", type=float, default=0.0, metavar="F",
+                   help="cap each process at F x its peak requested bytes (e.g. 1.03)")
     p.add_argument("--json", metavar="FILE")
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), args.child[2])
+        child(args.child[0], int(args.child[1]), args.child[2], float(args.child[3]))
         return 0
+    if args.fraction_of_peak and args.fraction_of_peak < 1.0:
+        p.error(f"--fraction-of-peak must be at least 1.0 (the workload's own need), got "
+                f"{args.fraction_of_peak}")
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be at least 1")
     cores = args.cores or ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:4])
     rounds = []
+    failures = []
     for r in range(args.rounds):
-        rounds.append(one_round(r, args.model, args.against, args.steps, cores))
+        try:
+            rounds.append(one_round(r, args.model, args.against, args.steps, cores,
+                                    args.fraction_of_peak))
+        except OutOfMemory as e:
+            failures.append({"round": r, "out_of_memory": str(e)})
+            print(f"round {r}: out of memory, {e}", flush=True)
+            continue
         rr = rounds[-1]
         print(f"round {r}: allocwatch / {args.against} total step time {rr['ratio']:.4f}; "
               f"reserved/requested "
@@ -153,19 +202,20 @@ def main() -> int:
               + "; device calls while timed "
               + ", ".join(f"{a} {c}" for a, c in rr["timed_pass_device_calls"].items()),
               flush=True)
-    summary = summarize(rounds)
-    se = summary["stderr"]
-    print(f"allocwatch vs {args.against} ({args.model}): step time "
-          f"{100 * summary['mean_ratio'] - 100:+.2f} %"
-          + (f" ± {100 * se:.2f} % (standard error over {len(rounds)} rounds)" if se else "")
-          + f"; median per-step ratio {summary['median_step_ratio']:.4f} over "
-            f"{summary['steps_compared']} steps", flush=True)
+    summary = summarize(rounds) if rounds else {}
+    if rounds:
+        se = summary["stderr"]
+        print(f"allocwatch vs {args.against} ({args.model}): step time "
+              f"{100 * summary['mean_ratio'] - 100:+.2f} %"
+              + (f" ± {100 * se:.2f} % (standard error over {len(rounds)} rounds)" if se else "")
+              + f"; median per-step ratio {summary['median_step_ratio']:.4f} over "
+                f"{summary['steps_compared']} steps", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "model": args.model,
-                                               "against": args.against, "cores": cores,
-                                               **summary, "rounds": rounds}, indent=1))
-    return 0
-
+        Path(args.json).write_text(json.dumps(
+            {"command": " ".join(sys.argv), "model": args.model, "against": args.against,
+             "cores": cores, "fraction_of_peak": args.fraction_of_peak, **summary,
+             "rounds": rounds, "out_of_memory": failures}, indent=1))
+    return 0 if rounds and not failures else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -40,8 +40,30 @@ def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_pa
 
 @pytest.mark.parametrize("script", ["agent_overhead.py", "torch_bench.py", "gpu_soak.py",
                                     "fragmentation.py", "policy_under_cap.py",
-                                    "agent_cpu_cost.py"])
+                                    "agent_cpu_cost.py", "step_lockstep.py", "steady_state.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage:" in out.stdout
+
+
+def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles(
+        tmp_path: Path) -> None:
+    out_file = tmp_path / "steady.json"
+    out = subprocess.run([sys.executable, "bench/steady_state.py", "--passes", "3", "--traces",
+                          "tests/data/traces/convnet__default.pickle.gz", "--json",
+                          str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    passes = json.loads(out_file.read_text())["passes"]["convnet__default.pickle.gz"]
+    assert len(passes) == 3
+    # The first pass grows the cache; once the pattern repeats, allocwatch's defaults make a
+    # small fraction of those calls (the high-water rule: no page moves below the peak).
+    assert passes[0]["create"] > 50
+    assert passes[-1]["create"] * 10 <= passes[0]["create"]
+    assert passes[-1]["stream_synchronize"] <= 2
+
+
+def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
+    out = subprocess.run([sys.executable, "bench/step_lockstep.py", "--fraction-of-peak", "0.9"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr

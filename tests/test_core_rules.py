@@ -376,6 +376,34 @@ def test_large_pool_takes_free_small_pages_but_leaves_the_small_pool_a_reserve()
         assert a.check_invariants() == ""
 
 
+def test_below_the_high_water_mark_growth_creates_pages_instead_of_moving_them() -> None:
+    # Moving a free page costs an unmap, which waits for the stream; below the most ever
+    # reserved, a new page raises no peak, so a repeating workload settles without moves.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev)
+    a.free(a.malloc(200 * MiB))               # high-water mark: 200 MiB, all free
+    small = [a.malloc(MiB) for _ in range(2)]  # the small pool's first page: a large page
+    c = dev.counters()                           # released for it (200 + 2 would pass the mark)
+    assert c["unmap"]["count"] == 1 and c["release"]["count"] == 1
+    small.append(a.malloc(MiB))               # 182 + 2 MiB stays under the mark: a new page
+    c = dev.counters()
+    assert c["unmap"]["count"] == 1 and c["stream_synchronize"]["count"] == 1
+    s = a.stats()
+    assert s["reserved_bytes.large_pool.current"] == 180 * MiB   # left mapped, ready for reuse
+    assert s["reserved_bytes.all.current"] == 184 * MiB
+    # An explicit reclaim asks for less memory: the mark drops to what is left, and growth
+    # moves free pages again before raising it.
+    a.empty_cache()
+    first = a.malloc(40 * MiB)
+    a.malloc(40 * MiB)
+    a.free(first)                             # 40 MiB free; the mark is now 84 MiB
+    unmaps = dev.counters()["unmap"]["count"]
+    a.malloc(60 * MiB)
+    assert dev.counters()["unmap"]["count"] - unmaps == 2         # the free 40 MiB moved
+    assert a.stats()["reserved_bytes.all.current"] == 104 * MiB
+    assert a.check_invariants() == ""
+
+
 def test_chunked_growth_maps_whole_chunks_then_single_pages() -> None:
     dev, a = native(config="native,expandable_segments:True,expandable_large_page_mb:2,"
                     "expandable_chunk_mb:20")

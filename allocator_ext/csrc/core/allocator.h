@@ -178,7 +178,8 @@ class CachingAllocator {
   std::map<StreamId, std::deque<std::pair<EventId, Block*>>> events_;
 
   std::size_t total_allocated_memory_ = 0;  // reserved bytes, as the fraction check sees them
-  // The most reserved since the start or the last empty_cache: below it, expandable segments
+  // The most reserved since the start or the last explicit reclaim (empty_cache, an operator's
+  // garbage_collect): below it, expandable segments
   // grow with new pages rather than moving free ones (expandable.cpp, map_block).
   std::size_t reserved_high_water_ = 0;
   std::size_t allowed_memory_maximum_ = 0;

@@ -172,6 +172,7 @@ std::size_t CachingAllocator::garbage_collect() {
     if (released == 0) stats_.num_gc_reclaims++;
     stats_.gc_reclaimed_bytes += static_cast<std::int64_t>(unmapped);
   }
+  reserved_high_water_ = total_allocated_memory_;  // as after empty_cache
   return released + unmapped;
 }
 
