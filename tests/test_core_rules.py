@@ -404,6 +404,29 @@ def test_below_the_high_water_mark_growth_creates_pages_instead_of_moving_them()
     assert a.check_invariants() == ""
 
 
+def test_under_a_memory_fraction_growth_moves_free_pages_instead_of_retrying() -> None:
+    # PyTorch checks reserved + the whole request against the fraction, and over it frees every
+    # cached block and retries (a wait on every stream). allocwatch's defaults first take free
+    # pages back and check only what is really added.
+    def grow_under_cap(config: str | None) -> tuple[ae.Allocator, ae.SimDevice]:
+        dev = ae.SimDevice(capacity=GiB)
+        a = ae.Allocator(dev, config)
+        a.set_memory_fraction(120 / 1024)    # 120 MiB allowed
+        first = a.malloc(60 * MiB)
+        a.malloc(40 * MiB)
+        a.free(first)                        # 60 MiB free, not next to the growth
+        a.malloc(80 * MiB)                   # 100 + 80 > 120: only with the free pages
+        assert a.check_invariants() == ""
+        return a, dev
+
+    a, dev = grow_under_cap(None)
+    assert a.stats()["num_alloc_retries"] == 0
+    assert a.stats()["reserved_bytes.all.current"] == 120 * MiB
+    assert dev.counters()["unmap"]["count"] == 3          # the three free pages moved
+    a, _ = grow_under_cap("native,expandable_segments:True")
+    assert a.stats()["num_alloc_retries"] == 1            # PyTorch's rule, kept for `native`
+
+
 def test_chunked_growth_maps_whole_chunks_then_single_pages() -> None:
     dev, a = native(config="native,expandable_segments:True,expandable_large_page_mb:2,"
                     "expandable_chunk_mb:20")

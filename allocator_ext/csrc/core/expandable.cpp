@@ -78,9 +78,17 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
   // this rule, every large step moved pages: its step time 15 % over expandable segments').
   const std::size_t page = es->page_size();
   const std::size_t rounded = (size + page - 1) / page * page;
+  const bool over_cap = set_fraction_ && total_allocated_memory_ + rounded > allowed_memory_maximum_;
   const bool take_back = config_.reuse_free_pages &&
-                         total_allocated_memory_ + rounded > reserved_high_water_;
+                         (total_allocated_memory_ + rounded > reserved_high_water_ || over_cap);
   if (take_back) take_back_free_pages(to_map->pool, to_map, rounded);
+  if (set_fraction_ && total_allocated_memory_ + rounded > allowed_memory_maximum_) {
+    // Still over the memory fraction: pages taken back go to the device, and the caller's
+    // out-of-memory path frees cached blocks and retries.
+    for (PhysicalHandle h : spare_pages_) device_->release_physical(h, es->page_size());
+    spare_pages_.clear();
+    return false;
+  }
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   if (mapped.size == 0 && config_.reuse_free_pages && !take_back &&
       take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
