@@ -147,21 +147,27 @@ Fn driver_symbol(const char* name) {
 // Before timing anything, prove that the back end's memory is real and usable: write it from
 // the device and read it back, through a mapped expandable range and through a plain segment.
 // A wrong struct layout (CUmemAccessDesc, CUmemAllocationProp) fails here, loudly.
-void check_memory_is_usable(CudaDevice& device) {
+// Writes `value` over [address, address + size) with the driver and reads back both ends.
+void fill_and_verify(CudaDevice& device, std::uintptr_t address, std::size_t size,
+                     unsigned char value) {
   using MemsetD8 = int (*)(unsigned long long, unsigned char, std::size_t);
   using CopyToHost = int (*)(void*, unsigned long long, std::size_t);
   auto memset_d8 = driver_symbol<MemsetD8>("cuMemsetD8_v2");
   auto copy_to_host = driver_symbol<CopyToHost>("cuMemcpyDtoH_v2");
+  require(memset_d8(address, value, size) == 0, "cuMemsetD8_v2 on back-end memory failed");
+  device.synchronize();
+  std::vector<unsigned char> head(4096), tail(4096);
+  require(copy_to_host(head.data(), address, head.size()) == 0, "cuMemcpyDtoH_v2 failed");
+  require(copy_to_host(tail.data(), address + size - tail.size(), tail.size()) == 0,
+          "cuMemcpyDtoH_v2 failed");
+  for (std::size_t i = 0; i < head.size(); ++i) {
+    require(head[i] == value && tail[i] == value, "device memory read back wrong bytes");
+  }
+}
+
+void check_memory_is_usable(CudaDevice& device) {
   auto fill_and_verify = [&](std::uintptr_t address, std::size_t size, unsigned char value) {
-    require(memset_d8(address, value, size) == 0, "cuMemsetD8_v2 on back-end memory failed");
-    device.synchronize();
-    std::vector<unsigned char> head(4096), tail(4096);
-    require(copy_to_host(head.data(), address, head.size()) == 0, "cuMemcpyDtoH_v2 failed");
-    require(copy_to_host(tail.data(), address + size - tail.size(), tail.size()) == 0,
-            "cuMemcpyDtoH_v2 failed");
-    for (std::size_t i = 0; i < head.size(); ++i) {
-      require(head[i] == value && tail[i] == value, "device memory read back wrong bytes");
-    }
+    ::fill_and_verify(device, address, size, value);
   };
 
   if (device.supports_virtual_memory()) {
@@ -233,6 +239,82 @@ void time_sizeless_calls(CudaDevice& device, Samples* out) {
   (*out)["event_query"][0].push_back(seconds_of([&] { done = device.query_event(event); }));
   require(done, "a completed event queried as not ready");
   device.release_event(event);
+}
+
+// What the driver allows beyond the calls the allocator makes today, for two designs that
+// would cut expandable segments' costs (docs/benchmarks.md, "Fragmentation"): one cuMemUnmap
+// over a range made of several mappings (one handle each) instead of one call per mapping,
+// and pieces of one physical allocation mapped at separate addresses (cuMemMap's offset), one
+// of them unmapped while the others stay in use. Each answer is reported, never fatal.
+struct Probes {
+  int span_result = -1;             // CUresult of the one cuMemUnmap over kPieces mappings
+  double span_unmap_s = 0;          // its median time
+  double separate_unmaps_s = 0;     // the median time of kPieces cuMemUnmap calls
+  int offset_result = -1;           // CUresult of the first failing call, 0 if all worked
+};
+constexpr int kPieces = 8;
+
+Probes probe_range_calls(CudaDevice& device, int repeats) {
+  using Unmap = int (*)(unsigned long long, std::size_t);
+  using Map = int (*)(unsigned long long, std::size_t, std::size_t, unsigned long long,
+                      unsigned long long);
+  auto unmap = driver_symbol<Unmap>("cuMemUnmap");
+  auto map = driver_symbol<Map>("cuMemMap");
+  const std::size_t page = device.granularity();
+  const std::uintptr_t base = device.reserve_address(kPieces * page, page);
+  Probes probes;
+
+  std::vector<PhysicalHandle> handles(kPieces);
+  for (auto& h : handles) require(device.create_physical(page, &h), "cuMemCreate: out of memory");
+  auto map_all = [&] {
+    for (int i = 0; i < kPieces; ++i) device.map_no_access(base + i * page, page, handles[i]);
+    device.set_access(base, kPieces * page);
+  };
+  auto unmap_each = [&] {
+    for (int i = 0; i < kPieces; ++i) device.unmap(base + i * page, page);
+  };
+  std::vector<double> span, separate;
+  for (int r = 0; r < repeats; ++r) {
+    map_all();
+    int result = 0;
+    const double seconds = seconds_of([&] { result = unmap(base, kPieces * page); });
+    probes.span_result = result;
+    if (result != 0) {  // refused: the mappings are still there
+      unmap_each();
+      break;
+    }
+    span.push_back(seconds);
+    map_all();
+    separate.push_back(seconds_of(unmap_each));
+  }
+  if (!span.empty()) probes.span_unmap_s = quantile(span, 0.5);
+  if (!separate.empty()) probes.separate_unmaps_s = quantile(separate, 0.5);
+  for (auto h : handles) device.release_physical(h, page);
+
+  PhysicalHandle whole = 0;
+  require(device.create_physical(kPieces * page, &whole), "cuMemCreate: out of memory");
+  int mapped = 0;
+  probes.offset_result = 0;
+  for (; mapped < kPieces && probes.offset_result == 0; ++mapped) {  // pieces in reverse order
+    probes.offset_result = map(base + (kPieces - 1 - mapped) * page, page, mapped * page, whole, 0);
+  }
+  if (probes.offset_result == 0) {
+    device.set_access(base, kPieces * page);
+    fill_and_verify(device, base, kPieces * page, 0x3C);
+    probes.offset_result = unmap(base + 3 * page, page);  // one piece out of the middle
+    if (probes.offset_result == 0) {
+      fill_and_verify(device, base, 3 * page, 0xC3);     // the rest still usable
+      fill_and_verify(device, base + 4 * page, (kPieces - 4) * page, 0xC3);
+    }
+    for (int i = 0; i < kPieces; ++i) {
+      if (i != 3 || probes.offset_result != 0) unmap(base + i * page, page);
+    }
+  } else {
+    for (int i = 0; i + 1 < mapped; ++i) unmap(base + (kPieces - 1 - i) * page, page);
+  }
+  device.release_physical(whole, kPieces * page);
+  device.free_address(base, kPieces * page);
+  return probes;
 }
 
 std::string nvidia_driver_version() {
@@ -312,7 +394,8 @@ void print_table(const Samples& samples, const std::map<std::string, CostFit>& f
 }
 
 void write_json(const std::string& path, const Options& options, CudaDevice& device,
-                const Samples& samples, const std::map<std::string, CostFit>& fits) {
+                const Samples& samples, const std::map<std::string, CostFit>& fits,
+                const Probes& probes) {
   auto fit_entry = [&](const std::string& kind) {
     const CostFit& fit = fits.at(kind);
     return "{\"fixed_s\": " + json_number(fit.fixed_s) +
@@ -327,6 +410,11 @@ void write_json(const std::string& path, const Options& options, CudaDevice& dev
   j << "  \"command\": " << json_string(options.command) << ",\n";
   j << "  \"granularity_bytes\": " << device.granularity() << ",\n";
   j << "  \"repeats\": " << options.repeats << ",\n";
+  j << "  \"probes\": {\"unmap_spanning_mappings\": {\"mappings\": " << kPieces
+    << ", \"cu_result\": " << probes.span_result << ", \"one_call_s\": "
+    << json_number(probes.span_unmap_s) << ", \"one_call_per_mapping_s\": "
+    << json_number(probes.separate_unmaps_s) << "}, \"map_pieces_by_offset\": {\"cu_result\": "
+    << probes.offset_result << "}},\n";
   j << "  \"calls\": {\n";
   for (std::size_t i = 0; i < kTableKinds.size(); ++i) {
     const std::string& kind = kTableKinds[i];
@@ -372,6 +460,16 @@ int run(const Options& options) {
 
   check_memory_is_usable(device);
   std::printf("memory check: mapped and plain device memory written and read back\n");
+  const Probes probes = probe_range_calls(device, options.quick ? 3 : options.repeats);
+  if (probes.span_result == 0) {
+    std::printf("probe: one cuMemUnmap over %d mappings works: %.1f us (one call each: %.1f us)\n",
+                kPieces, probes.span_unmap_s * 1e6, probes.separate_unmaps_s * 1e6);
+  } else {
+    std::printf("probe: one cuMemUnmap over %d mappings refused (CUresult %d)\n", kPieces,
+                probes.span_result);
+  }
+  std::printf("probe: pieces of one allocation mapped by offset, one unmapped: %s (CUresult %d)\n",
+              probes.offset_result == 0 ? "works" : "refused", probes.offset_result);
 
   std::vector<std::size_t> sizes = {2 * MiB, 20 * MiB, 128 * MiB, 512 * MiB, 2 * GiB};
   std::vector<std::size_t> segment_sizes = sizes;
@@ -411,7 +509,7 @@ int run(const Options& options) {
   }
   print_table(samples, fits);
   if (!options.json_path.empty()) {
-    write_json(options.json_path, options, device, samples, fits);
+    write_json(options.json_path, options, device, samples, fits, probes);
     std::printf("\nwrote %s\n", options.json_path.c_str());
   }
   return 0;

@@ -71,6 +71,12 @@ def test_device_call_costs_writes_cost_table(fake_driver_dir: Path, tmp_path: Pa
     for entry in costs["calls"].values():
         assert entry["fixed_s"] >= 0 and entry["per_byte_s"] >= 0
     assert costs["command"].endswith(f"--quick --json {table}")
+    # The stand-in driver refuses what the docs leave open (an unmap over several mappings,
+    # mapping by offset): the probes report that, and the run carries on.
+    probes = costs["probes"]
+    assert probes["unmap_spanning_mappings"]["cu_result"] != 0
+    assert probes["map_pieces_by_offset"]["cu_result"] != 0
+    assert "probe: one cuMemUnmap over 8 mappings refused" in result.stdout
 
 
 def test_device_call_costs_fails_clearly_without_a_driver(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <vector>
 
 namespace {
 
@@ -254,10 +255,18 @@ CUresult cuMemSetAccess(unsigned long long ptr, std::size_t size, const void* de
     return kInvalidValue;
   }
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_mappings.find(ptr);
-  if (it == g_mappings.end() || it->second != size) return kInvalidValue;
+  // One call may cover a run of back-to-back mappings, as on the real driver (the allocator
+  // grants access once per mapped run); it must cover whole mappings, nothing unmapped.
+  std::vector<std::uintptr_t> run;
+  for (std::uintptr_t at = ptr; at < ptr + size;) {
+    auto it = g_mappings.find(at);
+    if (it == g_mappings.end() || at + it->second > ptr + size) return kInvalidValue;
+    run.push_back(at);
+    at += it->second;
+  }
+  if (run.empty()) return kInvalidValue;
   mprotect(reinterpret_cast<void*>(ptr), size, PROT_READ | PROT_WRITE);
-  g_accessible.insert(ptr);
+  g_accessible.insert(run.begin(), run.end());
   return kSuccess;
 }
 CUresult cuMemUnmap(unsigned long long ptr, std::size_t size) {
