@@ -19,6 +19,8 @@
 #                the two processes take turns step by step (steadier than steptime)
 #   caplockstep  bench/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
 #                expandable segments, both capped at 1.03 x the workload's peak requested bytes
+#   probes       bench/device_call_costs --quick: the cost table's calls plus the driver probes
+#                (one unmap over several mappings; pieces of one allocation mapped by offset)
 #   agentcpu     bench/agent_cpu_cost.py --source pytorch, then allocwatch: the agent's CPU
 #                share and its sample's time with CUDA tensors and NVML
 #   cap          bench/torch_bench.py train --fraction-of-peak 1.03 (transformer)
@@ -82,6 +84,9 @@ run_part() {
         --steps 40 --json "$OUT/lockstep_convnet.json" ;;
     caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/step_lockstep.py --rounds 4 \
         --steps 40 --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
+    probes)
+      part "build device_call_costs" bash bench/build_native.sh build/bench
+      part probes build/bench/device_call_costs --quick --json "$OUT/device_costs_quick.json" ;;
     agentcpu)
       part "agentcpu pytorch" "$PYTHON" bench/agent_cpu_cost.py --seconds 20 --source pytorch \
         --json "$OUT/agent_cpu_pytorch.json"
