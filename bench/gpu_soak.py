@@ -115,7 +115,7 @@ def main() -> int:
     p.add_argument("--worker", metavar="TARGET", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.self_check and args.minutes == 10.0:
-        args.minutes, args.kill_every = 0.25, 4.0
+        args.minutes, args.kill_every = 0.4, 4.0
     if args.worker:
         return worker(args.worker, args.minutes * 60, args.self_check)
 
@@ -128,6 +128,9 @@ def main() -> int:
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     work = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
+    # No kill so late that the worker could end before its agent is back: that would count as
+    # an agent that never returned (the worker's clock starts after this one, so this is safe).
+    last_kill_at = time.monotonic() + args.minutes * 60 - min(30.0, 1.5 * args.kill_every)
     kills = 0
     back_within: list[float] = []
     went_back = 0
@@ -135,7 +138,7 @@ def main() -> int:
     next_kill = time.monotonic() + args.kill_every
     while work.poll() is None:
         time.sleep(0.2)
-        if time.monotonic() < next_kill:
+        if time.monotonic() < next_kill or time.monotonic() > last_kill_at:
             continue
         sidecar.kill()
         kills += 1
