@@ -427,6 +427,22 @@ def test_under_a_memory_fraction_growth_moves_free_pages_instead_of_retrying() -
     assert a.stats()["num_alloc_retries"] == 1            # PyTorch's rule, kept for `native`
 
 
+def test_no_page_is_taken_back_while_a_graph_is_captured() -> None:
+    # Taking a page back unmaps it, and an unmap waits for its stream: a capture forbids that,
+    # so growth during capture creates pages even where free ones could have moved.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev)
+    a.begin_allocate_to_pool((1, 0), 1)      # stream 1 is being captured into a private pool
+    first = a.malloc(60 * MiB, 1)
+    a.malloc(40 * MiB, 1)
+    a.free(first)                             # 60 MiB free in the private pool
+    a.malloc(80 * MiB, 1)                     # over the high-water mark: would move pages
+    c = dev.counters()
+    assert "unmap" not in c and "stream_synchronize" not in c
+    a.end_allocate_to_pool((1, 0))
+    assert a.check_invariants() == ""
+
+
 def test_chunked_growth_maps_whole_chunks_then_single_pages() -> None:
     dev, a = native(config="native,expandable_segments:True,expandable_large_page_mb:2,"
                     "expandable_chunk_mb:20")

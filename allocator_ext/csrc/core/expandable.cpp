@@ -76,10 +76,13 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
   // device has no memory left. Below the mark new pages are created instead, so a training
   // loop whose shapes vary settles with its peak's pages mapped and stops moving them (before
   // this rule, every large step moved pages: its step time 15 % over expandable segments').
+  // Never while a CUDA graph is being captured: an unmap waits for a stream, which a capture
+  // forbids (PyTorch releases nothing during capture either).
   const std::size_t page = es->page_size();
   const std::size_t rounded = (size + page - 1) / page * page;
   const bool over_cap = set_fraction_ && total_allocated_memory_ + rounded > allowed_memory_maximum_;
-  const bool take_back = config_.reuse_free_pages &&
+  const bool may_take_back = config_.reuse_free_pages && captures_underway_.empty();
+  const bool take_back = may_take_back &&
                          (total_allocated_memory_ + rounded > reserved_high_water_ || over_cap);
   if (take_back) take_back_free_pages(to_map->pool, to_map, rounded);
   if (set_fraction_ && total_allocated_memory_ + rounded > allowed_memory_maximum_) {
@@ -90,7 +93,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
     return false;
   }
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
-  if (mapped.size == 0 && config_.reuse_free_pages && !take_back &&
+  if (mapped.size == 0 && may_take_back && !take_back &&
       take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
     mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   }
