@@ -111,6 +111,28 @@ def test_reclaim_releases_cached_memory(setup) -> None:
              what="reserved to fall")
 
 
+def test_reclaim_during_a_graph_capture_is_refused_and_releases_nothing(setup) -> None:
+    # A reclaim from the sidecar arrives on the agent's thread at any moment; releasing memory
+    # waits for streams, which would invalidate a CUDA graph being captured in training.
+    running, url, allocator, agent, _ = setup
+    for b in [allocator.malloc(50 * MiB) for _ in range(4)]:
+        allocator.free(b)
+    reserved = allocator.stats()["reserved_bytes.all.current"]
+    allocator.begin_allocate_to_pool((1, 0), 7)
+    assert allocator.capture_underway
+    result = _send(running, pb.Command(cuda_device=0,
+                                       reclaim=pb.Reclaim(mode=pb.Reclaim.EMPTY_CACHE)))
+    assert result.status == Status.FAILED
+    assert "graph is being captured on cuda:0" in result.message
+    assert result.bytes_released == 0
+    assert allocator.stats()["reserved_bytes.all.current"] == reserved
+    assert allocator.empty_cache() == 0       # the core itself refuses too (torch's hook)
+    allocator.end_allocate_to_pool((1, 0))
+    result = _send(running, pb.Command(cuda_device=0,
+                                       reclaim=pb.Reclaim(mode=pb.Reclaim.EMPTY_CACHE)))
+    assert result.status == Status.OK and result.bytes_released >= 200 * MiB
+
+
 def test_reclaim_of_a_device_the_process_does_not_use(setup) -> None:
     running, url, allocator, agent, _ = setup
     result = _send(running, pb.Command(cuda_device=3, reclaim=pb.Reclaim()))

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from allocator_ext.agent.snapshots import DEFAULT_MAX_BYTES, write_snapshot
-from allocator_ext.agent.sources import Source, UnsupportedCommand
+from allocator_ext.agent.sources import CommandRefusedNow, Source, UnsupportedCommand
 from exporter.proto.allocwatch.v1 import agent_pb2 as pb
 
 log = logging.getLogger("allocator_ext.agent")
@@ -67,6 +67,8 @@ def execute(command: pb.Command, source: Source, snapshot_dir: Path, rank: int) 
         result.status = Status.OK
     except UnsupportedCommand as err:
         result.status, result.message = Status.UNSUPPORTED, str(err)
+    except CommandRefusedNow as err:
+        result.status, result.message = Status.FAILED, str(err)
     except ValueError as err:
         result.status, result.message = Status.INVALID_ARGUMENT, str(err)
     except Exception as err:  # never let a command take the training process down

@@ -25,6 +25,11 @@ class UnsupportedCommand(Exception):
     """The source cannot carry out this command; nothing changed."""
 
 
+class CommandRefusedNow(Exception):
+    """The command cannot be carried out at this moment (it would harm the training process);
+    nothing changed, and it may be sent again later."""
+
+
 @runtime_checkable
 class Source(Protocol):
     backend: str  # "allocwatch" | "pytorch"
@@ -104,6 +109,10 @@ class AllocatorSource:
 
     def reclaim(self, device: int, empty_cache: bool) -> int:
         allocator = self._allocator(device)
+        if allocator.capture_underway:
+            raise CommandRefusedNow(
+                f"a CUDA graph is being captured on cuda:{device}: releasing memory would "
+                "invalidate it, so nothing was released; send the reclaim again later")
         return int(allocator.empty_cache() if empty_cache else allocator.garbage_collect())
 
     def reset_peaks(self, device: int) -> None:

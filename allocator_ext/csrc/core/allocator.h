@@ -80,8 +80,11 @@ class CachingAllocator {
   std::size_t largest_free_block() const;
 
   // --- reclaiming ---
+  // Both release nothing (and return 0) while a CUDA graph is being captured: releasing waits
+  // for streams, which a capture forbids. capture_underway() says whether one is.
   std::size_t empty_cache();       // release every cached block that is not split
   std::size_t garbage_collect();   // release aged cached blocks down to the GC threshold
+  bool capture_underway() const;
   void process_events();           // recycle pending blocks whose events completed
 
   // --- limits and settings ---

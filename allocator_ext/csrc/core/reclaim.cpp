@@ -136,8 +136,16 @@ std::size_t CachingAllocator::garbage_collect_cached_blocks() {
   return reclaimed;
 }
 
+bool CachingAllocator::capture_underway() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !captures_underway_.empty();
+}
+
 std::size_t CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A reclaim sent by the sidecar can arrive from another thread at any moment; during a
+  // capture it must not invalidate the user's graph.
+  if (!captures_underway_.empty()) return 0;
   stats_.num_empty_cache_calls++;
   const std::size_t released = release_cached_blocks();
   // An explicit reclaim asks for less memory from now on: growth moves free pages again
@@ -148,6 +156,7 @@ std::size_t CachingAllocator::empty_cache() {
 
 std::size_t CachingAllocator::garbage_collect() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (!captures_underway_.empty()) return 0;  // as empty_cache
   if (!set_fraction_ || config_.garbage_collection_threshold <= 0.0) return 0;
   std::size_t released = garbage_collect_cached_blocks();
   // Asked for explicitly (an operator's or a policy's reclaim), expandable segments give back
