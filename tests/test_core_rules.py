@@ -443,6 +443,69 @@ def test_no_page_is_taken_back_while_a_graph_is_captured() -> None:
     assert a.check_invariants() == ""
 
 
+def test_native_expandable_segments_check_the_fraction_as_pytorch_does() -> None:
+    # PyTorch checks reserved + the request (30 MiB) against the cap (35 MiB) and then maps
+    # whole 20 MiB pages: 40 MiB reserved. Only allocwatch's defaults check after mapping.
+    a = ae.Allocator(ae.SimDevice(capacity=GiB), "native,expandable_segments:True")
+    a.set_memory_limit(35 * MiB)
+    a.malloc(30 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 40 * MiB
+
+
+def test_generous_growth_shrinks_to_what_the_fraction_leaves() -> None:
+    a = ae.Allocator(ae.SimDevice(capacity=GiB), "native,expandable_segments:True,"
+                     "reuse_free_pages:True,expandable_grow_mb:64")
+    a.set_memory_limit(60 * MiB)
+    a.malloc(2 * MiB)                         # would grow by 64 MiB: only 60 fit
+    a.malloc(30 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 60 * MiB
+    assert a.stats()["num_alloc_retries"] == 0 and a.check_invariants() == ""
+
+
+def test_pages_taken_back_for_a_chunk_are_released_before_the_chunk_is_created() -> None:
+    # A chunk is created whole; pages moved for it would otherwise hold their memory while it
+    # is created, and the device (here nearly full) would send the request into the retry path.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, "native,expandable_segments:True,reuse_free_pages:True,"
+                          "expandable_chunk_mb:20,expandable_large_page_mb:2")
+    small = [a.malloc(2 * MiB) for _ in range(10)]
+    a.malloc(960 * MiB)
+    for p in small[:-1]:
+        a.free(p)
+    a.malloc(60 * MiB)
+    s = a.stats()
+    assert s["num_alloc_retries"] == 0 and s["num_sync_all_streams"] == 0
+    assert a.check_invariants() == ""
+
+
+def test_a_released_private_pool_outlives_its_last_expandable_block() -> None:
+    # One allocation may map several times and one unmap may cover several allocations: the
+    # pool counts mapped bytes, so it is not dropped while a block of it is still alive.
+    a = ae.Allocator(ae.SimDevice(capacity=GiB))
+    a.begin_allocate_to_pool((1, 0), 1)
+    a.free(a.malloc(40 * MiB, 1))
+    alive = a.malloc(20 * MiB, 1)
+    a.end_allocate_to_pool((1, 0))
+    a.release_pool((1, 0))
+    a.empty_cache()
+    assert a.check_invariants() == ""
+    a.free(alive)
+    a.empty_cache()
+    assert a.check_invariants() == "" and a.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_a_capture_on_one_device_holds_back_reclaims_on_every_device() -> None:
+    # CUDA's default (global) capture mode forbids a stream synchronisation from any thread
+    # while any stream captures.
+    first = ae.Allocator(ae.SimDevice(capacity=GiB))
+    second = ae.Allocator(ae.SimDevice(capacity=GiB))
+    first.free(first.malloc(100 * MiB))
+    second.begin_allocate_to_pool((1, 0), 3)
+    assert first.capture_underway and first.empty_cache() == 0
+    second.end_allocate_to_pool((1, 0))
+    assert not first.capture_underway and first.empty_cache() == 100 * MiB
+
+
 def test_chunked_growth_maps_whole_chunks_then_single_pages() -> None:
     dev, a = native(config="native,expandable_segments:True,expandable_large_page_mb:2,"
                     "expandable_chunk_mb:20")

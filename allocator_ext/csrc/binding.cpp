@@ -204,9 +204,10 @@ PYBIND11_MODULE(_core, m) {
            "Release every cached block that is not split; returns the bytes released.")
       .def("garbage_collect", &CachingAllocator::garbage_collect,
            "Release aged cached blocks down to the GC threshold; returns the bytes released.")
-      .def_property_readonly("capture_underway", &CachingAllocator::capture_underway,
-                             "Whether a CUDA graph capture is allocating to a private pool "
-                             "(reclaims release nothing meanwhile).")
+      .def_property_readonly(
+          "capture_underway", [](const CachingAllocator&) { return CachingAllocator::captures_underway(); },
+          "Whether a CUDA graph capture is allocating to a private pool of any allocator in "
+          "this process (reclaims release nothing meanwhile).")
       .def("process_events", &CachingAllocator::process_events)
       .def("set_memory_fraction", &CachingAllocator::set_memory_fraction, py::arg("fraction"))
       .def("set_memory_limit", &CachingAllocator::set_memory_limit, py::arg("bytes"))

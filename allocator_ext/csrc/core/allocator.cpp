@@ -3,11 +3,15 @@
 #include "text.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 
 namespace allocwatch {
 
 namespace {
+
+// Captures underway in the process, over every allocator (one per device).
+std::atomic<int> g_captures_underway{0};
 
 std::string format_size(std::size_t bytes) {
   char buf[64];
@@ -39,10 +43,14 @@ CachingAllocator::~CachingAllocator() {
   // deliberately rather than freeing memory that kernels may still use.
   try {
     std::lock_guard<std::mutex> lock(mutex_);
+    g_captures_underway -= static_cast<int>(captures_underway_.size());
+    captures_underway_.clear();
     release_cached_blocks();
   } catch (...) {
   }
 }
+
+bool CachingAllocator::captures_underway() { return g_captures_underway.load() > 0; }
 
 Block* CachingAllocator::new_block(StreamId stream, std::size_t size, BlockPool* pool,
                                    std::uintptr_t ptr) {
@@ -165,7 +173,6 @@ bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
   }
   if (config_.expandable_segments) {
     p.block = try_allocate_expandable_block(p.stream, p.pool, p.size);
-    if (p.block != nullptr && p.pool->owner != nullptr) p.pool->owner->device_alloc_count++;
     return p.block != nullptr;
   }
 
@@ -469,6 +476,7 @@ void CachingAllocator::begin_allocate_to_pool(MempoolId id, std::function<bool(S
     if (other == id) throw std::logic_error("allocwatch: already allocating to this private pool");
   }
   captures_underway_.emplace_back(id, std::move(filter));
+  ++g_captures_underway;
 }
 
 void CachingAllocator::end_allocate_to_pool(MempoolId id) {
@@ -476,6 +484,7 @@ void CachingAllocator::end_allocate_to_pool(MempoolId id) {
   for (auto it = captures_underway_.begin(); it != captures_underway_.end(); ++it) {
     if (it->first == id) {
       captures_underway_.erase(it);
+      --g_captures_underway;
       return;
     }
   }

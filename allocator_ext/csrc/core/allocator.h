@@ -80,11 +80,12 @@ class CachingAllocator {
   std::size_t largest_free_block() const;
 
   // --- reclaiming ---
-  // Both release nothing (and return 0) while a CUDA graph is being captured: releasing waits
-  // for streams, which a capture forbids. capture_underway() says whether one is.
+  // Both release nothing (and return 0) while a CUDA graph is being captured anywhere in the
+  // process: releasing waits for streams, and CUDA's default (global) capture mode forbids
+  // that from any thread while any stream captures. captures_underway() says whether one is.
   std::size_t empty_cache();       // release every cached block that is not split
   std::size_t garbage_collect();   // release aged cached blocks down to the GC threshold
-  bool capture_underway() const;
+  static bool captures_underway();  // begin_allocate_to_pool .. end, any allocator
   void process_events();           // recycle pending blocks whose events completed
 
   // --- limits and settings ---
@@ -144,12 +145,15 @@ class CachingAllocator {
 
   // Expandable segments.
   Block* find_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
-  bool map_block(Block* to_map, std::size_t size);
+  // Maps `size` bytes at the start of an unmapped block, of which `needed` serve the request.
+  bool map_block(Block* to_map, std::size_t size, std::size_t needed);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
   std::size_t unmap_block(Block* block, std::size_t limit = 0,
                           std::vector<PhysicalHandle>* keep = nullptr);
   void release_expandable_segment(Block* block);
   std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes);
+  void release_spares_beyond_single_pages(ExpandableSegment* es, std::size_t pages,
+                                          std::size_t chunk_pages);
   std::size_t grow_size(const BlockPool* pool, std::size_t needed) const;
 
   // Events.

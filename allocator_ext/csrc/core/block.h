@@ -100,7 +100,12 @@ using MempoolId = std::pair<std::uint64_t, std::uint64_t>;
 struct PrivatePool {
   PrivatePool() : large_blocks(false, this), small_blocks(true, this) {}
   int use_count = 1;          // graphs that share this pool
-  int device_alloc_count = 0;  // live segments; the pool is dropped once both reach zero
+  int device_alloc_count = 0;  // live plain segments (cudaMalloc)
+  // Bytes mapped in its expandable segments: one allocation may map several times and one
+  // unmap may cover several allocations' pages, so bytes, not calls, say when it is empty.
+  std::size_t mapped_bytes = 0;
+  // The pool is dropped once no graph uses it and it holds no device memory.
+  bool holds_no_memory() const { return device_alloc_count == 0 && mapped_bytes == 0; }
   BlockPool large_blocks;
   BlockPool small_blocks;
 };

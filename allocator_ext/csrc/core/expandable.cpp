@@ -59,8 +59,31 @@ std::size_t CachingAllocator::grow_size(const BlockPool* pool, std::size_t neede
   return std::max(needed, config_.expandable_grow);
 }
 
-bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
+void CachingAllocator::release_spares_beyond_single_pages(ExpandableSegment* es,
+                                                          std::size_t pages,
+                                                          std::size_t chunk_pages) {
+  // The segment maps a taken-back page only into a single-page slot; chunks are created
+  // whole. Spares beyond those slots go back to the device before anything is created, so
+  // that physical memory never holds both (it could run the device out, or pass the cap).
+  const std::size_t singles = chunk_pages > 1 ? pages % chunk_pages : pages;
+  while (spare_pages_.size() > singles) {
+    device_->release_physical(spare_pages_.back(), es->page_size());
+    spare_pages_.pop_back();
+  }
+}
+
+bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t needed) {
   ExpandableSegment* es = to_map->expandable;
+  if (set_fraction_ && config_.reuse_free_pages && size > needed) {
+    // Growth beyond the request (expandable_grow_mb) only as far as the memory fraction leaves
+    // room: a small request must not fail because its generous growth would not fit.
+    const std::size_t room = allowed_memory_maximum_ > total_allocated_memory_
+                                 ? allowed_memory_maximum_ - total_allocated_memory_
+                                 : 0;
+    const std::size_t page = es->page_size();
+    const std::size_t needed_pages = (needed + page - 1) / page * page;
+    size = std::max(needed_pages, std::min(size, room / page * page));
+  }
   // Large-pool growth maps whole chunks where it can (few calls), single pages for the rest
   // (a fine tail, easy to give back).
   std::size_t chunk_pages = 1;
@@ -80,21 +103,26 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
   // forbids (PyTorch releases nothing during capture either).
   const std::size_t page = es->page_size();
   const std::size_t rounded = (size + page - 1) / page * page;
-  const bool over_cap = set_fraction_ && total_allocated_memory_ + rounded > allowed_memory_maximum_;
-  const bool may_take_back = config_.reuse_free_pages && captures_underway_.empty();
+  // With reuse_free_pages the memory fraction is checked here, after the take-back, against
+  // what growth really adds (alloc_block leaves it to this); `native` keeps PyTorch's check.
+  const bool cap_here = set_fraction_ && config_.reuse_free_pages;
+  const bool over_cap = cap_here && total_allocated_memory_ + rounded > allowed_memory_maximum_;
+  const bool may_take_back = config_.reuse_free_pages && !captures_underway();
   const bool take_back = may_take_back &&
                          (total_allocated_memory_ + rounded > reserved_high_water_ || over_cap);
   if (take_back) take_back_free_pages(to_map->pool, to_map, rounded);
-  if (set_fraction_ && total_allocated_memory_ + rounded > allowed_memory_maximum_) {
+  if (cap_here && total_allocated_memory_ + rounded > allowed_memory_maximum_) {
     // Still over the memory fraction: pages taken back go to the device, and the caller's
     // out-of-memory path frees cached blocks and retries.
     for (PhysicalHandle h : spare_pages_) device_->release_physical(h, es->page_size());
     spare_pages_.clear();
     return false;
   }
+  release_spares_beyond_single_pages(es, rounded / page, chunk_pages);
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   if (mapped.size == 0 && may_take_back && !take_back &&
       take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
+    release_spares_beyond_single_pages(es, rounded / page, chunk_pages);
     mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   }
   // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
@@ -122,6 +150,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
 
   total_allocated_memory_ += mapped.size;
   reserved_high_water_ = std::max(reserved_high_water_, total_allocated_memory_);
+  if (pool.owner != nullptr) pool.owner->mapped_bytes += mapped.size;
   stats_.reserved_bytes.increase(pool.kind(), static_cast<std::int64_t>(mapped.size));
   stats_.num_device_alloc++;
   trace_.record(TraceAction::segment_map, mapped.ptr, mapped.size, to_map->stream);
@@ -134,14 +163,18 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   // The candidate starts a run of free and unmapped blocks with at least `size` bytes:
   //   unmapped -> null | unmapped -> free -> ... | free -> unmapped -> ...
   if (!candidate->mapped &&
-      !map_block(candidate, std::min(candidate->size, grow_size(pool, size)))) {
+      !map_block(candidate, std::min(candidate->size, grow_size(pool, size)),
+                 std::min(candidate->size, size))) {
     return nullptr;
   }
   while (candidate->size < size) {
     // free -> unmapped: map part of the unmapped block; it merges into the free one.
     std::size_t remaining = size - candidate->size;
     Block* next = candidate->next;
-    if (!map_block(next, std::min(grow_size(pool, remaining), next->size))) return nullptr;
+    if (!map_block(next, std::min(grow_size(pool, remaining), next->size),
+                   std::min(remaining, next->size))) {
+      return nullptr;
+    }
     candidate = next;
   }
   pool->blocks.erase(candidate);
@@ -179,7 +212,7 @@ std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
 
   total_allocated_memory_ -= unmapped.size;
   stats_.reserved_bytes.decrease(pool.kind(), static_cast<std::int64_t>(unmapped.size));
-  if (pool.owner != nullptr) pool.owner->device_alloc_count--;
+  if (pool.owner != nullptr) pool.owner->mapped_bytes -= unmapped.size;
   stats_.num_device_free++;
   trace_.record(TraceAction::segment_unmap, unmapped.ptr, unmapped.size, block->stream);
   return unmapped.size;

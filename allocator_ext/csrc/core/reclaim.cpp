@@ -47,7 +47,7 @@ std::size_t CachingAllocator::release_cached_blocks() {
   for (auto it = graph_pools_freeable_.begin(); it != graph_pools_freeable_.end();) {
     PrivatePool* pool = it->second;
     released += release_blocks(pool->small_blocks) + release_blocks(pool->large_blocks);
-    if (pool->device_alloc_count == 0) {
+    if (pool->holds_no_memory()) {
       graph_pools_.erase(it->first);
       it = graph_pools_freeable_.erase(it);
     } else {
@@ -136,16 +136,11 @@ std::size_t CachingAllocator::garbage_collect_cached_blocks() {
   return reclaimed;
 }
 
-bool CachingAllocator::capture_underway() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return !captures_underway_.empty();
-}
-
 std::size_t CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   // A reclaim sent by the sidecar can arrive from another thread at any moment; during a
   // capture it must not invalidate the user's graph.
-  if (!captures_underway_.empty()) return 0;
+  if (captures_underway()) return 0;
   stats_.num_empty_cache_calls++;
   const std::size_t released = release_cached_blocks();
   // An explicit reclaim asks for less memory from now on: growth moves free pages again
@@ -156,7 +151,13 @@ std::size_t CachingAllocator::empty_cache() {
 
 std::size_t CachingAllocator::garbage_collect() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!captures_underway_.empty()) return 0;  // as empty_cache
+  if (captures_underway()) return 0;  // as empty_cache
+  // Asked for explicitly: whatever it releases, growth moves free pages again before it
+  // raises reserved memory above what is left (as after empty_cache).
+  struct LowerMark {
+    CachingAllocator& a;
+    ~LowerMark() { a.reserved_high_water_ = a.total_allocated_memory_; }
+  } lower_mark{*this};
   if (!set_fraction_ || config_.garbage_collection_threshold <= 0.0) return 0;
   std::size_t released = garbage_collect_cached_blocks();
   // Asked for explicitly (an operator's or a policy's reclaim), expandable segments give back
@@ -181,7 +182,6 @@ std::size_t CachingAllocator::garbage_collect() {
     if (released == 0) stats_.num_gc_reclaims++;
     stats_.gc_reclaimed_bytes += static_cast<std::int64_t>(unmapped);
   }
-  reserved_high_water_ = total_allocated_memory_;  // as after empty_cache
   return released + unmapped;
 }
 
