@@ -4,12 +4,19 @@
 declare -a PART_NAMES=() PART_RESULTS=()
 
 # part NAME COMMAND...: runs one part, records its status and time, never stops the session.
+# A command (not a shell function) is stopped after PART_TIMEOUT seconds (default 540), so
+# that one hung part cannot use up a whole device call.
 part() {
   local name="$1"; shift
   local started=$SECONDS
   echo; echo "=== $name: $* ==="
-  "$@"
+  if [ "$(type -t "$1")" = function ]; then
+    "$@"
+  else
+    timeout -k 10 "${PART_TIMEOUT:-540}" "$@"
+  fi
   local rc=$?
+  [ $rc -eq 124 ] && echo "--- $name: stopped after ${PART_TIMEOUT:-540} s"
   local result="ok"
   [ $rc -ne 0 ] && result="FAILED (exit $rc)"
   PART_NAMES+=("$name"); PART_RESULTS+=("$result, $((SECONDS - started)) s")

@@ -9,10 +9,11 @@ allocwatch's core on the simulated device (--source sim, no GPU, NVML off), or, 
 CUDA tensors under PyTorch's allocator (--source pytorch: the agent reads
 torch.cuda.memory_stats) or allocwatch's (--source allocwatch), with NVML read as in training.
 Reported: the agent's CPU seconds per wall-clock second (all its threads: sampling,
-serialising, gRPC), and the time one sample takes while holding the GIL — the only
-part that can delay the training thread. Whatever the step time, the agent cannot cost a loop
-more than its share of one core; this bounds the overhead that bench/agent_overhead.py measures
-on the GPU, where noise hides anything this small.
+serialising, gRPC), and the time one sample takes while holding the GIL (samples spaced as in
+training, beyond the NVML reader's cache) — the part that can delay the training thread.
+Whatever the step time, the agent cannot cost a loop more than its share of one core; this
+bounds the overhead that bench/agent_overhead.py measures on the GPU, where noise hides
+anything this small.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from _sidecar_process import SidecarProcess
 MiB = 1 << 20
 
 
-SIZES = [512, 4096, MiB, 8 * MiB, 64 * MiB] * 200  # 1,000 blocks, 14.6 GiB
+SIZES = [512, 4096, MiB, 8 * MiB, 64 * MiB] * 200  # 1,000 blocks, 14.26 GiB
 
 
 def hold_blocks(source: str) -> tuple[list, object, bool]:
@@ -70,7 +71,13 @@ def child(seconds: float, interval: float, target: str, source: str) -> dict:
            "wall_s": wall, "blocks_in_use": len(held)}
     if agent is not None:
         out["reports_sent"] = agent.reports_sent
-        for _ in range(100):  # the sampling step alone, as the sampler thread runs it
+        out["sample_errors"] = agent.sample_errors
+        out["nvml"] = ("off" if not nvml else "unavailable" if agent.nvml is None
+                       else agent.nvml.failure or "read")
+        # The sampling step alone, as the sampler thread runs it: spaced beyond the NVML
+        # reader's cache (half the interval), so that each sample reads NVML as in training.
+        for _ in range(20):
+            time.sleep(0.6 * interval)
             t0 = time.perf_counter()
             agent.sample_once()
             samples.append(time.perf_counter() - t0)
@@ -109,14 +116,19 @@ def main() -> int:
             runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         sidecar.stop()
+    if not runs["with"].get("reports_sent"):
+        print("the agent sent no report to the sidecar: no figure", file=sys.stderr)
+        return 1
     extra = runs["with"]["cpu_s"] - runs["without"]["cpu_s"]
     summary = {"command": " ".join(sys.argv), "source": args.source, "runs": runs,
                "agent_cpu_share_of_one_core": extra / runs["with"]["wall_s"],
                "sample_median_us": runs["with"]["sample_median_us"],
-               "reports_sent": runs["with"]["reports_sent"]}
+               "reports_sent": runs["with"]["reports_sent"],
+               "sample_errors": runs["with"]["sample_errors"], "nvml": runs["with"]["nvml"]}
     print(f"agent: {100 * summary['agent_cpu_share_of_one_core']:.3f} % of one core "
           f"({runs['with']['reports_sent']} reports in {runs['with']['wall_s']:.0f} s); "
-          f"one sample {summary['sample_median_us']:.0f} us")
+          f"one sample {summary['sample_median_us']:.0f} us; NVML {summary['nvml']}, "
+          f"{summary['sample_errors']} sample errors")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0

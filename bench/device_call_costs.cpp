@@ -245,16 +245,21 @@ void time_sizeless_calls(CudaDevice& device, Samples* out) {
 // would cut expandable segments' costs (docs/benchmarks.md, "Fragmentation"): one cuMemUnmap
 // over a range made of several mappings (one handle each) instead of one call per mapping,
 // and pieces of one physical allocation mapped at separate addresses (cuMemMap's offset), one
-// of them unmapped while the others stay in use. Each answer is reported, never fatal.
-struct Probes {
-  int span_result = -1;             // CUresult of the one cuMemUnmap over kPieces mappings
-  double span_unmap_s = 0;          // its median time
-  double separate_unmaps_s = 0;     // the median time of kPieces cuMemUnmap calls
-  int offset_result = -1;           // CUresult of the first failing call, 0 if all worked
-};
+// of them unmapped while the others stay in use. Run after the cost table is measured; every
+// answer is reported and nothing here is fatal: the probes call the driver directly and clean
+// up with direct calls whose results are ignored.
 constexpr int kPieces = 8;
 
-Probes probe_range_calls(CudaDevice& device, int repeats) {
+struct Probes {
+  std::string error;                  // what stopped the probes early, if anything
+  int span_result = -1;               // CUresult of one cuMemUnmap over kPieces mappings
+  std::vector<double> span_s;         // its times, when it worked
+  std::vector<double> separate_s;     // kPieces cuMemUnmap calls, one per mapping
+  std::string offset_step = "not run";  // "ok", or the step that was refused
+  int offset_result = -1;             // CUresult of that step (0: all worked)
+};
+
+void probe_range_calls(CudaDevice& device, int repeats, Probes* probes) {
   using Unmap = int (*)(unsigned long long, std::size_t);
   using Map = int (*)(unsigned long long, std::size_t, std::size_t, unsigned long long,
                       unsigned long long);
@@ -262,7 +267,9 @@ Probes probe_range_calls(CudaDevice& device, int repeats) {
   auto map = driver_symbol<Map>("cuMemMap");
   const std::size_t page = device.granularity();
   const std::uintptr_t base = device.reserve_address(kPieces * page, page);
-  Probes probes;
+  auto unmap_each_ignoring_errors = [&] {
+    for (int i = 0; i < kPieces; ++i) unmap(base + i * page, page);
+  };
 
   std::vector<PhysicalHandle> handles(kPieces);
   for (auto& h : handles) require(device.create_physical(page, &h), "cuMemCreate: out of memory");
@@ -270,50 +277,69 @@ Probes probe_range_calls(CudaDevice& device, int repeats) {
     for (int i = 0; i < kPieces; ++i) device.map_no_access(base + i * page, page, handles[i]);
     device.set_access(base, kPieces * page);
   };
-  auto unmap_each = [&] {
-    for (int i = 0; i < kPieces; ++i) device.unmap(base + i * page, page);
-  };
-  std::vector<double> span, separate;
   for (int r = 0; r < repeats; ++r) {
     map_all();
     int result = 0;
     const double seconds = seconds_of([&] { result = unmap(base, kPieces * page); });
-    probes.span_result = result;
-    if (result != 0) {  // refused: the mappings are still there
-      unmap_each();
+    probes->span_result = result;
+    if (result != 0) {  // refused; whatever is still mapped is undone one by one
+      unmap_each_ignoring_errors();
       break;
     }
-    span.push_back(seconds);
+    probes->span_s.push_back(seconds);
     map_all();
-    separate.push_back(seconds_of(unmap_each));
+    probes->separate_s.push_back(seconds_of(unmap_each_ignoring_errors));
   }
-  if (!span.empty()) probes.span_unmap_s = quantile(span, 0.5);
-  if (!separate.empty()) probes.separate_unmaps_s = quantile(separate, 0.5);
   for (auto h : handles) device.release_physical(h, page);
 
   PhysicalHandle whole = 0;
   require(device.create_physical(kPieces * page, &whole), "cuMemCreate: out of memory");
-  int mapped = 0;
-  probes.offset_result = 0;
-  for (; mapped < kPieces && probes.offset_result == 0; ++mapped) {  // pieces in reverse order
-    probes.offset_result = map(base + (kPieces - 1 - mapped) * page, page, mapped * page, whole, 0);
+  int mapped = 0;  // pieces mapped, in reverse order: piece i at slot kPieces - 1 - i
+  probes->offset_step = "map by offset";
+  for (; mapped < kPieces; ++mapped) {
+    probes->offset_result = map(base + (kPieces - 1 - mapped) * page, page, mapped * page, whole, 0);
+    if (probes->offset_result != 0) break;
   }
-  if (probes.offset_result == 0) {
+  bool middle_unmapped = false;
+  if (mapped == kPieces) {
     device.set_access(base, kPieces * page);
     fill_and_verify(device, base, kPieces * page, 0x3C);
-    probes.offset_result = unmap(base + 3 * page, page);  // one piece out of the middle
-    if (probes.offset_result == 0) {
-      fill_and_verify(device, base, 3 * page, 0xC3);     // the rest still usable
+    probes->offset_step = "unmap one piece";
+    probes->offset_result = unmap(base + 3 * page, page);
+    middle_unmapped = probes->offset_result == 0;
+    if (middle_unmapped) {
+      fill_and_verify(device, base, 3 * page, 0xC3);  // the other pieces still usable
       fill_and_verify(device, base + 4 * page, (kPieces - 4) * page, 0xC3);
+      probes->offset_step = "ok";
     }
-    for (int i = 0; i < kPieces; ++i) {
-      if (i != 3 || probes.offset_result != 0) unmap(base + i * page, page);
-    }
-  } else {
-    for (int i = 0; i + 1 < mapped; ++i) unmap(base + (kPieces - 1 - i) * page, page);
+  }
+  for (int i = 0; i < mapped; ++i) {
+    const int slot = kPieces - 1 - i;
+    if (!(middle_unmapped && slot == 3)) unmap(base + slot * page, page);
   }
   device.release_physical(whole, kPieces * page);
   device.free_address(base, kPieces * page);
+}
+
+Probes run_probes(CudaDevice& device, int repeats) {
+  Probes probes;
+  try {
+    probe_range_calls(device, repeats, &probes);
+  } catch (const std::exception& e) {
+    probes.error = e.what();
+  }
+  if (!probes.error.empty()) std::printf("probes stopped early: %s\n", probes.error.c_str());
+  if (probes.span_result == 0) {
+    std::printf("probe: one cuMemUnmap over %d mappings works: %.1f us (one call each: %.1f us)\n",
+                kPieces, quantile(probes.span_s, 0.5) * 1e6,
+                probes.separate_s.empty() ? 0.0 : quantile(probes.separate_s, 0.5) * 1e6);
+  } else {
+    std::printf("probe: one cuMemUnmap over %d mappings refused (CUresult %d)\n", kPieces,
+                probes.span_result);
+  }
+  std::printf("probe: pieces of one allocation mapped by offset, one unmapped: %s (%s, CUresult %d)\n",
+              probes.offset_step == "ok" ? "works" : "refused", probes.offset_step.c_str(),
+              probes.offset_result);
   return probes;
 }
 
@@ -410,11 +436,16 @@ void write_json(const std::string& path, const Options& options, CudaDevice& dev
   j << "  \"command\": " << json_string(options.command) << ",\n";
   j << "  \"granularity_bytes\": " << device.granularity() << ",\n";
   j << "  \"repeats\": " << options.repeats << ",\n";
-  j << "  \"probes\": {\"unmap_spanning_mappings\": {\"mappings\": " << kPieces
-    << ", \"cu_result\": " << probes.span_result << ", \"one_call_s\": "
-    << json_number(probes.span_unmap_s) << ", \"one_call_per_mapping_s\": "
-    << json_number(probes.separate_unmaps_s) << "}, \"map_pieces_by_offset\": {\"cu_result\": "
-    << probes.offset_result << "}},\n";
+  auto median_or_null = [](const std::vector<double>& v) {
+    return v.empty() ? std::string("null") : json_number(quantile(v, 0.5));
+  };
+  j << "  \"probes\": {\"error\": " << (probes.error.empty() ? "null" : json_string(probes.error))
+    << ", \"unmap_spanning_mappings\": {\"mappings\": " << kPieces
+    << ", \"cu_result\": " << probes.span_result
+    << ", \"one_call_s\": " << median_or_null(probes.span_s)
+    << ", \"one_call_per_mapping_s\": " << median_or_null(probes.separate_s)
+    << "}, \"map_pieces_by_offset\": {\"step\": " << json_string(probes.offset_step)
+    << ", \"cu_result\": " << probes.offset_result << "}},\n";
   j << "  \"calls\": {\n";
   for (std::size_t i = 0; i < kTableKinds.size(); ++i) {
     const std::string& kind = kTableKinds[i];
@@ -460,17 +491,6 @@ int run(const Options& options) {
 
   check_memory_is_usable(device);
   std::printf("memory check: mapped and plain device memory written and read back\n");
-  const Probes probes = probe_range_calls(device, options.quick ? 3 : options.repeats);
-  if (probes.span_result == 0) {
-    std::printf("probe: one cuMemUnmap over %d mappings works: %.1f us (one call each: %.1f us)\n",
-                kPieces, probes.span_unmap_s * 1e6, probes.separate_unmaps_s * 1e6);
-  } else {
-    std::printf("probe: one cuMemUnmap over %d mappings refused (CUresult %d)\n", kPieces,
-                probes.span_result);
-  }
-  std::printf("probe: pieces of one allocation mapped by offset, one unmapped: %s (CUresult %d)\n",
-              probes.offset_result == 0 ? "works" : "refused", probes.offset_result);
-
   std::vector<std::size_t> sizes = {2 * MiB, 20 * MiB, 128 * MiB, 512 * MiB, 2 * GiB};
   std::vector<std::size_t> segment_sizes = sizes;
   segment_sizes.push_back(8 * GiB);
@@ -508,6 +528,8 @@ int run(const Options& options) {
     require(fits.count(kind) == 1, "no measurement of " + kind);
   }
   print_table(samples, fits);
+  std::printf("\n");
+  const Probes probes = run_probes(device, options.quick ? 3 : options.repeats);
   if (!options.json_path.empty()) {
     write_json(options.json_path, options, device, samples, fits, probes);
     std::printf("\nwrote %s\n", options.json_path.c_str());

@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import selectors
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,14 @@ def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
     shapes = random.Random(0)
     model, batch, loss_of = MODELS[model_name](torch, shapes)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # allocwatch's pluggable path reports running out of memory as a plain RuntimeError;
+    # any other error is reported as one, not mistaken for out of memory.
     oom = (torch.cuda.OutOfMemoryError, RuntimeError)
+
+    def failure(e: BaseException) -> str:
+        out_of_memory = (isinstance(e, torch.cuda.OutOfMemoryError)
+                         or "out of memory" in str(e).lower())
+        return f"{'oom' if out_of_memory else 'error'}: {str(e)[:200]!r}"
 
     def untimed_pass() -> None:
         shapes.seed(1)
@@ -69,7 +77,7 @@ def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
         try:
             untimed_pass()
         except oom as e:
-            print(f"oom in the capped untimed pass: {str(e)[:200]!r}", flush=True)
+            print(f"{failure(e)} (in the capped untimed pass)", flush=True)
             return
     shapes.seed(1)
     warm = torch.cuda.memory_stats()
@@ -79,7 +87,7 @@ def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
             try:
                 print(timed_step(torch, opt, loss_of, *batch()), flush=True)
             except oom as e:
-                print(f"oom: {str(e)[:200]!r}", flush=True)
+                print(failure(e), flush=True)
                 return
         elif line.strip() == "stats":
             s = torch.cuda.memory_stats()
@@ -102,18 +110,53 @@ def spawn(allocator: str, model: str, steps: int, cores: str, fraction: float) -
                             bufsize=1)
 
 
-def ask(proc: subprocess.Popen, what: str) -> str:
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(what + "\n")
-    proc.stdin.flush()
+# Longest wait for one answer: the untimed passes (with model set-up and, for the native shim,
+# a build) come first; a step of these models takes well under a second.
+READY_TIMEOUT_S = 420.0
+STEP_TIMEOUT_S = 120.0
+
+
+class RoundFailed(Exception):
+    """A training process ran out of memory, failed, hung or ended; the round is dropped."""
+
+
+def read_line(proc: subprocess.Popen, name: str, timeout: float) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise RoundFailed(f"the {name} process gave no answer within {timeout:.0f} s")
     line = proc.stdout.readline()
     if not line:
-        raise RuntimeError(f"a training process ended (exit {proc.wait()})")
-    return line.strip()
+        raise RoundFailed(f"the {name} process ended (exit {proc.poll()})")
+    line = line.strip()
+    if line.startswith(("oom", "error")):
+        raise RoundFailed(f"{name}: {line}")
+    return line
 
 
-class OutOfMemory(Exception):
-    """A training process ran out of memory (under --fraction-of-peak)."""
+def ask(proc: subprocess.Popen, name: str, what: str) -> str:
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(what + "\n")
+        proc.stdin.flush()
+    except BrokenPipeError:
+        raise RoundFailed(f"the {name} process ended (exit {proc.poll()})") from None
+    return read_line(proc, name, STEP_TIMEOUT_S)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    """Lets a child end (its stdin closed), killing it if it does not within 30 s."""
+    try:
+        if proc.stdin:
+            proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def one_round(r: int, model: str, against: str, steps: int, cores: str,
@@ -121,26 +164,18 @@ def one_round(r: int, model: str, against: str, steps: int, cores: str,
     procs = {a: spawn(a, model, steps, cores, fraction) for a in ("allocwatch", against)}
     try:
         for a, proc in procs.items():  # both warm up at once; timing starts when both are ready
-            assert proc.stdout is not None
-            line = proc.stdout.readline().strip()
-            if line.startswith("oom"):
-                raise OutOfMemory(f"{a}: {line}")
+            line = read_line(proc, a, READY_TIMEOUT_S)
             if line != "ready":
-                raise RuntimeError(f"the {a} process did not start (exit {proc.wait()})")
+                raise RoundFailed(f"the {a} process answered {line[:200]!r} instead of ready")
         times: dict[str, list[float]] = {a: [] for a in procs}
         for i in range(steps):
             order = ["allocwatch", against] if (i + r) % 2 == 0 else [against, "allocwatch"]
             for a in order:
-                answer = ask(procs[a], "step")
-                if answer.startswith("oom"):
-                    raise OutOfMemory(f"{a}, timed step {i}: {answer}")
-                times[a].append(float(answer))
-        stats = {a: json.loads(ask(procs[a], "stats")) for a in procs}
+                times[a].append(float(ask(procs[a], a, "step")))
+        stats = {a: json.loads(ask(procs[a], a, "stats")) for a in procs}
     finally:
         for proc in procs.values():
-            if proc.stdin:
-                proc.stdin.close()
-            proc.wait(timeout=60)
+            finish(proc)
     ours, other = times["allocwatch"], times[against]
     return {"round": r, "ratio": sum(ours) / sum(other),
             "step_ratios": [a / b for a, b in zip(ours, other, strict=True)],
@@ -184,6 +219,8 @@ def main() -> int:
                 f"{args.fraction_of_peak}")
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be at least 1")
+    if args.fraction_of_peak and args.against == "cudaMallocAsync":
+        p.error("--fraction-of-peak needs requested bytes, which cudaMallocAsync does not count")
     cores = args.cores or ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:4])
     rounds = []
     failures = []
@@ -191,10 +228,12 @@ def main() -> int:
         try:
             rounds.append(one_round(r, args.model, args.against, args.steps, cores,
                                     args.fraction_of_peak))
-        except OutOfMemory as e:
-            failures.append({"round": r, "out_of_memory": str(e)})
-            print(f"round {r}: out of memory, {e}", flush=True)
+        except RoundFailed as e:
+            failures.append({"round": r, "failure": str(e)})
+            print(f"round {r}: {e}", flush=True)
+            write_json(args, cores, rounds, failures)
             continue
+        write_json(args, cores, rounds, failures)
         rr = rounds[-1]
         print(f"round {r}: allocwatch / {args.against} total step time {rr['ratio']:.4f}; "
               f"reserved/requested "
@@ -210,12 +249,19 @@ def main() -> int:
               + (f" ± {100 * se:.2f} % (standard error over {len(rounds)} rounds)" if se else "")
               + f"; median per-step ratio {summary['median_step_ratio']:.4f} over "
                 f"{summary['steps_compared']} steps", flush=True)
+    write_json(args, cores, rounds, failures)
+    return 0 if rounds and not failures else 1
+
+
+def write_json(args: argparse.Namespace, cores: str, rounds: list[dict],
+               failures: list[dict]) -> None:
+    """Written after every round, so that a later failure loses nothing measured."""
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"command": " ".join(sys.argv), "model": args.model, "against": args.against,
-             "cores": cores, "fraction_of_peak": args.fraction_of_peak, **summary,
-             "rounds": rounds, "out_of_memory": failures}, indent=1))
-    return 0 if rounds and not failures else 1
+             "cores": cores, "fraction_of_peak": args.fraction_of_peak,
+             **(summarize(rounds) if rounds else {}), "rounds": rounds,
+             "failures": failures}, indent=1))
 
 if __name__ == "__main__":
     sys.exit(main())
