@@ -506,6 +506,23 @@ def test_a_capture_on_one_device_holds_back_reclaims_on_every_device() -> None:
     assert not first.capture_underway and first.empty_cache() == 100 * MiB
 
 
+def test_lowering_max_split_size_at_run_time_never_releases_part_of_a_segment() -> None:
+    # A free part of a segment split before max_split_size was lowered counts as oversize
+    # afterwards; releasing it alone would free the middle of a segment (found by the core's
+    # threaded stress test under sanitizers, which changes settings while it runs).
+    a = ae.Allocator(ae.SimDevice(capacity=GiB), "native")
+    a.free(a.malloc(200 * MiB))
+    a.malloc(100 * MiB)                       # splits the cached 200 MiB segment
+    a.set_config("max_split_size_mb:64")
+    a.set_memory_limit(300 * MiB)
+    with pytest.raises(ae.OutOfMemoryError):  # 200 + 150 > 300, and nothing whole to release
+        a.malloc(150 * MiB)
+    assert a.check_invariants() == ""
+    a.set_memory_limit(400 * MiB)
+    a.malloc(150 * MiB)
+    assert a.check_invariants() == ""
+
+
 def test_chunked_growth_maps_whole_chunks_then_single_pages() -> None:
     dev, a = native(config="native,expandable_segments:True,expandable_large_page_mb:2,"
                     "expandable_chunk_mb:20")

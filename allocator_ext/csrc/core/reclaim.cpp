@@ -11,6 +11,9 @@ namespace allocwatch {
 
 bool CachingAllocator::release_available_cached_blocks(const AllocParams& p) {
   // Only oversize blocks (>= max_split_size) can be released one by one: they are never split.
+  // Unless max_split_size was lowered at run time: a free part of a segment split earlier may
+  // now count as oversize, and is skipped (releasing it would free the middle of a segment;
+  // with settings that never change, as PyTorch assumes, no such block exists).
   if (config_.max_split_size == kNoMaxSplit) return false;
   BlockPool& pool = *p.pool;
   Block key(p.stream, std::max(p.size, config_.max_split_size), nullptr, 0);
@@ -26,7 +29,7 @@ bool CachingAllocator::release_available_cached_blocks(const AllocParams& p) {
       auto cur = it;
       bool first = cur == pool.blocks.begin();
       if (!first) --it;
-      if ((*cur)->expandable == nullptr) {
+      if ((*cur)->expandable == nullptr && !(*cur)->is_split()) {
         released += (*cur)->size;
         release_block(*cur);
       }
@@ -34,7 +37,7 @@ bool CachingAllocator::release_available_cached_blocks(const AllocParams& p) {
     }
     if (released < key.size) return false;
   } else {
-    if ((*it)->expandable != nullptr) return false;
+    if ((*it)->expandable != nullptr || (*it)->is_split()) return false;
     release_block(*it);
   }
   return true;
