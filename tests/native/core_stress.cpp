@@ -1,6 +1,7 @@
 // Stress test of the core on the simulated device: several threads share one allocator and
 // run random operations (allocate, free, use on another stream, complete streams, empty the
-// cache, collect garbage, change settings) while one of them keeps recounting the allocator's
+// cache, collect garbage, change settings, allocate to a private pool as a graph capture does
+// and release it) while one of them keeps recounting the allocator's
 // invariants. Built with AddressSanitizer + UndefinedBehaviorSanitizer, and with
 // ThreadSanitizer, by tests/test_core_sanitized.py (a few seconds) and for the 10-minute soak
 // by `bash bench/soak_core.sh`.
@@ -54,6 +55,24 @@ void worker(CachingAllocator& alloc, SimDevice& device, int id, std::uint64_t se
       default: return (12 << 20) + rng() % (60 << 20);
     }
   };
+  // A graph capture's life on this thread's stream: allocations go to a private pool while it
+  // lasts, some are freed during it; the pool is released (the graph destroyed) while the
+  // rest may still be alive, and they are freed after (the pool goes once it holds nothing).
+  std::uint64_t captures = 0;
+  auto capture_episode = [&] {
+    const MempoolId pool{static_cast<std::uint64_t>(id) + 1, ++captures};
+    alloc.begin_allocate_to_pool(pool, [my_stream](StreamId s) { return s == my_stream; });
+    std::vector<void*> in_pool;
+    try {
+      for (int k = 0; k < 4; ++k) in_pool.push_back(alloc.malloc(pick_size(), my_stream));
+    } catch (const OutOfMemoryError&) {
+    }
+    for (std::size_t k = 0; k < in_pool.size() / 2; ++k) alloc.free(in_pool[k]);
+    alloc.end_allocate_to_pool(pool);
+    alloc.release_pool(pool);
+    alloc.empty_cache();
+    for (std::size_t k = in_pool.size() / 2; k < in_pool.size(); ++k) alloc.free(in_pool[k]);
+  };
   long n = 0;
   while (std::chrono::steady_clock::now() < until && !failed) {
     unsigned op = rng() % 100;
@@ -77,8 +96,10 @@ void worker(CachingAllocator& alloc, SimDevice& device, int id, std::uint64_t se
         alloc.empty_cache();
       } else if (op < 99) {
         alloc.garbage_collect();
-      } else {
+      } else if (rng() % 2) {
         alloc.set_config(rng() % 2 ? "garbage_collection_threshold:0.7" : "max_split_size_mb:64");
+      } else {
+        capture_episode();
       }
     } catch (const OutOfMemoryError&) {
       // Expected under the cap; the allocator must stay consistent (checked by the checker).
