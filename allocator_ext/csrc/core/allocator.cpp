@@ -162,12 +162,10 @@ bool CachingAllocator::should_split(const Block* block, std::size_t size) const 
 bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
   if (is_retry) stats_.num_alloc_retries += 1;
 
-  // With reuse_free_pages, growth first takes wholly free pages back, so the memory fraction
-  // is checked there (map_block), against what is really added; PyTorch checks reserved memory
-  // plus the whole request here, which sends a capped run into the retry path (free every
-  // cached block, wait for every stream) where moving a few pages would have done.
-  const bool cap_checked_when_mapping = config_.expandable_segments && config_.reuse_free_pages;
-  if (set_fraction_ && !cap_checked_when_mapping &&
+  // PyTorch checks reserved memory plus the whole request here, which sends a capped run into
+  // the retry path (free every cached block, wait for every stream) where moving a few free
+  // pages would have done; with reuse_free_pages, map_block checks instead.
+  if (set_fraction_ && !fraction_checked_when_mapping() &&
       total_allocated_memory_ + p.alloc_size > allowed_memory_maximum_) {
     return false;
   }

@@ -152,9 +152,12 @@ class CachingAllocator {
                           std::vector<PhysicalHandle>* keep = nullptr);
   void release_expandable_segment(Block* block);
   std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes);
-  void release_spares_beyond_single_pages(ExpandableSegment* es, std::size_t pages,
-                                          std::size_t chunk_pages);
   std::size_t grow_size(const BlockPool* pool, std::size_t needed) const;
+  // With reuse_free_pages, growth takes free pages back first, so the memory fraction is
+  // checked when mapping (against what growth adds), not before as PyTorch does.
+  bool fraction_checked_when_mapping() const {
+    return config_.expandable_segments && config_.reuse_free_pages;
+  }
 
   // Events.
   void insert_events(Block* block);
@@ -186,8 +189,8 @@ class CachingAllocator {
 
   std::size_t total_allocated_memory_ = 0;  // reserved bytes, as the fraction check sees them
   // The most reserved since the start or the last explicit reclaim (empty_cache, an operator's
-  // garbage_collect): below it, expandable segments
-  // grow with new pages rather than moving free ones (expandable.cpp, map_block).
+  // garbage_collect): below it, expandable segments grow with new pages rather than moving
+  // free ones (expandable.cpp, map_block).
   std::size_t reserved_high_water_ = 0;
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;

@@ -59,41 +59,43 @@ std::size_t CachingAllocator::grow_size(const BlockPool* pool, std::size_t neede
   return std::max(needed, config_.expandable_grow);
 }
 
-void CachingAllocator::release_spares_beyond_single_pages(ExpandableSegment* es,
-                                                          std::size_t pages,
-                                                          std::size_t chunk_pages) {
-  // The segment maps a taken-back page only into a single-page slot; chunks are created
-  // whole. Spares beyond those slots go back to the device before anything is created, so
-  // that physical memory never holds both (it could run the device out, or pass the cap).
-  const std::size_t singles = chunk_pages > 1 ? pages % chunk_pages : pages;
-  while (spare_pages_.size() > singles) {
-    device_->release_physical(spare_pages_.back(), es->page_size());
-    spare_pages_.pop_back();
-  }
-}
-
 bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t needed) {
   ExpandableSegment* es = to_map->expandable;
-  if (set_fraction_ && config_.reuse_free_pages && size > needed) {
+  const std::size_t page = es->page_size();
+  auto whole_pages = [page](std::size_t bytes) { return (bytes + page - 1) / page * page; };
+  // With reuse_free_pages the memory fraction is checked here, after the take-back, against
+  // what growth really adds (alloc_block leaves it to this); `native` keeps PyTorch's check.
+  const bool cap_here = set_fraction_ && fraction_checked_when_mapping();
+  if (cap_here && size > needed) {
     // Growth beyond the request (expandable_grow_mb) only as far as the memory fraction leaves
     // room: a small request must not fail because its generous growth would not fit.
     const std::size_t room = allowed_memory_maximum_ > total_allocated_memory_
                                  ? allowed_memory_maximum_ - total_allocated_memory_
                                  : 0;
-    const std::size_t page = es->page_size();
-    const std::size_t needed_pages = (needed + page - 1) / page * page;
-    size = std::max(needed_pages, std::min(size, room / page * page));
+    size = std::max(whole_pages(needed), std::min(size, room / page * page));
   }
   // Large-pool growth maps whole chunks where it can (few calls), single pages for the rest
   // (a fine tail, easy to give back).
   std::size_t chunk_pages = 1;
   if (!to_map->pool->is_small) {
     if (config_.expandable_grow > 0) {
-      chunk_pages = (size + es->page_size() - 1) / es->page_size();
-    } else if (config_.expandable_chunk > es->page_size()) {
-      chunk_pages = config_.expandable_chunk / es->page_size();
+      chunk_pages = whole_pages(size) / page;
+    } else if (config_.expandable_chunk > page) {
+      chunk_pages = config_.expandable_chunk / page;
     }
   }
+  const std::size_t rounded = whole_pages(size);
+  // The segment maps a taken-back page only into a single-page slot; chunks are created
+  // whole. Spares beyond those slots go back to the device before anything is created, so
+  // that physical memory never holds both (it could run the device out, or pass the cap).
+  const std::size_t single_page_slots =
+      chunk_pages > 1 ? (rounded / page) % chunk_pages : rounded / page;
+  auto release_spares_beyond = [&](std::size_t keep) {
+    while (spare_pages_.size() > keep) {
+      device_->release_physical(spare_pages_.back(), page);
+      spare_pages_.pop_back();
+    }
+  };
   // Taking pages back costs an unmap, which waits for the stream: worth it only where growing
   // would raise reserved memory above its high-water mark (the peak that counts), or where the
   // device has no memory left. Below the mark new pages are created instead, so a training
@@ -101,11 +103,6 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   // this rule, every large step moved pages: its step time 15 % over expandable segments').
   // Never while a CUDA graph is being captured: an unmap waits for a stream, which a capture
   // forbids (PyTorch releases nothing during capture either).
-  const std::size_t page = es->page_size();
-  const std::size_t rounded = (size + page - 1) / page * page;
-  // With reuse_free_pages the memory fraction is checked here, after the take-back, against
-  // what growth really adds (alloc_block leaves it to this); `native` keeps PyTorch's check.
-  const bool cap_here = set_fraction_ && config_.reuse_free_pages;
   const bool over_cap = cap_here && total_allocated_memory_ + rounded > allowed_memory_maximum_;
   const bool may_take_back = config_.reuse_free_pages && !captures_underway();
   const bool take_back = may_take_back &&
@@ -114,21 +111,19 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   if (cap_here && total_allocated_memory_ + rounded > allowed_memory_maximum_) {
     // Still over the memory fraction: pages taken back go to the device, and the caller's
     // out-of-memory path frees cached blocks and retries.
-    for (PhysicalHandle h : spare_pages_) device_->release_physical(h, es->page_size());
-    spare_pages_.clear();
+    release_spares_beyond(0);
     return false;
   }
-  release_spares_beyond_single_pages(es, rounded / page, chunk_pages);
+  release_spares_beyond(single_page_slots);
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   if (mapped.size == 0 && may_take_back && !take_back &&
       take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
-    release_spares_beyond_single_pages(es, rounded / page, chunk_pages);
+    release_spares_beyond(single_page_slots);
     mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   }
   // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
   // returned to the device.
-  for (PhysicalHandle h : spare_pages_) device_->release_physical(h, es->page_size());
-  spare_pages_.clear();
+  release_spares_beyond(0);
   if (mapped.size == 0) return false;
 
   BlockPool& pool = *to_map->pool;
