@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from _sidecar_process import SidecarProcess
+from torch_bench import mean_and_stderr
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -85,9 +86,7 @@ def summarize(blocks: list[dict]) -> dict:
             ratios.append(with_["total_s"] / without["total_s"] - 1)
     out: dict = {"pair_overheads": ratios}
     if ratios:
-        out["overhead"] = statistics.fmean(ratios)
-        out["overhead_stderr"] = (statistics.stdev(ratios) / math.sqrt(len(ratios))
-                                  if len(ratios) > 1 else None)
+        out["overhead"], out["overhead_stderr"] = mean_and_stderr(ratios)
     medians = {flag: statistics.median(x["median_step_s"] for x in blocks if x["agent"] is flag)
                for flag in (True, False) if any(x["agent"] is flag for x in blocks)}
     if len(medians) == 2:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import allocator_ext as ae
 from allocator_ext.replay import load_trace
+from allocator_ext.replay.trace import allocs_and_frees
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACES = [str(REPO / "tests/data/traces/*__default.pickle.gz"),
@@ -30,8 +31,7 @@ SHOWN = ("create", "map_only", "unmap", "release", "stream_synchronize")
 
 
 def passes_of(path: str, config: str | None, passes: int) -> list[dict[str, int]]:
-    events = [(e.action, e.addr, e.size, e.stream) for e in load_trace(path).events
-              if e.action in ("alloc", "free_requested")]
+    events = allocs_and_frees(load_trace(path))
     device = ae.SimDevice(capacity=0)
     alloc = ae.Allocator(device, config)
     out = []

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import selectors
 import statistics
@@ -35,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_bench import ALLOCATORS, MODELS  # noqa: E402
+from torch_bench import ALLOCATORS, MODELS, mean_and_stderr  # noqa: E402
 
 
 def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
@@ -187,11 +186,9 @@ def one_round(r: int, model: str, against: str, steps: int, cores: str,
 
 
 def summarize(rounds: list[dict]) -> dict:
-    ratios = [r["ratio"] for r in rounds]
+    mean, se = mean_and_stderr([r["ratio"] for r in rounds])
     steps = [x for r in rounds for x in r["step_ratios"]]
-    return {"mean_ratio": statistics.fmean(ratios),
-            "stderr": statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1
-            else None,
+    return {"mean_ratio": mean, "stderr": se,
             "median_step_ratio": statistics.median(steps), "steps_compared": len(steps)}
 
 

@@ -218,6 +218,13 @@ def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
     }
 
 
+def mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
+    """The mean and its standard error (None from a single value), for the benches' paired
+    comparisons."""
+    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+    return statistics.fmean(values), se
+
+
 def compare_step_times(runs: list[dict], ours: str) -> dict:
     """Per other allocator: allocwatch's mean step time over its, paired by round (mean of the
     rounds' ratios, and its standard error)."""
@@ -230,9 +237,8 @@ def compare_step_times(runs: list[dict], ours: str) -> dict:
     for other in sorted(others):
         ratios = [r[ours] / r[other] for r in by_round.values() if ours in r and other in r]
         if ratios:
-            se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
-            out[other] = {"mean_ratio": statistics.fmean(ratios), "stderr": se,
-                          "pairs": len(ratios)}
+            mean, se = mean_and_stderr(ratios)
+            out[other] = {"mean_ratio": mean, "stderr": se or 0.0, "pairs": len(ratios)}
     return out
 
 

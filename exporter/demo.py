@@ -36,10 +36,9 @@ MiB = 1 << 20
 
 def _trace_events(path: Path) -> list[tuple[str, int, int, int]]:
     """The example trace's allocations and frees, read with the replay's safe reader."""
-    from allocator_ext.replay.trace import load_trace
+    from allocator_ext.replay.trace import allocs_and_frees, load_trace
 
-    return [(e.action, e.addr, e.size, e.stream) for e in load_trace(path).events
-            if e.action in ("alloc", "free_requested")]
+    return allocs_and_frees(load_trace(path))
 
 
 def _synthetic_events(steps: int = 20, seed: int = 0) -> list[tuple[str, int, int, int]]:

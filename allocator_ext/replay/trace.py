@@ -76,6 +76,14 @@ def peak_requested_bytes(trace: Trace) -> int:
     return peak
 
 
+def allocs_and_frees(trace: Trace) -> list[tuple[str, int, int, int]]:
+    """The program's own requests, (action, address, size, stream) for each `alloc` and
+    `free_requested`: what a loop that repeats the trace's pattern replays (the demo, and
+    bench/steady_state.py)."""
+    return [(e.action, e.addr, e.size, e.stream) for e in trace.events
+            if e.action in ("alloc", "free_requested")]
+
+
 def _read_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
