@@ -142,6 +142,44 @@ def test_freed_neighbours_coalesce_into_one_block() -> None:
     assert a.check_invariants() == ""
 
 
+def test_a_split_block_and_its_merge_keep_best_fit_order() -> None:
+    # The hot path changes a cached block in place when its new size still sorts where it is;
+    # here it does not, and best fit must still see the true sizes.
+    _, a = native()
+    c = a.malloc(5 * MiB)             # one 20 MiB segment: c | guard | b | guard
+    guard1 = a.malloc(2 * MiB)
+    b = a.malloc(8 * MiB)
+    guard2 = a.malloc(5 * MiB)
+    a.free(c)
+    a.free(b)                         # cached: 5 MiB (c), 8 MiB (b)
+    front = a.malloc(6 * MiB)         # best fit: b, split; its 2 MiB rest sorts before c's 5
+    assert front == b
+    assert a.check_invariants() == ""
+    rest = a.malloc(2 * MiB)          # best fit: the 2 MiB rest, not c
+    assert rest == b + 6 * MiB
+    a.free(rest)
+    a.free(front)                     # merged back to 8 MiB: now sorts after c's 5
+    assert a.check_invariants() == ""
+    assert a.malloc(7 * MiB) == b     # only the merged 8 MiB block fits
+    assert a.malloc(5 * MiB) == c
+    assert a.check_invariants() == ""
+    assert guard1 and guard2
+
+
+def test_a_repeated_alloc_free_pair_reuses_one_block_and_keeps_counts() -> None:
+    _, a = native(config="native,expandable_segments:True")
+    first = a.malloc(64 * KiB)
+    a.free(first)
+    for _ in range(1000):
+        p = a.malloc(64 * KiB)
+        assert p == first
+        a.free(p)
+    s = a.stats()
+    assert s["allocation.all.allocated"] == s["allocation.all.freed"] == 1001
+    assert s["allocated_bytes.all.current"] == 0
+    assert a.check_invariants() == ""
+
+
 # --- cross-stream use ------------------------------------------------------------------------
 
 def test_record_stream_keeps_a_block_pending_until_the_other_stream_is_done() -> None:

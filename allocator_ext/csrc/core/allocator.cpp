@@ -145,7 +145,8 @@ bool CachingAllocator::get_free_block(AllocParams& p) {
       (*it)->size >= p.size + config_.max_non_split_rounding)
     return false;
   p.block = *it;
-  pool.blocks.erase(it);
+  p.cached = true;
+  p.cached_at = it;
   return true;
 }
 
@@ -195,6 +196,13 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
   const PoolKind kind = pool->kind();
   Block* block = p.block;
   const bool already_split = block->is_split();
+  // A cached block split from its front keeps its place in the pool when the remainder still
+  // sorts there; otherwise it leaves the pool and the remainder is inserted anew.
+  const bool remainder_in_place = p.cached && split_remainder &&
+                                  pool->keeps_order(p.cached_at, block->size - size,
+                                                    block->ptr + size);
+  if (p.cached && !remainder_in_place) pool->blocks.erase(p.cached_at);
+  p.cached = false;
 
   if (split_remainder) {
     // The front of the block serves the request; the remainder goes back to the pool.
@@ -207,7 +215,11 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
     remaining->prev = block;
     remaining->ptr += size;
     remaining->size -= size;
-    pool->insert_into_blocks(remaining);
+    if (remainder_in_place) {
+      pool->recache_in_place(remaining);
+    } else {
+      pool->insert_into_blocks(remaining);
+    }
 
     // inactive_split tracks free memory that cannot be released because its segment is
     // partly in use; expandable segments can always release whole pages, so they are left out.
@@ -276,14 +288,20 @@ void CachingAllocator::free_block(Block* block) {
 
   std::int64_t net_inactive_split_blocks = 0;
   std::int64_t net_inactive_split_bytes = 0;
-  for (Block* candidate : {block->prev, block->next}) {
-    std::size_t subsumed = try_merge_blocks(block, candidate, pool);
-    if (subsumed > 0) {
-      net_inactive_split_blocks -= 1;
-      net_inactive_split_bytes -= static_cast<std::int64_t>(subsumed);
+  if (Block* merged = merge_into_cached_next(block, pool)) {
+    net_inactive_split_blocks -= 1;
+    net_inactive_split_bytes -= static_cast<std::int64_t>(merged->size - original_size);
+    block = merged;
+  } else {
+    for (Block* candidate : {block->prev, block->next}) {
+      std::size_t subsumed = try_merge_blocks(block, candidate, pool);
+      if (subsumed > 0) {
+        net_inactive_split_blocks -= 1;
+        net_inactive_split_bytes -= static_cast<std::int64_t>(subsumed);
+      }
     }
+    pool.insert_into_blocks(block);
   }
-  pool.insert_into_blocks(block);
   if (block->is_split()) {
     net_inactive_split_blocks += 1;
     net_inactive_split_bytes += static_cast<std::int64_t>(block->size);
@@ -305,6 +323,30 @@ void CachingAllocator::free_block(Block* block) {
   stats_.active.decrease(kind, 1);
   stats_.active_bytes.decrease(kind, static_cast<std::int64_t>(original_size));
   stats_.requested_bytes.decrease(kind, static_cast<std::int64_t>(requested_size));
+}
+
+Block* CachingAllocator::merge_into_cached_next(Block* block, BlockPool& pool) {
+  // The hot path's shortcut for a block freed in front of its cached remainder (the usual
+  // alloc + free pair): the remainder grows back over it in place, if its place in the pool
+  // still sorts, so the pool's tree is searched once and not rebalanced. Anything else — a
+  // free block before it too, or an order that would change — takes the general merge.
+  auto mergeable = [&](const Block* b) {
+    return b != nullptr && !b->allocated && b->event_count == 0 && b->stream_uses.empty() &&
+           b->mapped == block->mapped;
+  };
+  Block* next = block->next;
+  if (mergeable(block->prev) || !mergeable(next) || !block->mapped) return nullptr;
+  auto it = pool.blocks.find(next);
+  if (it == pool.blocks.end() || !pool.keeps_order(it, next->size + block->size, block->ptr)) {
+    return nullptr;
+  }
+  next->ptr = block->ptr;
+  next->size += block->size;
+  next->prev = block->prev;
+  if (next->prev) next->prev->next = next;
+  pool.recache_in_place(next);
+  delete_block(block);
+  return next;
 }
 
 std::size_t CachingAllocator::try_merge_blocks(Block* dst, Block* src, BlockPool& pool) {

@@ -125,6 +125,10 @@ class CachingAllocator {
     BlockPool* pool;
     std::size_t alloc_size;  // size of a new segment
     Block* block = nullptr;
+    // Where get_free_block found `block` in the pool: it stays cached until
+    // alloc_found_block decides whether it can keep its place there.
+    bool cached = false;
+    std::set<Block*, BySize, ArenaAllocator<Block*>>::iterator cached_at;
   };
 
   BlockPool& get_pool(std::size_t size, StreamId stream);
@@ -133,6 +137,7 @@ class CachingAllocator {
   Block* alloc_found_block(AllocParams& p, bool split_remainder);
   bool should_split(const Block* block, std::size_t size) const;
   void free_block(Block* block);
+  Block* merge_into_cached_next(Block* block, BlockPool& pool);
   std::size_t try_merge_blocks(Block* dst, Block* src, BlockPool& pool);
   [[noreturn]] void raise_out_of_memory(const AllocParams& p);
 

@@ -82,10 +82,23 @@ struct BlockPool {
   std::int64_t get_free_blocks_call_count = 0;
 
   PoolKind kind() const { return is_small ? kSmallPool : kLargePool; }
+  using FreeSet = std::set<Block*, BySize, ArenaAllocator<Block*>>;
   void insert_into_blocks(Block* block) {
     block->gc_count_base = get_free_blocks_call_count;
     blocks.insert(block);
   }
+  // The hot path's shortcut: a cached block that changes size and address keeps its place in
+  // `blocks` where its new key still sorts between its neighbours there (an alloc + free pair
+  // that splits a block and merges it back then moves nothing in the tree). `mutate` changes
+  // the block; the caller has checked the order with `keeps_order`.
+  bool keeps_order(FreeSet::iterator it, std::size_t new_size, std::uintptr_t new_ptr) const {
+    const Block* b = *it;
+    const Block key(b->stream, new_size, nullptr, new_ptr);
+    if (it != blocks.begin() && !BySize()(*std::prev(it), &key)) return false;
+    auto next = std::next(it);
+    return next == blocks.end() || BySize()(&key, *next);
+  }
+  void recache_in_place(Block* block) { block->gc_count_base = get_free_blocks_call_count; }
 };
 
 inline std::int64_t Block::gc_count() const {

@@ -158,6 +158,21 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() {
 std::string CachingAllocator::check_invariants() const {
   std::lock_guard<std::mutex> lock(mutex_);
   Text err;
+  // The pools' sets must still be in order: the hot path changes cached blocks in place.
+  auto ordered = [](const BlockPool& pool) {
+    return std::adjacent_find(pool.blocks.begin(), pool.blocks.end(),
+                              [](const Block* a, const Block* b) { return !BySize()(a, b); }) ==
+               pool.blocks.end() &&
+           std::adjacent_find(pool.unmapped.begin(), pool.unmapped.end(),
+                              [](const Block* a, const Block* b) {
+                                return !ByAddress()(a, b);
+                              }) == pool.unmapped.end();
+  };
+  bool in_order = ordered(large_blocks_) && ordered(small_blocks_);
+  for (const auto& [id, pool] : graph_pools_)
+    in_order = in_order && ordered(pool->large_blocks) && ordered(pool->small_blocks);
+  if (!in_order) return "a pool's set of blocks is out of order";
+
   auto blocks = all_blocks();
   std::set<const Block*> known(blocks.begin(), blocks.end());
 
