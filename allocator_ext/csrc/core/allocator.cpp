@@ -80,7 +80,10 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Recycle blocks whose cross-stream uses have finished. Querying events is illegal while a
   // graph is being captured, so that waits until no capture is underway.
-  if (captures_underway_.empty()) process_events_locked();
+  if (captures_underway_.empty() &&
+      (!events_.empty() || !needs_events_deferred_until_no_capture_.empty())) {
+    process_events_locked();
+  }
 
   const std::size_t size = round_size(orig_size, config_.roundup_power2_divisions);
   BlockPool& pool = get_pool(size, stream);
