@@ -12,6 +12,8 @@
 #   overhead     bench/agent_overhead.py (in-process A/B blocks) for allocwatch's allocator and
 #                PyTorch's
 #   hotpath      bench/torch_bench.py hotpath
+#   corehotpath  bench/run_hotpath.sh: the core's hot path on the simulated device, on this
+#                host's CPU (the bar of 100 ns a pair holds on the H200 machine's host)
 #   train        bench/torch_bench.py train (transformer), then the convnet
 #   steptime     step times against expandable segments, 6 rounds each (mean step time, paired
 #                by round): transformer, then convnet
@@ -67,6 +69,7 @@ run_part() {
       part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --blocks 80 --steps 50 \
         --allocator pytorch --json "$OUT/overhead_pytorch.json" ;;
     hotpath) part hotpath "$PYTHON" bench/torch_bench.py hotpath --json "$OUT/hotpath.json" ;;
+    corehotpath) part corehotpath bash bench/run_hotpath.sh --json "$OUT/hotpath_core.json" ;;
     train)
       part "train transformer" "$PYTHON" bench/torch_bench.py train --rounds 2 --steps 40 \
         --json "$OUT/train_transformer.json"
