@@ -1,14 +1,20 @@
 // Hot-path benchmark: alloc + free pairs of cached blocks, the core on the simulated device.
 //
-// Each pattern first warms the cache (so every pair is served from cached blocks, no device
-// call), then times batches of pairs and reports the median nanoseconds per pair. Absolute
-// figures are meaningful only on an otherwise idle host (the H200 machine's), per DESIGN.md.
+// Every pattern first warms its cache (so every pair is served from cached blocks, no device
+// call). Then the patterns take turns, one batch of pairs each per round, for `--rounds`
+// rounds: a host whose speed drifts (a shared VM's CPU changes pace by up to 2x within
+// seconds, seen on the H200 hosts) slows every pattern alike instead of whichever ran then.
+// Reported: each pattern's median over its batches (ns a pair), p10 and p90, and the ratio of
+// 100,000 to 1,000 blocks in use taken round by round (adjacent batches), then its median.
+// Absolute figures are meaningful only on an otherwise idle host (the H200 machine's), per
+// DESIGN.md.
 //
 //   bench/run_hotpath.sh            builds with g++ -O2 and runs
-//   hotpath [--json FILE]
+//   hotpath [--rounds N] [--json FILE]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -23,91 +29,151 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-struct Result {
-  std::string name;
-  double median_ns;
-  double p10_ns;
-  double p90_ns;
-};
+constexpr std::size_t kPairsPerBatch = 20000;
 
-double median(std::vector<double> v, double q = 0.5) {
+double quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[static_cast<std::size_t>(q * (v.size() - 1))];
 }
 
-// Times `pairs` alloc+free pairs of the given sizes (cycled) with `live` blocks held.
-Result run(const std::string& name, const std::string& config, std::vector<std::size_t> sizes,
-           std::size_t live, std::size_t live_min, std::size_t live_max) {
-  auto device = std::make_shared<SimDevice>();
-  CachingAllocator alloc(device, apply_config(AllocatorConfig::allocwatch(), config));
-  std::mt19937_64 rng(42);
-  std::uniform_int_distribution<std::size_t> live_size(live_min, live_max);
-  std::vector<void*> held;
-  held.reserve(live);
-  for (std::size_t i = 0; i < live; ++i) held.push_back(alloc.malloc(live_size(rng), 0));
-  // Warm: allocate each pattern size once and free it, so the pairs below hit the cache.
-  for (int round = 0; round < 2; ++round) {
-    std::vector<void*> warm;
-    for (std::size_t s : sizes) warm.push_back(alloc.malloc(s, 0));
-    for (void* p : warm) alloc.free(p);
+// One pattern: its own allocator, blocks held in use, and the sizes its pairs cycle through.
+class Pattern {
+ public:
+  Pattern(std::string name, const std::string& config, std::vector<std::size_t> sizes,
+          std::size_t live, std::size_t live_min, std::size_t live_max)
+      : name_(std::move(name)),
+        sizes_(std::move(sizes)),
+        device_(std::make_shared<SimDevice>()),
+        alloc_(device_, apply_config(AllocatorConfig::allocwatch(), config)) {
+    std::mt19937_64 rng(42);
+    std::uniform_int_distribution<std::size_t> live_size(live_min, live_max);
+    held_.reserve(live);
+    for (std::size_t i = 0; i < live; ++i) held_.push_back(alloc_.malloc(live_size(rng), 0));
+    // Warm: allocate each pattern size once and free it, so the pairs below hit the cache.
+    for (int round = 0; round < 2; ++round) {
+      std::vector<void*> warm;
+      for (std::size_t s : sizes_) warm.push_back(alloc_.malloc(s, 0));
+      for (void* p : warm) alloc_.free(p);
+    }
+    device_calls_after_warmup_ = device_calls();
   }
-  const int batches = 41;
-  const std::size_t pairs = 20000;
-  std::vector<double> per_pair;
-  for (int b = 0; b < batches; ++b) {
+  ~Pattern() {
+    for (void* p : held_) alloc_.free(p);
+  }
+
+  // Times one batch of pairs; returns ns a pair.
+  double batch() {
     auto t0 = Clock::now();
-    for (std::size_t i = 0; i < pairs; ++i) {
-      void* p = alloc.malloc(sizes[i % sizes.size()], 0);
-      alloc.free(p);
+    for (std::size_t i = 0; i < kPairsPerBatch; ++i) {
+      void* p = alloc_.malloc(sizes_[i % sizes_.size()], 0);
+      alloc_.free(p);
     }
     auto t1 = Clock::now();
-    per_pair.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count() / pairs);
+    double ns = std::chrono::duration<double, std::nano>(t1 - t0).count() / kPairsPerBatch;
+    per_pair_.push_back(ns);
+    return ns;
   }
-  if (device->counters().count("malloc") && device->counters().at("malloc").count > live + 64) {
-    std::fprintf(stderr, "warning: %s made device calls inside the timed loop\n", name.c_str());
+
+  bool made_device_calls() const { return device_calls() != device_calls_after_warmup_; }
+  const std::string& name() const { return name_; }
+  const std::vector<double>& per_pair() const { return per_pair_; }
+
+ private:
+  std::size_t device_calls() const {
+    auto counters = device_->counters();
+    auto it = counters.find("malloc");
+    return it == counters.end() ? 0 : it->second.count;
   }
-  for (void* p : held) alloc.free(p);
-  return Result{name, median(per_pair), median(per_pair, 0.1), median(per_pair, 0.9)};
-}
+
+  std::string name_;
+  std::vector<std::size_t> sizes_;
+  std::shared_ptr<SimDevice> device_;
+  CachingAllocator alloc_;
+  std::vector<void*> held_;
+  std::vector<double> per_pair_;
+  std::size_t device_calls_after_warmup_ = 0;
+};
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const char* json = nullptr;
-  for (int i = 1; i < argc; ++i)
-    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
-
-  std::vector<Result> results;
-  for (const char* cfg : {"native", ""}) {
-    std::string tag = *cfg ? "native" : "allocwatch";
-    results.push_back(run(tag + " 512B", cfg, {512}, 0, 512, 512));
-    results.push_back(run(tag + " 64KiB", cfg, {64 << 10}, 0, 512, 512));
-    results.push_back(run(tag + " 4MiB", cfg, {4 << 20}, 0, 512, 512));
-    results.push_back(run(tag + " 64MiB", cfg, {64 << 20}, 0, 512, 512));
-    results.push_back(run(tag + " mix, 1000 in use", cfg,
-                          {512, 4096, 64 << 10, 1 << 20, 4 << 20, 64 << 20}, 1000, 512, 64 << 20));
-    results.push_back(run(tag + " scale 1000 in use", cfg, {512, 8192, 64 << 10}, 1000, 512, 64 << 10));
-    results.push_back(run(tag + " scale 100000 in use", cfg, {512, 8192, 64 << 10}, 100000, 512, 64 << 10));
-  }
-  std::printf("%-36s %12s %12s %12s\n", "pattern", "median ns", "p10 ns", "p90 ns");
-  for (const Result& r : results)
-    std::printf("%-36s %12.1f %12.1f %12.1f\n", r.name.c_str(), r.median_ns, r.p10_ns, r.p90_ns);
-  for (const char* tag : {"native", "allocwatch"}) {
-    double small = 0, large = 0;
-    for (const Result& r : results) {
-      if (r.name == std::string(tag) + " scale 1000 in use") small = r.median_ns;
-      if (r.name == std::string(tag) + " scale 100000 in use") large = r.median_ns;
+  int rounds = 41;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
+      json = argv[++i];
+    } else if (std::strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) {
+      rounds = std::atoi(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: hotpath [--rounds N] [--json FILE]\n");
+      return 2;
     }
-    std::printf("%s: 100000 in use / 1000 in use = %.2fx\n", tag, large / small);
   }
+  if (rounds < 1) {
+    std::fprintf(stderr, "hotpath: --rounds must be at least 1\n");
+    return 2;
+  }
+
+  const char* tags[] = {"native", "allocwatch"};
+  std::vector<std::unique_ptr<Pattern>> patterns;
+  for (const char* tag : tags) {
+    const std::string cfg = std::strcmp(tag, "native") == 0 ? "native" : "";
+    auto add = [&](const char* what, std::vector<std::size_t> sizes, std::size_t live,
+                   std::size_t live_min, std::size_t live_max) {
+      patterns.push_back(std::make_unique<Pattern>(std::string(tag) + " " + what, cfg,
+                                                   std::move(sizes), live, live_min, live_max));
+    };
+    add("512B", {512}, 0, 512, 512);
+    add("64KiB", {64 << 10}, 0, 512, 512);
+    add("4MiB", {4 << 20}, 0, 512, 512);
+    add("64MiB", {64 << 20}, 0, 512, 512);
+    add("mix, 1000 in use", {512, 4096, 64 << 10, 1 << 20, 4 << 20, 64 << 20}, 1000, 512,
+        64 << 20);
+    add("scale 1000 in use", {512, 8192, 64 << 10}, 1000, 512, 64 << 10);
+    add("scale 100000 in use", {512, 8192, 64 << 10}, 100000, 512, 64 << 10);
+  }
+  // Round by round; the two scale patterns of a setting run back to back, so their ratio in a
+  // round compares batches taken under the same host conditions.
+  std::vector<std::vector<double>> scale_ratios(2);
+  for (int r = 0; r < rounds; ++r) {
+    for (std::size_t i = 0; i < patterns.size(); ++i) {
+      double ns = patterns[i]->batch();
+      if (patterns[i]->name().find("scale 100000") != std::string::npos) {
+        const double small = patterns[i - 1]->per_pair().back();
+        scale_ratios[i < patterns.size() / 2 ? 0 : 1].push_back(ns / small);
+      }
+    }
+  }
+
+  std::printf("%-36s %12s %12s %12s\n", "pattern", "median ns", "p10 ns", "p90 ns");
+  for (const auto& p : patterns) {
+    std::printf("%-36s %12.1f %12.1f %12.1f\n", p->name().c_str(), quantile(p->per_pair(), 0.5),
+                quantile(p->per_pair(), 0.1), quantile(p->per_pair(), 0.9));
+    if (p->made_device_calls())
+      std::fprintf(stderr, "warning: %s made device calls inside the timed loop\n",
+                   p->name().c_str());
+  }
+  for (int t = 0; t < 2; ++t)
+    std::printf("%s: 100000 in use / 1000 in use = %.2fx (median of %d rounds)\n", tags[t],
+                quantile(scale_ratios[t], 0.5), rounds);
   if (json != nullptr) {
     FILE* f = std::fopen(json, "w");
-    std::fprintf(f, "{\"results\": [");
-    for (std::size_t i = 0; i < results.size(); ++i)
-      std::fprintf(f, "%s{\"pattern\": \"%s\", \"median_ns\": %.2f, \"p10_ns\": %.2f, \"p90_ns\": %.2f}",
-                   i ? ", " : "", results[i].name.c_str(), results[i].median_ns, results[i].p10_ns,
-                   results[i].p90_ns);
-    std::fprintf(f, "]}\n");
+    if (f == nullptr) {
+      std::perror(json);
+      return 1;
+    }
+    std::fprintf(f, "{\"rounds\": %d, \"pairs_per_batch\": %zu, \"results\": [", rounds,
+                 kPairsPerBatch);
+    for (std::size_t i = 0; i < patterns.size(); ++i) {
+      const auto& v = patterns[i]->per_pair();
+      std::fprintf(f,
+                   "%s{\"pattern\": \"%s\", \"median_ns\": %.2f, \"p10_ns\": %.2f, "
+                   "\"p90_ns\": %.2f}",
+                   i ? ", " : "", patterns[i]->name().c_str(), quantile(v, 0.5),
+                   quantile(v, 0.1), quantile(v, 0.9));
+    }
+    std::fprintf(f, "], \"scale_ratio\": {\"native\": %.3f, \"allocwatch\": %.3f}}\n",
+                 quantile(scale_ratios[0], 0.5), quantile(scale_ratios[1], 0.5));
     std::fclose(f);
   }
   return 0;

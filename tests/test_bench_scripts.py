@@ -67,3 +67,26 @@ def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
     out = subprocess.run([sys.executable, "bench/step_lockstep.py", "--fraction-of-peak", "0.9"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr
+
+
+def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path) -> None:
+    # Built with the project's only build requirement, a C++ compiler; the figures themselves
+    # count only on the H200 host (docs/benchmarks.md).
+    out_file = tmp_path / "hotpath.json"
+    out = subprocess.run(["bash", "bench/run_hotpath.sh", "--rounds", "2", "--json",
+                          str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "device calls inside the timed loop" not in out.stderr
+    result = json.loads(out_file.read_text())
+    assert result["rounds"] == 2
+    patterns = {r["pattern"]: r for r in result["results"]}
+    assert len(patterns) == 14
+    assert all(0 < r["p10_ns"] <= r["median_ns"] <= r["p90_ns"] for r in patterns.values())
+    assert set(result["scale_ratio"]) == {"native", "allocwatch"}
+
+
+def test_core_hot_path_benchmark_refuses_an_unknown_option() -> None:
+    out = subprocess.run(["bash", "bench/run_hotpath.sh", "--round", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "usage: hotpath" in out.stderr
