@@ -1,10 +1,12 @@
 """allocwatch's allocator inside PyTorch on the GPU, beside PyTorch's own allocators.
 
-    python bench/torch_bench.py hotpath [--json FILE]
+    python bench/torch_bench.py hotpath [--rounds N] [--json FILE]
         alloc + free pairs through torch's C++ raw_alloc/raw_delete (512 B, 64 KiB, 4 MiB,
         64 MiB, and a mix with 1,000 blocks in use), and torch.empty from Python, under
         PyTorch's allocator and allocwatch's (pluggable path, and native shim), in one run;
-        ns per pair, medians.
+        ns per pair, medians. Each round runs the three once, starting with the next one, and
+        the ratios to PyTorch's are taken within a round (the hosts' pace drifts), then their
+        geometric mean over the five patterns, and the median over rounds.
     python bench/torch_bench.py train [--model transformer|convnet] [--rounds N] [--steps N]
                                       [--fraction-of-peak F] [--json FILE]
         transformer: a language model (8 layers, width 1024, bf16 autocast) trained with random
@@ -242,6 +244,30 @@ def compare_step_times(runs: list[dict], ours: str) -> dict:
     return out
 
 
+HOTPATH_PATTERNS = ("512B", "64KiB", "4MiB", "64MiB", "mix1000")
+
+
+def compare_hotpath(runs: list[dict], reference: str = "pytorch") -> dict:
+    """Per allocator: the geometric mean over the patterns of its time / the reference's,
+    round by round, and the median of those rounds."""
+    by_round: dict[int, dict[str, dict]] = {}
+    for run in runs:
+        if all(k in run for k in HOTPATH_PATTERNS):
+            by_round.setdefault(run["round"], {})[run["allocator"]] = run
+    out = {}
+    others = {a for r in by_round.values() for a in r if a != reference}
+    for other in sorted(others):
+        geomeans = []
+        for r in by_round.values():
+            if reference in r and other in r:
+                ratios = [r[other][k] / r[reference][k] for k in HOTPATH_PATTERNS]
+                geomeans.append(statistics.geometric_mean(ratios))
+        if geomeans:
+            out[other] = {"median_geomean_ratio": statistics.median(geomeans),
+                          "round_geomean_ratios": geomeans}
+    return out
+
+
 def run_child(kind: str, allocator: str, extra: list[str]) -> dict:
     env = dict(os.environ, **ALLOCATORS[allocator])
     cmd = [sys.executable, __file__, "--child", kind, *extra]
@@ -278,9 +304,17 @@ def main() -> int:
     results: dict = {"mode": args.mode, "model": args.model, "command": " ".join(sys.argv),
                      "runs": []}
     if args.mode == "hotpath":
-        for a in ("pytorch", "allocwatch", "allocwatch-native"):
-            results["runs"].append({"allocator": a, **run_child("hotpath", a, [])})
-            print(json.dumps(results["runs"][-1]), flush=True)
+        kinds = ["pytorch", "allocwatch", "allocwatch-native"]
+        for r in range(args.rounds):
+            for a in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                results["runs"].append({"allocator": a, "round": r,
+                                        **run_child("hotpath", a, [])})
+                print(json.dumps(results["runs"][-1]), flush=True)
+        results["compared"] = compare_hotpath(results["runs"])
+        for other, c in results["compared"].items():
+            rounds = ", ".join(f"{x:.3f}" for x in c["round_geomean_ratios"])
+            print(f"{other} / pytorch, geometric mean over the patterns: "
+                  f"{c['median_geomean_ratio']:.3f} (median of rounds: {rounds})", flush=True)
     else:
         peak = 0
         if args.fraction_of_peak:

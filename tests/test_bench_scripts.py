@@ -90,3 +90,23 @@ def test_core_hot_path_benchmark_refuses_an_unknown_option() -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "usage: hotpath" in out.stderr
+
+
+def test_hotpath_ratios_are_taken_within_a_round_then_the_median() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from torch_bench import HOTPATH_PATTERNS, compare_hotpath
+    finally:
+        sys.path.pop(0)
+
+    def run(allocator: str, rnd: int, ns: float) -> dict:
+        return {"allocator": allocator, "round": rnd, **{k: ns for k in HOTPATH_PATTERNS}}
+
+    # The host is twice as slow in round 1: the ratio within each round is still 0.5.
+    runs = [run("pytorch", 0, 400), run("allocwatch", 0, 200),
+            run("pytorch", 1, 800), run("allocwatch", 1, 400),
+            run("pytorch", 2, 400), run("allocwatch", 2, 300), {"allocator": "x", "error": "e"}]
+    got = compare_hotpath(runs)
+    assert set(got) == {"allocwatch"}
+    assert got["allocwatch"]["round_geomean_ratios"] == pytest.approx([0.5, 0.5, 0.75])
+    assert got["allocwatch"]["median_geomean_ratio"] == pytest.approx(0.5)
