@@ -11,7 +11,7 @@
 #   soak-wait    waits for it and copies its JSON and log to $OUT
 #   overhead     bench/agent_overhead.py (in-process A/B blocks) for allocwatch's allocator and
 #                PyTorch's
-#   hotpath      bench/torch_bench.py hotpath --rounds 3
+#   hotpath      bench/torch_bench.py hotpath --rounds 31
 #   corehotpath  bench/run_hotpath.sh: the core's hot path on the simulated device, on this
 #                host's CPU (the bar of 100 ns a pair holds on the H200 machine's host)
 #   train        bench/torch_bench.py train (transformer), then the convnet
@@ -68,7 +68,7 @@ run_part() {
         --allocator allocwatch --json "$OUT/overhead_allocwatch.json"
       part "overhead pytorch" "$PYTHON" bench/agent_overhead.py --blocks 80 --steps 50 \
         --allocator pytorch --json "$OUT/overhead_pytorch.json" ;;
-    hotpath) part hotpath "$PYTHON" bench/torch_bench.py hotpath --rounds 3 \
+    hotpath) part hotpath "$PYTHON" bench/torch_bench.py hotpath --rounds 31 \
         --json "$OUT/hotpath.json" ;;
     corehotpath) part corehotpath bash bench/run_hotpath.sh --json "$OUT/hotpath_core.json" ;;
     train)

@@ -3,10 +3,12 @@
     python bench/torch_bench.py hotpath [--rounds N] [--json FILE]
         alloc + free pairs through torch's C++ raw_alloc/raw_delete (512 B, 64 KiB, 4 MiB,
         64 MiB, and a mix with 1,000 blocks in use), and torch.empty from Python, under
-        PyTorch's allocator and allocwatch's (pluggable path, and native shim), in one run;
-        ns per pair, medians. Each round runs the three once, starting with the next one, and
-        the ratios to PyTorch's are taken within a round (the hosts' pace drifts), then their
-        geometric mean over the five patterns, and the median over rounds.
+        PyTorch's allocator and allocwatch's (pluggable path, and native shim); ns per pair.
+        One process per allocator, all three alive at once and taking turns batch by batch
+        (who goes first rotates), since the H200 hosts' CPUs change pace by up to 2x within
+        seconds: each ratio to PyTorch's compares batches run moments apart. Reported: per
+        pattern the median over rounds of those ratios, and their geometric mean over the
+        five C++ patterns.
     python bench/torch_bench.py train [--model transformer|convnet] [--rounds N] [--steps N]
                                       [--fraction-of-peak F] [--json FILE]
         transformer: a language model (8 layers, width 1024, bf16 autocast) trained with random
@@ -80,26 +82,122 @@ def _child_setup():
     return torch
 
 
-def child_hotpath() -> dict:
+HOTPATH_PATTERNS = {  # name: (size, blocks held in use); size 0: the mix of sizes
+    "512B": (512, 0), "64KiB": (64 << 10, 0), "4MiB": (4 << 20, 0), "64MiB": (64 << 20, 0),
+    "mix1000": (0, 1000),
+}
+TORCH_EMPTY = "torch.empty 64KiB (Python)"
+
+
+def child_hotpath_server() -> None:
+    """Runs one batch of a pattern per line read from stdin, printing its ns a pair."""
     torch = _child_setup()
     from torch.utils.cpp_extension import load_inline
 
     ext = load_inline("hotpath_ext", cpp_sources=HOTPATH_CPP, functions=["pairs_ns"],
                       extra_cflags=["-O2"], with_cuda=True, verbose=False)
     torch.cuda.init()
-    out = {}
-    for name, size, live in [("512B", 512, 0), ("64KiB", 64 << 10, 0), ("4MiB", 4 << 20, 0),
-                             ("64MiB", 64 << 20, 0), ("mix1000", 0, 1000)]:
-        runs = [ext.pairs_ns(size, 20000, live) for _ in range(15)]
-        out[name] = statistics.median(runs)
-    runs = []
-    for _ in range(15):
+
+    def torch_empty_ns() -> float:
         t0 = time.perf_counter_ns()
-        for _ in range(5000):
+        for _ in range(2000):
             torch.empty(1 << 16, dtype=torch.uint8, device="cuda")
-        runs.append((time.perf_counter_ns() - t0) / 5000)
-    out["torch.empty 64KiB (Python)"] = statistics.median(runs)
-    return out
+        return (time.perf_counter_ns() - t0) / 2000
+
+    for size, live in HOTPATH_PATTERNS.values():  # warm every pattern once
+        ext.pairs_ns(size, 2000, live)
+    torch_empty_ns()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        if name == TORCH_EMPTY:
+            ns = torch_empty_ns()
+        else:
+            size, live = HOTPATH_PATTERNS[name]
+            ns = ext.pairs_ns(size, 20000, live)
+        print(json.dumps(ns), flush=True)
+
+
+class HotpathServer:
+    """A child process serving hot-path batches under one allocator."""
+
+    def __init__(self, allocator: str):
+        self.allocator = allocator
+        env = dict(os.environ, **ALLOCATORS[allocator])
+        self.proc = subprocess.Popen([sys.executable, __file__, "--child", "hotpath-server"],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def wait_ready(self) -> None:
+        # Anything the set-up printed (a build's messages) comes before "ready".
+        assert self.proc.stdout
+        for line in self.proc.stdout:
+            if line.strip() == "ready":
+                return
+        raise RuntimeError(f"{self.allocator}: the hot-path child did not start "
+                           f"(exit {self.proc.wait()})")
+
+    def batch(self, pattern: str) -> float:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(pattern + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.allocator}: the hot-path child died "
+                               f"(exit {self.proc.poll()})")
+        return float(json.loads(line))
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def hotpath_lockstep(allocators: list[str], rounds: int) -> dict:
+    """Every round, every pattern: one batch per allocator, in rotating order."""
+    servers = [HotpathServer(a) for a in allocators]
+    try:
+        for s in servers:
+            s.wait_ready()
+        samples: list[dict] = []
+        for r in range(rounds):
+            for pattern in [*HOTPATH_PATTERNS, TORCH_EMPTY]:
+                k = r % len(servers)
+                for s in servers[k:] + servers[:k]:
+                    samples.append({"round": r, "pattern": pattern, "allocator": s.allocator,
+                                    "ns": s.batch(pattern)})
+    finally:
+        for s in servers:
+            s.close()
+    return {"samples": samples, **compare_hotpath(samples)}
+
+
+def compare_hotpath(samples: list[dict], reference: str = "pytorch") -> dict:
+    """Per allocator and pattern: the median ns, and the median over rounds of the ratio to
+    the reference's batch of the same round; the geometric mean of those medians over the C++
+    patterns."""
+    ns: dict[tuple[str, str], list[float]] = {}
+    by_round: dict[tuple[int, str], dict[str, float]] = {}
+    for x in samples:
+        ns.setdefault((x["allocator"], x["pattern"]), []).append(x["ns"])
+        by_round.setdefault((x["round"], x["pattern"]), {})[x["allocator"]] = x["ns"]
+    medians = {a: {p: statistics.median(v) for (a2, p), v in ns.items() if a2 == a}
+               for a, _ in ns}
+    ratios: dict[str, dict[str, float]] = {}
+    for a in medians:
+        if a == reference:
+            continue
+        per_pattern: dict[str, list[float]] = {}
+        for (_, pattern), got in by_round.items():
+            if a in got and reference in got:
+                per_pattern.setdefault(pattern, []).append(got[a] / got[reference])
+        ratios[a] = {p: statistics.median(v) for p, v in per_pattern.items()}
+    geomean = {a: statistics.geometric_mean([r[p] for p in HOTPATH_PATTERNS])
+               for a, r in ratios.items() if all(p in r for p in HOTPATH_PATTERNS)}
+    return {"median_ns": medians, "ratio_to_" + reference: ratios, "geomean_ratio": geomean}
 
 
 def _transformer(torch, rng):
@@ -244,30 +342,6 @@ def compare_step_times(runs: list[dict], ours: str) -> dict:
     return out
 
 
-HOTPATH_PATTERNS = ("512B", "64KiB", "4MiB", "64MiB", "mix1000")
-
-
-def compare_hotpath(runs: list[dict], reference: str = "pytorch") -> dict:
-    """Per allocator: the geometric mean over the patterns of its time / the reference's,
-    round by round, and the median of those rounds."""
-    by_round: dict[int, dict[str, dict]] = {}
-    for run in runs:
-        if all(k in run for k in HOTPATH_PATTERNS):
-            by_round.setdefault(run["round"], {})[run["allocator"]] = run
-    out = {}
-    others = {a for r in by_round.values() for a in r if a != reference}
-    for other in sorted(others):
-        geomeans = []
-        for r in by_round.values():
-            if reference in r and other in r:
-                ratios = [r[other][k] / r[reference][k] for k in HOTPATH_PATTERNS]
-                geomeans.append(statistics.geometric_mean(ratios))
-        if geomeans:
-            out[other] = {"median_geomean_ratio": statistics.median(geomeans),
-                          "round_geomean_ratios": geomeans}
-    return out
-
-
 def run_child(kind: str, allocator: str, extra: list[str]) -> dict:
     env = dict(os.environ, **ALLOCATORS[allocator])
     cmd = [sys.executable, __file__, "--child", kind, *extra]
@@ -292,8 +366,8 @@ def main() -> int:
     args, _ = p.parse_known_args()
     if args.child:
         kind = args.child[0]
-        if kind == "hotpath":
-            print(json.dumps(child_hotpath()))
+        if kind == "hotpath-server":
+            child_hotpath_server()
         else:
             steps, fraction, peak = int(args.child[1]), float(args.child[2]), int(args.child[3])
             model = args.child[4] if len(args.child) > 4 else "transformer"
@@ -304,17 +378,16 @@ def main() -> int:
     results: dict = {"mode": args.mode, "model": args.model, "command": " ".join(sys.argv),
                      "runs": []}
     if args.mode == "hotpath":
-        kinds = ["pytorch", "allocwatch", "allocwatch-native"]
-        for r in range(args.rounds):
-            for a in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-                results["runs"].append({"allocator": a, "round": r,
-                                        **run_child("hotpath", a, [])})
-                print(json.dumps(results["runs"][-1]), flush=True)
-        results["compared"] = compare_hotpath(results["runs"])
-        for other, c in results["compared"].items():
-            rounds = ", ".join(f"{x:.3f}" for x in c["round_geomean_ratios"])
-            print(f"{other} / pytorch, geometric mean over the patterns: "
-                  f"{c['median_geomean_ratio']:.3f} (median of rounds: {rounds})", flush=True)
+        results.update(hotpath_lockstep(["pytorch", "allocwatch", "allocwatch-native"],
+                                        args.rounds))
+        for a, per in results["median_ns"].items():
+            listed = ", ".join(f"{p} {v:.1f}" for p, v in per.items())
+            print(f"{a}: median ns a pair: {listed}", flush=True)
+        for a, per in results["ratio_to_pytorch"].items():
+            listed = ", ".join(f"{p} {v:.3f}" for p, v in per.items())
+            print(f"{a} / pytorch, median of {args.rounds} rounds: {listed}; geometric mean "
+                  f"over the C++ patterns {results['geomean_ratio'].get(a, float('nan')):.3f}",
+                  flush=True)
     else:
         peak = 0
         if args.fraction_of_peak:

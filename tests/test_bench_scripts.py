@@ -92,21 +92,22 @@ def test_core_hot_path_benchmark_refuses_an_unknown_option() -> None:
     assert "usage: hotpath" in out.stderr
 
 
-def test_hotpath_ratios_are_taken_within_a_round_then_the_median() -> None:
+def test_hotpath_ratios_compare_batches_of_the_same_round() -> None:
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        from torch_bench import HOTPATH_PATTERNS, compare_hotpath
+        from torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
     finally:
         sys.path.pop(0)
-
-    def run(allocator: str, rnd: int, ns: float) -> dict:
-        return {"allocator": allocator, "round": rnd, **{k: ns for k in HOTPATH_PATTERNS}}
-
-    # The host is twice as slow in round 1: the ratio within each round is still 0.5.
-    runs = [run("pytorch", 0, 400), run("allocwatch", 0, 200),
-            run("pytorch", 1, 800), run("allocwatch", 1, 400),
-            run("pytorch", 2, 400), run("allocwatch", 2, 300), {"allocator": "x", "error": "e"}]
-    got = compare_hotpath(runs)
-    assert set(got) == {"allocwatch"}
-    assert got["allocwatch"]["round_geomean_ratios"] == pytest.approx([0.5, 0.5, 0.75])
-    assert got["allocwatch"]["median_geomean_ratio"] == pytest.approx(0.5)
+    samples = []
+    # The host is twice as slow in round 1: within each round allocwatch takes half the time.
+    for rnd, pace in [(0, 1.0), (1, 2.0), (2, 1.0)]:
+        for pattern in [*HOTPATH_PATTERNS, TORCH_EMPTY]:
+            samples.append({"round": rnd, "pattern": pattern, "allocator": "pytorch",
+                            "ns": 400 * pace})
+            samples.append({"round": rnd, "pattern": pattern, "allocator": "allocwatch",
+                            "ns": (200 if rnd < 2 else 300) * pace})
+    got = compare_hotpath(samples)
+    assert got["ratio_to_pytorch"]["allocwatch"]["512B"] == pytest.approx(0.5)
+    assert got["geomean_ratio"]["allocwatch"] == pytest.approx(0.5)
+    assert got["median_ns"]["pytorch"]["mix1000"] == pytest.approx(400)
+    assert "pytorch" not in got["geomean_ratio"]
