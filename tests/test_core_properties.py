@@ -26,6 +26,7 @@ CONFIGS = st.sampled_from([
     "expandable_large_page_mb:2",
     "expandable_grow_mb:20,reuse_free_pages:True",
     "expandable_large_page_mb:2,expandable_chunk_mb:20",
+    "expandable_large_page_mb:2,expandable_chunk_mb:10",
 ])
 SIZES = st.one_of(
     st.integers(1, 64 * KiB),

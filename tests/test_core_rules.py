@@ -561,11 +561,36 @@ def test_lowering_max_split_size_at_run_time_never_releases_part_of_a_segment() 
     assert a.check_invariants() == ""
 
 
-def test_chunked_growth_maps_whole_chunks_then_single_pages() -> None:
+def test_chunked_growth_maps_single_pages_at_both_ends_and_chunks_between() -> None:
     dev, a = native(config="native,expandable_segments:True,expandable_large_page_mb:2,"
                     "expandable_chunk_mb:20")
-    a.malloc(46 * MiB)                    # 2 chunks of 20 MiB, then 3 pages of 2 MiB
+    p = a.malloc(46 * MiB)                # 1 page of 2 MiB, 2 chunks of 20 MiB, 2 pages
     c = dev.counters()
     assert c["create"]["count"] == 5
     assert c["map_only"]["count"] == 5 and c["set_access"]["count"] == 1
     assert a.stats()["reserved_bytes.all.current"] == 46 * MiB
+    # The front page is a handle of its own: with a 2 MiB block left there, everything
+    # behind it can be given back (chunks first would pin 18 MiB in the first chunk).
+    a.free(p)
+    assert a.malloc(2 * MiB) == p
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 2 * MiB
+    assert a.check_invariants() == ""
+
+
+def test_taken_back_chunks_are_mapped_again_whole_instead_of_released() -> None:
+    # Moving a free 20 MiB chunk to where growth needs it costs an unmap and a map; releasing
+    # it and creating anew would add a release and a create.
+    dev, a = native(config="native,expandable_segments:True,reuse_free_pages:True,"
+                    "expandable_large_page_mb:2,expandable_chunk_mb:20")
+    first = a.malloc(40 * MiB)            # two chunks
+    a.malloc(2 * MiB)                     # keeps the segment's end in use
+    a.free(first)
+    dev.reset_counters()
+    a.malloc(80 * MiB)                    # grows past the high-water mark: moves both chunks
+    c = dev.counters()
+    assert c["unmap"]["count"] == 2
+    assert "release" not in c
+    assert c["create"]["count"] == 2      # only the 40 MiB not taken back, as two chunks
+    assert a.stats()["reserved_bytes.all.current"] == 82 * MiB
+    assert a.check_invariants() == ""

@@ -28,6 +28,8 @@ CANDIDATES: list[tuple[str, str | None, bool]] = [
     ("allocwatch, 2 MiB pages", "expandable_large_page_mb:2", False),
     ("allocwatch, 2 MiB pages in 20 MiB chunks",
      "expandable_large_page_mb:2,expandable_chunk_mb:20", False),
+    ("allocwatch, 2 MiB pages in 10 MiB chunks",
+     "expandable_large_page_mb:2,expandable_chunk_mb:10", False),
 ]
 
 

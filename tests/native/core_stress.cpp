@@ -123,7 +123,8 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--seconds")) seconds = std::atof(argv[i + 1]);
     if (!std::strcmp(argv[i], "--seed")) seed = std::strtoull(argv[i + 1], nullptr, 10);
   }
-  for (const char* config : {"native", "", "native,expandable_segments:True,max_split_size_mb:64"}) {
+  for (const char* config : {"native", "", "native,expandable_segments:True,max_split_size_mb:64",
+                             "expandable_large_page_mb:2,expandable_chunk_mb:10"}) {
     auto device = std::make_shared<SimDevice>(std::size_t{3} << 30);
     CachingAllocator alloc(device, apply_config(AllocatorConfig::allocwatch(), config));
     alloc.set_memory_fraction(0.9);

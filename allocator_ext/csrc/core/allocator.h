@@ -154,7 +154,7 @@ class CachingAllocator {
   bool map_block(Block* to_map, std::size_t size, std::size_t needed);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
   std::size_t unmap_block(Block* block, std::size_t limit = 0,
-                          std::vector<PhysicalHandle>* keep = nullptr);
+                          std::vector<SparePhysical>* keep = nullptr);
   void release_expandable_segment(Block* block);
   std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes);
   std::size_t grow_size(const BlockPool* pool, std::size_t needed) const;
@@ -201,7 +201,7 @@ class CachingAllocator {
   bool set_fraction_ = false;
   std::size_t device_total_ = 0;
   std::vector<std::unique_ptr<ExpandableSegment>> expandable_segments_;
-  std::vector<PhysicalHandle> spare_pages_;  // taken back, about to be mapped elsewhere
+  std::vector<SparePhysical> spare_pages_;  // taken back, about to be mapped elsewhere
   TraceRing trace_;
 };
 

@@ -85,16 +85,22 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
     }
   }
   const std::size_t rounded = whole_pages(size);
-  // The segment maps a taken-back page only into a single-page slot; chunks are created
-  // whole. Spares beyond those slots go back to the device before anything is created, so
-  // that physical memory never holds both (it could run the device out, or pass the cap).
-  const std::size_t single_page_slots =
-      chunk_pages > 1 ? (rounded / page) % chunk_pages : rounded / page;
-  auto release_spares_beyond = [&](std::size_t keep) {
-    while (spare_pages_.size() > keep) {
-      device_->release_physical(spare_pages_.back(), page);
-      spare_pages_.pop_back();
+  // Taken-back chunks are mapped as they are (largest first) where they fit in the range.
+  // Those that will not fit go back to the device before anything is created, so that
+  // physical memory never holds both (it could run the device out, or pass the cap).
+  auto release_spares_beyond = [&](std::size_t keep_pages) {
+    std::sort(spare_pages_.begin(), spare_pages_.end(),
+              [](const SparePhysical& a, const SparePhysical& b) { return a.pages > b.pages; });
+    std::vector<SparePhysical> kept;
+    for (const SparePhysical& s : spare_pages_) {
+      if (s.pages <= keep_pages) {
+        keep_pages -= s.pages;
+        kept.push_back(s);
+      } else {
+        device_->release_physical(s.handle, s.pages * page);
+      }
     }
+    spare_pages_ = std::move(kept);
   };
   // Taking pages back costs an unmap, which waits for the stream: worth it only where growing
   // would raise reserved memory above its high-water mark (the peak that counts), or where the
@@ -114,11 +120,13 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
     release_spares_beyond(0);
     return false;
   }
-  release_spares_beyond(single_page_slots);
+  // Growth in one chunk (expandable_grow_mb) creates that chunk whole.
+  const std::size_t spare_room = config_.expandable_grow > 0 && chunk_pages > 1 ? 0 : rounded / page;
+  release_spares_beyond(spare_room);
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   if (mapped.size == 0 && may_take_back && !take_back &&
       take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
-    release_spares_beyond(single_page_slots);
+    release_spares_beyond(spare_room);
     mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   }
   // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
@@ -177,7 +185,7 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
 }
 
 std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
-                                          std::vector<PhysicalHandle>* keep) {
+                                          std::vector<SparePhysical>* keep) {
   Range unmapped = block->expandable->unmap(Range{block->ptr, block->size}, limit, keep);
   if (unmapped.size == 0) return 0;
   BlockPool& pool = *block->pool;
@@ -231,13 +239,14 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   // then, for the small pool, the large pool's, whose pages are released: a decoder's small
   // KV-cache tensors then grow into memory its large pool no longer uses (decode trace: 1.050
   // -> 1.021 reserved/requested). The large pool takes the small pool's pages too: moved as
-  // they are where the sizes match (expandable_large_page_mb:2; moe 1.032 -> 1.013), else
-  // released so that their memory goes into the large page created instead — but never the
-  // small pool's last kSmallPagesKept free pages: without that reserve the small pool at once
-  // re-creates what it gave, and the churn cost out-of-memory errors on the convnet trace
-  // under a 1.03x cap (with it: convnet 1.036 -> 1.030, moe 1.038 -> 1.020, no error; a
-  // reserve of 1 page was too few, 3 or more kept more than needed). Largest free blocks
-  // first: fewest calls per byte.
+  // they are where the sizes match (2 MiB large pages; moe 1.032 -> 1.013), else released so
+  // that their memory goes into the large page created instead — but never the small pool's
+  // last kSmallPagesKept free pages: without that reserve the small pool at once re-creates
+  // what it gave, and the churn cost out-of-memory errors on the convnet trace under a 1.03x
+  // cap with 20 MiB pages (with it: convnet 1.036 -> 1.030, moe 1.038 -> 1.020, no error; a
+  // reserve of 1 page was too few, 3 or more kept more than needed), and page moves in every
+  // repeated pass with 2 MiB pages (moe: 49 -> 28 stream waits a pass, bench/steady_state.py).
+  // Largest free blocks first: fewest calls per byte.
   const std::size_t page = exclude->expandable->page_size();
   BlockPool* sibling = nullptr;
   if (pool->owner == nullptr) {
@@ -247,8 +256,8 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   }
   std::size_t taken = 0;
   for (BlockPool* from : {pool, sibling}) {
-    // The large pool releasing small pages (not moving them): only beyond the reserve.
-    const bool releases_small = from == sibling && !pool->is_small && page != kSmallBuffer;
+    // The large pool taking small pages (moved or released): only beyond the reserve.
+    const bool from_small_reserve = from == sibling && !pool->is_small;
     std::vector<Block*> donors;
     for (Block* b : from->blocks) {
       if (b->expandable == nullptr || b->size < b->expandable->page_size()) continue;
@@ -260,7 +269,7 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
       return a->size > b->size;
     });
     std::size_t budget = bytes;
-    if (releases_small) {
+    if (from_small_reserve) {
       std::size_t free_pages_bytes = 0;
       for (const Block* b : donors) free_pages_bytes += b->size;
       const std::size_t reserve = kSmallPagesKept * kSmallBuffer;
@@ -272,7 +281,7 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
       const std::size_t got =
           unmap_block(b, std::min(bytes - taken, budget), movable ? &spare_pages_ : nullptr);
       taken += got;
-      if (releases_small) budget -= std::min(budget, got);
+      if (from_small_reserve) budget -= std::min(budget, got);
     }
   }
   return taken;

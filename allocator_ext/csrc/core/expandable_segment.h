@@ -20,6 +20,14 @@ struct Range {
   std::size_t size = 0;
 };
 
+// Physical memory unmapped from one place to be mapped at another: a handle of `pages` pages
+// (any page-aligned address with that much room will take it; the driver maps a handle only
+// whole).
+struct SparePhysical {
+  PhysicalHandle handle;
+  std::size_t pages;
+};
+
 class ExpandableSegment {
  public:
   ExpandableSegment(Device& device, StreamId stream, std::size_t address_space,
@@ -28,20 +36,21 @@ class ExpandableSegment {
   ExpandableSegment(const ExpandableSegment&) = delete;
   ExpandableSegment& operator=(const ExpandableSegment&) = delete;
 
-  // Maps the pages covering [r.ptr, r.ptr + r.size); r.ptr must be page aligned. Physical
-  // memory comes in chunks of `chunk_pages` pages while that many remain, then page by page
-  // (1: one allocation per page, as PyTorch does). Device calls cost mostly per call, so larger
-  // chunks are cheaper to map; single pages are cheaper to give back, since a chunk can only be
-  // unmapped whole. Single pages come from `spare` (taken back elsewhere) before new ones.
-  // Returns the range mapped, or an empty range when the device is out of memory (nothing
-  // stays mapped).
-  Range map(Range r, std::size_t chunk_pages = 1, std::vector<PhysicalHandle>* spare = nullptr);
+  // Maps the pages covering [r.ptr, r.ptr + r.size); r.ptr must be page aligned. Spares
+  // (taken back elsewhere, all of the segment's page size) come first, largest first; each
+  // must fit in what remains to map (the caller sees to that, see spares_to_keep). Then new
+  // physical memory, in chunks of `chunk_pages` pages while that many remain, then page by
+  // page (1: one allocation per page, as PyTorch does). Device calls cost mostly per call, so
+  // larger chunks are cheaper to create and map; single pages are cheaper to give back, since
+  // a chunk can only be unmapped whole. Returns the range mapped, or an empty range when the
+  // device is out of memory (nothing stays mapped; spares used are handed back to `spare`).
+  Range map(Range r, std::size_t chunk_pages = 1, std::vector<SparePhysical>* spare = nullptr);
   // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part), after the
   // segment's stream is idle, and releases its physical memory. At most `limit` bytes when
   // limit > 0, taking chunks from the front. Returns the contiguous range unmapped (possibly
   // empty).
-  // With `keep`, single pages are handed over instead of released, to be mapped elsewhere.
-  Range unmap(Range r, std::size_t limit = 0, std::vector<PhysicalHandle>* keep = nullptr);
+  // With `keep`, chunks are handed over instead of released, to be mapped elsewhere.
+  Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr);
 
   std::uintptr_t base() const { return base_; }
   std::size_t size() const { return page_size_ * max_pages_; }
