@@ -11,6 +11,8 @@
 //
 //   bench/run_hotpath.sh            builds with g++ -O2 and runs
 //   hotpath [--rounds N] [--json FILE]
+// ALLOCWATCH_ALLOC_CONF, as for the allocator in PyTorch, adds settings to allocwatch's
+// defaults for the "allocwatch" patterns (to measure a candidate default).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -115,9 +117,12 @@ int main(int argc, char** argv) {
   }
 
   const char* tags[] = {"native", "allocwatch"};
+  const char* extra = std::getenv("ALLOCWATCH_ALLOC_CONF");
+  const std::string ours = extra != nullptr ? extra : "";
+  if (!ours.empty()) std::printf("allocwatch patterns with ALLOCWATCH_ALLOC_CONF=%s\n", extra);
   std::vector<std::unique_ptr<Pattern>> patterns;
   for (const char* tag : tags) {
-    const std::string cfg = std::strcmp(tag, "native") == 0 ? "native" : "";
+    const std::string cfg = std::strcmp(tag, "native") == 0 ? "native" : ours;
     auto add = [&](const char* what, std::vector<std::size_t> sizes, std::size_t live,
                    std::size_t live_min, std::size_t live_max) {
       patterns.push_back(std::make_unique<Pattern>(std::string(tag) + " " + what, cfg,
@@ -162,8 +167,8 @@ int main(int argc, char** argv) {
       std::perror(json);
       return 1;
     }
-    std::fprintf(f, "{\"rounds\": %d, \"pairs_per_batch\": %zu, \"results\": [", rounds,
-                 kPairsPerBatch);
+    std::fprintf(f, "{\"rounds\": %d, \"pairs_per_batch\": %zu, \"allocwatch_settings\": \"%s\", "
+                 "\"results\": [", rounds, kPairsPerBatch, ours.c_str());
     for (std::size_t i = 0; i < patterns.size(); ++i) {
       const auto& v = patterns[i]->per_pair();
       std::fprintf(f,
