@@ -198,6 +198,33 @@ def test_record_stream_keeps_a_block_pending_until_the_other_stream_is_done() ->
     assert a.check_invariants() == ""
 
 
+def test_a_use_recorded_during_an_old_capture_does_not_excuse_a_later_block() -> None:
+    # Uses recorded during a capture are remembered per block until its free; once that
+    # capture is over they are ordinary uses. A record left behind for a freed block passed to
+    # the next block made at its address, and that block, freed during another capture, went
+    # back to the cache without waiting for its stream (found by a review's fuzzer).
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, "native")
+    side = 5
+    first = a.malloc(1000, 0)
+    a.begin_allocate_to_pool((0, 1), 7)
+    a.record_stream(first, side)               # recorded during a capture
+    a.end_allocate_to_pool((0, 1))
+    a.release_pool((0, 1))
+    a.free(first)                              # freed after it: an ordinary event
+    dev.complete_stream(side)
+    a.process_events()
+    second = a.malloc(1000, 0)
+    a.record_stream(second, side)              # a new use, outside any capture
+    a.begin_allocate_to_pool((0, 2), 7)
+    a.free(second)                             # freed during a capture: its event comes later
+    a.end_allocate_to_pool((0, 2))
+    a.release_pool((0, 2))
+    assert a.malloc(1000, 0) != second         # still in use on the side stream
+    assert a.stats()["pending_events"] == 1
+    assert a.check_invariants() == ""
+
+
 def test_record_stream_on_the_allocation_stream_adds_nothing() -> None:
     _, a = native()
     p = a.malloc(MiB, stream=3)

@@ -58,6 +58,8 @@ Block* CachingAllocator::new_block(StreamId stream, std::size_t size, BlockPool*
 }
 
 void CachingAllocator::delete_block(Block* block) {
+  // Records are keyed by the block's address, which the arena hands out again.
+  if (!block_to_capture_stream_uses_.empty()) block_to_capture_stream_uses_.erase(block);
   block->~Block();
   block_arena_.put(block);
 }
@@ -276,6 +278,9 @@ void CachingAllocator::free(void* ptr) {
       // Events recorded during capture cannot be queried; record them after the capture.
       needs_events_deferred_until_no_capture_.push_back(block);
     } else {
+      // Uses recorded during a capture that has ended are ordinary uses now: the block's
+      // memory must not carry that record into whatever block is made there next.
+      block_to_capture_stream_uses_.erase(block);
       insert_events(block);
     }
   } else {
@@ -345,6 +350,7 @@ Block* CachingAllocator::merge_into_cached_next(Block* block, BlockPool& pool) {
   }
   next->ptr = block->ptr;
   next->size += block->size;
+  next->requested_size = block->requested_size;  // as the general merge leaves it (snapshots)
   next->prev = block->prev;
   if (next->prev) next->prev->next = next;
   pool.recache_in_place(next);

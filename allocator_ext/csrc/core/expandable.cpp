@@ -102,6 +102,17 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
     }
     spare_pages_ = std::move(kept);
   };
+  // Taken-back pages never outlive this call, even when a device call throws: another
+  // segment (whose page size may differ) must not map or release them.
+  struct ReleaseSparesOnExit {
+    decltype(release_spares_beyond)& release;
+    ~ReleaseSparesOnExit() {
+      try {
+        release(0);
+      } catch (...) {
+      }
+    }
+  } release_spares_on_exit{release_spares_beyond};
   // Taking pages back costs an unmap, which waits for the stream: worth it only where growing
   // would raise reserved memory above its high-water mark (the peak that counts), or where the
   // device has no memory left. Below the mark new pages are created instead, so a training
