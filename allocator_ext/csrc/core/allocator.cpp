@@ -339,8 +339,7 @@ Block* CachingAllocator::merge_into_cached_next(Block* block, BlockPool& pool) {
   // still sorts, so the pool's tree is searched once and not rebalanced. Anything else — a
   // free block before it too, or an order that would change — takes the general merge.
   auto mergeable = [&](const Block* b) {
-    return b != nullptr && !b->allocated && b->event_count == 0 && b->stream_uses.empty() &&
-           b->mapped == block->mapped;
+    return b != nullptr && b->is_free() && b->mapped == block->mapped;
   };
   Block* next = block->next;
   if (mergeable(block->prev) || !mergeable(next) || !block->mapped) return nullptr;
@@ -360,7 +359,7 @@ Block* CachingAllocator::merge_into_cached_next(Block* block, BlockPool& pool) {
 
 std::size_t CachingAllocator::try_merge_blocks(Block* dst, Block* src, BlockPool& pool) {
   // Coalesce with a free neighbour, so that freed space becomes usable by larger requests.
-  if (src == nullptr || src->allocated || src->event_count > 0 || !src->stream_uses.empty() ||
+  if (src == nullptr || !src->is_free() ||
       dst->mapped != src->mapped) {
     return 0;
   }

@@ -39,6 +39,8 @@ struct Block {
       : stream(s), size(sz), pool(p), ptr(addr) {}
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
+  // Neither in use nor waiting for another stream: free to cache, reuse or merge.
+  bool is_free() const { return !allocated && event_count == 0 && stream_uses.empty(); }
   // Age for garbage collection: lookups in this pool since the block was cached.
   std::int64_t gc_count() const;
   // Links this block between `before` and `after`.
@@ -68,6 +70,8 @@ struct ByAddress {
 struct PrivatePool;
 
 struct BlockPool {
+  using FreeSet = std::set<Block*, BySize, ArenaAllocator<Block*>>;
+
   BlockPool(bool small, PrivatePool* owner = nullptr)
       : blocks(BySize(), ArenaAllocator<Block*>(&arena)),
         unmapped(ByAddress(), ArenaAllocator<Block*>(&arena)),
@@ -75,22 +79,21 @@ struct BlockPool {
         owner(owner) {}
 
   NodeArena arena;  // declared first: the sets' nodes live in it
-  std::set<Block*, BySize, ArenaAllocator<Block*>> blocks;       // cached, mapped, free
+  FreeSet blocks;                                                // cached, mapped, free
   std::set<Block*, ByAddress, ArenaAllocator<Block*>> unmapped;  // expandable address space
   const bool is_small;
   PrivatePool* const owner;  // the CUDA graph pool this belongs to, if any
   std::int64_t get_free_blocks_call_count = 0;
 
   PoolKind kind() const { return is_small ? kSmallPool : kLargePool; }
-  using FreeSet = std::set<Block*, BySize, ArenaAllocator<Block*>>;
   void insert_into_blocks(Block* block) {
     block->gc_count_base = get_free_blocks_call_count;
     blocks.insert(block);
   }
   // The hot path's shortcut: a cached block that changes size and address keeps its place in
   // `blocks` where its new key still sorts between its neighbours there (an alloc + free pair
-  // that splits a block and merges it back then moves nothing in the tree). `mutate` changes
-  // the block; the caller has checked the order with `keeps_order`.
+  // that splits a block and merges it back then moves nothing in the tree). The caller checks
+  // with keeps_order before changing the block, then marks it cached anew.
   bool keeps_order(FreeSet::iterator it, std::size_t new_size, std::uintptr_t new_ptr) const {
     const Block* b = *it;
     const Block key(b->stream, new_size, nullptr, new_ptr);

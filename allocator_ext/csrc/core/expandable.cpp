@@ -14,7 +14,7 @@ namespace {
 constexpr std::size_t kSmallPagesKept = 2;
 
 bool allocatable(const Block* b) {
-  return b != nullptr && !b->allocated && b->event_count == 0 && b->stream_uses.empty();
+  return b != nullptr && b->is_free();
 }
 
 }  // namespace
@@ -74,8 +74,8 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
                                  : 0;
     size = std::max(whole_pages(needed), std::min(size, room / page * page));
   }
-  // Large-pool growth maps whole chunks where it can (few calls), single pages for the rest
-  // (a fine tail, easy to give back).
+  // Large-pool growth maps whole chunks where it can (few calls), single pages at the ends
+  // (easy to give back; ExpandableSegment::map lays them out).
   std::size_t chunk_pages = 1;
   if (!to_map->pool->is_small) {
     if (config_.expandable_grow > 0) {

@@ -37,10 +37,10 @@ class ExpandableSegment {
   ExpandableSegment& operator=(const ExpandableSegment&) = delete;
 
   // Maps the pages covering [r.ptr, r.ptr + r.size); r.ptr must be page aligned. Spares
-  // (taken back elsewhere, all of the segment's page size) come first, largest first; each
-  // must fit in what remains to map (the caller sees to that, see spares_to_keep). Then new
-  // physical memory, in chunks of `chunk_pages` pages while that many remain, then page by
-  // page (1: one allocation per page, as PyTorch does). Device calls cost mostly per call, so
+  // (taken back elsewhere, all of the segment's page size) come first, largest first, as long
+  // as they fit in what remains to map (map_block keeps only spares that do). Then new
+  // physical memory: chunks of `chunk_pages` pages in the middle, single pages at both ends
+  // (1: one allocation per page, as PyTorch does). Device calls cost mostly per call, so
   // larger chunks are cheaper to create and map; single pages are cheaper to give back, since
   // a chunk can only be unmapped whole. Returns the range mapped, or an empty range when the
   // device is out of memory (nothing stays mapped; spares used are handed back to `spare`).

@@ -134,7 +134,7 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() {
     auto id = pool_ids.find(head->pool);
     if (id != pool_ids.end()) seg.pool_id = id->second;
     for (const Block* b = head; b != nullptr && b->mapped; b = b->next) {
-      const bool active = b->allocated || b->event_count > 0 || !b->stream_uses.empty();
+      const bool active = !b->is_free();
       const char* state = b->allocated ? "active_allocated"
                           : active     ? "active_pending_free"
                                        : "inactive";
@@ -192,7 +192,7 @@ std::string CachingAllocator::check_invariants() const {
     }
     if (b->prev != nullptr && known.count(b->prev) == 0) return "a neighbour is in no pool";
     const int k = b->pool->kind();
-    const bool is_free = !b->allocated && b->event_count == 0 && b->stream_uses.empty();
+    const bool is_free = b->is_free();
     const bool in_free_set = b->pool->blocks.count(const_cast<Block*>(b)) > 0;
     if (b->mapped && is_free != in_free_set) {
       err << "block at " << b->ptr << (is_free ? " is free but not cached in its pool"
@@ -201,8 +201,7 @@ std::string CachingAllocator::check_invariants() const {
     }
     if (!b->mapped && (b->allocated || b->pool->unmapped.count(const_cast<Block*>(b)) == 0))
       return "an unmapped block is allocated or missing from its pool's unmapped set";
-    if (b->mapped && is_free && b->next != nullptr && b->next->mapped && !b->next->allocated &&
-        b->next->event_count == 0 && b->next->stream_uses.empty())
+    if (b->mapped && is_free && b->next != nullptr && b->next->mapped && b->next->is_free())
       return "two free neighbours were not coalesced";
     if (!b->mapped) continue;
     mapped_ranges.emplace_back(b->ptr, b->ptr + b->size);
