@@ -6,10 +6,13 @@ with the calls counted per pass.
 
 The first pass grows the cache; later passes show what the setting still asks of the device
 when nothing new happens. Unmaps and stream synchronisations there are what a training step
-pays again and again (an unmap waits for the stream, which stalls the CPU's run-ahead). Each
-pass frees what it still holds at its end; waits across streams are not replayed (frees take
-effect at once), so the figures are for the allocator's own rules, not the trace's timing.
-Counts from the simulated device: the same on any machine.
+pays again and again (an unmap waits for the stream, which stalls the CPU's run-ahead). Frees
+the trace completed later than it requested them (a block in use on another stream) wait, as in
+`allocwatch replay`, until their `free_completed`; each pass frees what it still holds at its
+end. Counts from the simulated device: the same on any machine. The last column prices each pass's
+calls with the cost table measured on the H200 (allocator_ext/data/device_costs.json) as a share
+of the trace's active time, the measure the replay's 2 % bar uses: a pass stands for one more
+run of the recorded work, so this is what the setting costs every step once it has settled.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import sys
 from pathlib import Path
 
 import allocator_ext as ae
-from allocator_ext.replay import load_trace
-from allocator_ext.replay.trace import allocs_and_frees
+from allocator_ext.replay import load_cost_table, load_trace
+from allocator_ext.replay.engine import trace_seconds
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACES = [str(REPO / "tests/data/traces/*__default.pickle.gz"),
@@ -30,23 +33,45 @@ DEFAULT_TRACES = [str(REPO / "tests/data/traces/*__default.pickle.gz"),
 SHOWN = ("create", "map_only", "unmap", "release", "stream_synchronize")
 
 
-def passes_of(path: str, config: str | None, passes: int) -> list[dict[str, int]]:
-    events = allocs_and_frees(load_trace(path))
+def passes_of(path: str, config: str | None, passes: int) -> list[dict[str, float]]:
+    """Per pass: the calls of each shown kind and `call_share`, all calls priced / active time."""
+    trace = load_trace(path)
+    events = [(e.action, e.addr, e.size, e.stream) for e in trace.events
+              if e.action in ("alloc", "free_requested", "free_completed")]
+    active_s = trace_seconds(trace)
+    costs = load_cost_table()
     device = ae.SimDevice(capacity=0)
     alloc = ae.Allocator(device, config)
-    out = []
+    waiting_stream = 1 << 62   # streams that exist only here, one per delayed free
+    out: list[dict[str, float]] = []
     for _ in range(passes):
-        before = {k: v["count"] for k, v in device.counters().items()}
+        before = device.counters()
         live: dict[int, int] = {}
-        for action, addr, size, stream in events:
+        waits: dict[int, int] = {}
+        for i, (action, addr, size, stream) in enumerate(events):
             if action == "alloc":
                 live[addr] = alloc.malloc(size, stream)
-            elif addr in live:
+            elif action == "free_requested" and addr in live:
+                nxt = events[i + 1] if i + 1 < len(events) else None
+                if nxt is None or nxt[:2] != ("free_completed", addr):
+                    alloc.record_stream(live[addr], waiting_stream)
+                    waits[addr] = waiting_stream
+                    waiting_stream += 1
                 alloc.free(live.pop(addr))
+            elif action == "free_completed" and addr in waits:
+                device.complete_stream(waits.pop(addr))
+                alloc.process_events()
         for ptr in live.values():
             alloc.free(ptr)
-        after = {k: v["count"] for k, v in device.counters().items()}
-        out.append({k: after.get(k, 0) - before.get(k, 0) for k in SHOWN})
+        for waiting in waits.values():
+            device.complete_stream(waiting)
+        alloc.process_events()
+        after = device.counters()
+        delta = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in ("count", "bytes")}
+                 for k, v in after.items()}
+        row: dict[str, float] = {k: delta.get(k, {}).get("count", 0) for k in SHOWN}
+        row["call_share"] = costs.price(delta)[0] / active_s if active_s > 0 else 0.0
+        out.append(row)
     return out
 
 
@@ -64,12 +89,14 @@ def main() -> int:
     if not paths:
         p.error("no trace matched")
     rows = {}
-    print(f"{'trace':30s} " + " ".join(f"{k:>18s}" for k in SHOWN) + "   (pass 1 / last pass)")
+    print(f"{'trace':30s} " + " ".join(f"{k:>18s}" for k in SHOWN)
+          + f" {'priced/active':>18s}   (pass 1 / last pass)")
     for path in paths:
         per_pass = passes_of(path, args.config, args.passes)
         rows[Path(path).name] = per_pass
         print(f"{Path(path).name[:30]:30s} "
-              + " ".join(f"{per_pass[0][k]:>9d}/{per_pass[-1][k]:<8d}" for k in SHOWN),
+              + " ".join(f"{per_pass[0][k]:>9.0f}/{per_pass[-1][k]:<8.0f}" for k in SHOWN)
+              + f" {per_pass[0]['call_share']:>8.2%}/{per_pass[-1]['call_share']:<8.2%}",
               flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv),

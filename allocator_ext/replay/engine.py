@@ -79,7 +79,8 @@ def _check_starts_empty(trace: Trace) -> None:
             live.discard(e.addr)
 
 
-def _trace_seconds(trace: Trace) -> float:
+def trace_seconds(trace: Trace) -> float:
+    """The trace's active time: gaps between events, each capped (idle time is not work)."""
     total = 0
     times = [e.time_us for e in trace.events]
     for a, b in zip(times, times[1:], strict=False):
@@ -191,7 +192,7 @@ def replay(
     stats = alloc.stats()
     counters = device.counters()
     estimate, calls = costs.price(counters)
-    trace_s = _trace_seconds(trace)
+    trace_s = trace_seconds(trace)
     peak_reserved = stats["reserved_bytes.all.peak"]
     report: dict[str, Any] = {
         "trace": trace.path,

@@ -203,11 +203,15 @@ AllocatorConfig AllocatorConfig::native() { return AllocatorConfig{}; }
 AllocatorConfig AllocatorConfig::allocwatch() {
   AllocatorConfig cfg;
   cfg.expandable_segments = true;
-  // Measured on the shared traces (docs/benchmarks.md): PyTorch's 20 MiB pages, plus taking
-  // back wholly free pages before growing, cut reserved/requested from 1.07-1.16 to
-  // 1.01-1.06 at device-call costs near 1 % of the traces' active time. (2 MiB pages in
-  // 10 MiB chunks do better still on every trace, 1.002-1.028; they become the default once
-  // their step time under a memory cap has run on the GPU, docs/benchmarks.md.)
+  // Measured on the shared and our own traces (docs/benchmarks.md, bench/fragmentation.py):
+  // taking back wholly free pages before growing cuts reserved/requested from PyTorch's
+  // expandable segments' 1.07-1.16 to 1.01-1.06 with its 20 MiB pages; 2 MiB pages bring every
+  // trace to 1.002-1.028 (a 20 MiB page left partly used strands up to 20 MiB, a 2 MiB page at
+  // most 2), and mapping them in 10 MiB chunks keeps the calls few (<= 1.7 % of the traces'
+  // active time; 8 MiB chunks: multistream 1.032, 12 MiB: decode 1.068). On the H200 its step
+  // time matched expandable segments' (bench/step_lockstep.py), also under a 1.03x cap.
+  cfg.expandable_large_page = 2 * kMiB;
+  cfg.expandable_chunk = 10 * kMiB;
   cfg.reuse_free_pages = true;
   return cfg;
 }
