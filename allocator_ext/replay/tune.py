@@ -24,12 +24,12 @@ CANDIDATES: list[tuple[str, str | None, bool]] = [
     ("roundup_power2_divisions:4", "native,roundup_power2_divisions:4", True),
     ("expandable + roundup 4", "native,expandable_segments:True,roundup_power2_divisions:4", True),
     ("allocwatch defaults", None, False),
-    ("allocwatch, 8 MiB pages", "expandable_large_page_mb:8", False),
-    ("allocwatch, 2 MiB pages", "expandable_large_page_mb:2", False),
-    ("allocwatch, 2 MiB pages in 20 MiB chunks",
-     "expandable_large_page_mb:2,expandable_chunk_mb:20", False),
-    ("allocwatch, 2 MiB pages in 10 MiB chunks",
-     "expandable_large_page_mb:2,expandable_chunk_mb:10", False),
+    ("allocwatch, 20 MiB pages (PyTorch's)", "expandable_large_page_mb:20,expandable_chunk_mb:0",
+     False),
+    ("allocwatch, 8 MiB pages", "expandable_large_page_mb:8,expandable_chunk_mb:0", False),
+    ("allocwatch, 2 MiB pages one by one", "expandable_chunk_mb:0", False),
+    ("allocwatch, 2 MiB pages in 8 MiB chunks", "expandable_chunk_mb:8", False),
+    ("allocwatch, 2 MiB pages in 20 MiB chunks", "expandable_chunk_mb:20", False),
 ]
 
 
