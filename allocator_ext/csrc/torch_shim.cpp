@@ -177,18 +177,13 @@ __attribute__((visibility("default"))) void* allocwatch_torch_try_malloc(
 
 // free() whose device the caller does not know (a DataPtr's deleter gets only the pointer).
 __attribute__((visibility("default"))) void allocwatch_torch_free_any(void* ptr) {
+  // One lookup and one lock per allocator tried: the free itself says whether it was its block.
   for (std::size_t d = 0; d < kFastDevices; ++d) {
     CachingAllocator* a = g_fast[d].load(std::memory_order_acquire);
-    if (a != nullptr && a->block_size(ptr) > 0) {
-      a->free(ptr);
-      return;
-    }
+    if (a != nullptr && a->free_if_owned(ptr)) return;
   }
   for (auto& a : all()) {
-    if (a && a->block_size(ptr) > 0) {
-      a->free(ptr);
-      return;
-    }
+    if (a && a->free_if_owned(ptr)) return;
   }
   Text msg;
   msg << "allocwatch: free of " << ptr << ", which no device's allocator handed out "

@@ -256,15 +256,17 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
 }
 
 void CachingAllocator::free(void* ptr) {
-  if (ptr == nullptr) return;
+  if (ptr == nullptr || free_if_owned(ptr)) return;
+  Text msg;
+  msg << "allocwatch: free of " << ptr << ", which this allocator did not hand out "
+      << "(or which was already freed)";
+  throw std::invalid_argument(msg.str());
+}
+
+bool CachingAllocator::free_if_owned(void* ptr) {
   std::lock_guard<std::mutex> lock(mutex_);
   Block* block = allocated_.erase(reinterpret_cast<std::uintptr_t>(ptr));
-  if (block == nullptr) {
-    Text msg;
-    msg << "allocwatch: free of " << ptr << ", which this allocator did not hand out "
-        << "(or which was already freed)";
-    throw std::invalid_argument(msg.str());
-  }
+  if (block == nullptr) return false;
   block->allocated = false;
   const PoolKind kind = block->pool->kind();
   stats_.allocation.decrease(kind, 1);
@@ -286,6 +288,7 @@ void CachingAllocator::free(void* ptr) {
   } else {
     free_block(block);
   }
+  return true;
 }
 
 void CachingAllocator::free_block(Block* block) {

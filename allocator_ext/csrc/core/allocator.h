@@ -72,6 +72,9 @@ class CachingAllocator {
   // --- the hot path ---
   void* malloc(std::size_t size, StreamId stream);
   void free(void* ptr);
+  // free() for a caller that does not know which allocator handed `ptr` out (a DataPtr's
+  // deleter knows no device): false, and nothing changed, where this one did not.
+  bool free_if_owned(void* ptr);
   // The block at ptr is in use on `stream` as well: do not reuse it before that work is done.
   void record_stream(void* ptr, StreamId stream);
   std::size_t block_size(void* ptr) const;
