@@ -46,9 +46,9 @@ class ExpandableSegment {
   // device is out of memory (nothing stays mapped; spares used are handed back to `spare`).
   Range map(Range r, std::size_t chunk_pages = 1, std::vector<SparePhysical>* spare = nullptr);
   // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part), after the
-  // segment's stream is idle, and releases its physical memory. At most `limit` bytes when
-  // limit > 0, taking chunks from the front. Returns the contiguous range unmapped (possibly
-  // empty).
+  // segment's stream is idle, and releases its physical memory. With limit > 0, chunks from
+  // the front until at least `limit` bytes (a chunk goes whole: up to one chunk more). Returns
+  // the contiguous range unmapped (possibly empty).
   // With `keep`, chunks are handed over instead of released, to be mapped elsewhere.
   Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr);
 
