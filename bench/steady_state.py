@@ -25,7 +25,8 @@ from pathlib import Path
 
 import allocator_ext as ae
 from allocator_ext.replay import load_cost_table, load_trace
-from allocator_ext.replay.engine import trace_seconds
+from allocator_ext.replay.engine import PENDING_STREAM_BASE, trace_seconds
+from allocator_ext.replay.trace import free_completes_at_once
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACES = [str(REPO / "tests/data/traces/*__default.pickle.gz"),
@@ -36,30 +37,28 @@ SHOWN = ("create", "map_only", "unmap", "release", "stream_synchronize")
 def passes_of(path: str, config: str | None, passes: int) -> list[dict[str, float]]:
     """Per pass: the calls of each shown kind and `call_share`, all calls priced / active time."""
     trace = load_trace(path)
-    events = [(e.action, e.addr, e.size, e.stream) for e in trace.events
-              if e.action in ("alloc", "free_requested", "free_completed")]
+    events = trace.events
     active_s = trace_seconds(trace)
     costs = load_cost_table()
     device = ae.SimDevice(capacity=0)
     alloc = ae.Allocator(device, config)
-    waiting_stream = 1 << 62   # streams that exist only here, one per delayed free
+    waiting_stream = PENDING_STREAM_BASE   # one stream of its own per delayed free
     out: list[dict[str, float]] = []
     for _ in range(passes):
         before = device.counters()
         live: dict[int, int] = {}
         waits: dict[int, int] = {}
-        for i, (action, addr, size, stream) in enumerate(events):
-            if action == "alloc":
-                live[addr] = alloc.malloc(size, stream)
-            elif action == "free_requested" and addr in live:
-                nxt = events[i + 1] if i + 1 < len(events) else None
-                if nxt is None or nxt[:2] != ("free_completed", addr):
-                    alloc.record_stream(live[addr], waiting_stream)
-                    waits[addr] = waiting_stream
+        for i, e in enumerate(events):
+            if e.action == "alloc":
+                live[e.addr] = alloc.malloc(e.size, e.stream)
+            elif e.action == "free_requested" and e.addr in live:
+                if not free_completes_at_once(events, i):
+                    alloc.record_stream(live[e.addr], waiting_stream)
+                    waits[e.addr] = waiting_stream
                     waiting_stream += 1
-                alloc.free(live.pop(addr))
-            elif action == "free_completed" and addr in waits:
-                device.complete_stream(waits.pop(addr))
+                alloc.free(live.pop(e.addr))
+            elif e.action == "free_completed" and e.addr in waits:
+                device.complete_stream(waits.pop(e.addr))
                 alloc.process_events()
         for ptr in live.values():
             alloc.free(ptr)

@@ -20,10 +20,10 @@ from typing import Any
 
 import allocator_ext as ae
 from allocator_ext.replay.costs import CostTable, load_cost_table
-from allocator_ext.replay.trace import KNOWN_ACTIONS, Trace, TraceError
+from allocator_ext.replay.trace import KNOWN_ACTIONS, Trace, TraceError, free_completes_at_once
 
 # Pending frees wait on events of streams that exist only in the replay.
-_PENDING_STREAM_BASE = 1 << 62
+PENDING_STREAM_BASE = 1 << 62
 # Gaps between events longer than this are idle time (data loading, evaluation, a pause),
 # not allocator-relevant activity.
 ACTIVE_GAP_CAP_US = 100_000
@@ -120,7 +120,7 @@ def replay(
     requested = peak_requested = 0
     recorded_reserved = recorded_peak = recorded_segments = recorded_ooms = 0
     empty_cache_calls = 0
-    next_pending_stream = _PENDING_STREAM_BASE
+    next_pending_stream = PENDING_STREAM_BASE
     tl = Timeline()
     t0 = events[0].time_us if events else 0
 
@@ -138,15 +138,14 @@ def replay(
             except ae.OutOfMemoryError:
                 failed.add(e.addr)
         elif a == "free_requested":
+            at_once = free_completes_at_once(events, i)
             if e.addr in failed:
                 failed.discard(e.addr)
-                nxt = events[i + 1] if i + 1 < n else None
-                if nxt is not None and nxt.action == "free_completed" and nxt.addr == e.addr:
+                if at_once:
                     i += 1
             else:
                 ptr = addr_map.pop(e.addr)
-                nxt = events[i + 1] if i + 1 < n else None
-                if nxt is not None and nxt.action == "free_completed" and nxt.addr == e.addr:
+                if at_once:
                     alloc.free(ptr)
                     requested -= sizes.pop(e.addr)
                     i += 1

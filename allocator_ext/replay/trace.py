@@ -76,10 +76,17 @@ def peak_requested_bytes(trace: Trace) -> int:
     return peak
 
 
+def free_completes_at_once(events: list[TraceEvent], i: int) -> bool:
+    """Whether the free requested at events[i] took effect at once (its `free_completed` is the
+    next event) rather than after the block's work on other streams: a cross-stream wait,
+    which a replay makes the block wait for (record_stream on a stream of its own)."""
+    nxt = events[i + 1] if i + 1 < len(events) else None
+    return nxt is not None and nxt.action == "free_completed" and nxt.addr == events[i].addr
+
+
 def allocs_and_frees(trace: Trace) -> list[tuple[str, int, int, int]]:
     """The program's own requests, (action, address, size, stream) for each `alloc` and
-    `free_requested`: what a loop that repeats the trace's pattern replays (the demo, and
-    bench/steady_state.py)."""
+    `free_requested`: what a loop that repeats the trace's pattern replays (the demo)."""
     return [(e.action, e.addr, e.size, e.stream) for e in trace.events
             if e.action in ("alloc", "free_requested")]
 
