@@ -168,9 +168,8 @@ bool CachingAllocator::should_split(const Block* block, std::size_t size) const 
 bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
   if (is_retry) stats_.num_alloc_retries += 1;
 
-  // PyTorch checks reserved memory plus the whole request here, which sends a capped run into
-  // the retry path (free every cached block, wait for every stream) where moving a few free
-  // pages would have done; with reuse_free_pages, map_block checks instead.
+  // PyTorch's check of the memory fraction: reserved memory plus the whole request. With
+  // reuse_free_pages map_block checks instead (expandable.cpp, Note [page policy]).
   if (set_fraction_ && !fraction_checked_when_mapping() &&
       total_allocated_memory_ + p.alloc_size > allowed_memory_maximum_) {
     return false;
@@ -182,17 +181,52 @@ bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
 
   void* ptr = nullptr;
   if (!device_->malloc(p.alloc_size, &ptr)) return false;
-  if (p.pool->owner != nullptr) p.pool->owner->device_alloc_count++;
-
-  total_allocated_memory_ += p.alloc_size;
   p.block = new_block(p.stream, p.alloc_size, p.pool, reinterpret_cast<std::uintptr_t>(ptr));
-  const PoolKind kind = p.pool->kind();
-  stats_.segment.increase(kind, 1);
-  stats_.reserved_bytes.increase(kind, static_cast<std::int64_t>(p.alloc_size));
-  if (p.alloc_size >= config_.max_split_size) stats_.oversize_segments.increase(1);
-  stats_.num_device_alloc++;
-  trace_.record(TraceAction::segment_alloc, p.block->ptr, p.block->size, p.stream);
+  count_reserved(*p.pool, TraceAction::segment_alloc, p.block->ptr, p.block->size, p.stream);
   return true;
+}
+
+void CachingAllocator::count_reserved(BlockPool& pool, TraceAction how, std::uintptr_t ptr,
+                                      std::size_t size, StreamId stream) {
+  const bool segment = how == TraceAction::segment_alloc;  // else pages mapped
+  const PoolKind kind = pool.kind();
+  total_allocated_memory_ += size;
+  reserved_high_water_ = std::max(reserved_high_water_, total_allocated_memory_);
+  stats_.reserved_bytes.increase(kind, static_cast<std::int64_t>(size));
+  stats_.num_device_alloc++;
+  if (segment) {
+    stats_.segment.increase(kind, 1);
+    if (size >= config_.max_split_size) stats_.oversize_segments.increase(1);
+  }
+  if (pool.owner != nullptr) {
+    if (segment) {
+      pool.owner->device_alloc_count++;
+    } else {
+      pool.owner->mapped_bytes += size;
+    }
+  }
+  trace_.record(how, ptr, size, stream);
+}
+
+void CachingAllocator::count_released(BlockPool& pool, TraceAction how, std::uintptr_t ptr,
+                                      std::size_t size, StreamId stream) {
+  const bool segment = how == TraceAction::segment_free;  // else pages unmapped
+  const PoolKind kind = pool.kind();
+  total_allocated_memory_ -= size;
+  stats_.reserved_bytes.decrease(kind, static_cast<std::int64_t>(size));
+  stats_.num_device_free++;
+  if (segment) {
+    stats_.segment.decrease(kind, 1);
+    if (size >= config_.max_split_size) stats_.oversize_segments.decrease(1);
+  }
+  if (pool.owner != nullptr) {
+    if (segment) {
+      pool.owner->device_alloc_count--;
+    } else {
+      pool.owner->mapped_bytes -= size;
+    }
+  }
+  trace_.record(how, ptr, size, stream);
 }
 
 Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder) {

@@ -144,6 +144,16 @@ class CachingAllocator {
   std::size_t try_merge_blocks(Block* dst, Block* src, BlockPool& pool);
   [[noreturn]] void raise_out_of_memory(const AllocParams& p);
 
+  // Reserved memory's bookkeeping, in one place: `size` bytes at `ptr` became reserved (a new
+  // segment, `how` = segment_alloc, or pages mapped into an expandable one, segment_map) or
+  // went back to the device (segment_free, segment_unmap). The total the fraction checks, the
+  // high-water mark, the statistics, the device-call counters, the trace and a private pool's
+  // counts all change here and nowhere else.
+  void count_reserved(BlockPool& pool, TraceAction how, std::uintptr_t ptr, std::size_t size,
+                      StreamId stream);
+  void count_released(BlockPool& pool, TraceAction how, std::uintptr_t ptr, std::size_t size,
+                      StreamId stream);
+
   // Releasing memory to the device.
   bool release_available_cached_blocks(const AllocParams& p);
   std::size_t release_cached_blocks();
@@ -155,14 +165,23 @@ class CachingAllocator {
   Block* find_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
   // Maps `size` bytes at the start of an unmapped block, of which `needed` serve the request.
   bool map_block(Block* to_map, std::size_t size, std::size_t needed);
+  // map_block's decisions (expandable.cpp, Note [page policy]).
+  bool over_fraction_when_mapping(std::size_t bytes) const;
+  std::size_t growth_within_fraction(std::size_t size, std::size_t needed,
+                                     std::size_t page) const;
+  std::size_t growth_chunk_pages(const BlockPool& pool, std::size_t size,
+                                 std::size_t page) const;
+  bool should_take_back(std::size_t bytes) const;
+  void release_spares_beyond(std::size_t keep_pages, std::size_t page);
+  void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
   std::size_t unmap_block(Block* block, std::size_t limit = 0,
                           std::vector<SparePhysical>* keep = nullptr);
   void release_expandable_segment(Block* block);
   std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes);
   std::size_t grow_size(const BlockPool* pool, std::size_t needed) const;
-  // With reuse_free_pages, growth takes free pages back first, so the memory fraction is
-  // checked when mapping (against what growth adds), not before as PyTorch does.
+  // With reuse_free_pages the memory fraction is checked when mapping, against what growth
+  // adds, not before as PyTorch does (expandable.cpp, Note [page policy]).
   bool fraction_checked_when_mapping() const {
     return config_.expandable_segments && config_.reuse_free_pages;
   }
@@ -198,7 +217,7 @@ class CachingAllocator {
   std::size_t total_allocated_memory_ = 0;  // reserved bytes, as the fraction check sees them
   // The most reserved since the start or the last explicit reclaim (empty_cache, an operator's
   // garbage_collect): below it, expandable segments grow with new pages rather than moving
-  // free ones (expandable.cpp, map_block).
+  // free ones (expandable.cpp, Note [page policy]).
   std::size_t reserved_high_water_ = 0;
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;

@@ -203,13 +203,10 @@ AllocatorConfig AllocatorConfig::native() { return AllocatorConfig{}; }
 AllocatorConfig AllocatorConfig::allocwatch() {
   AllocatorConfig cfg;
   cfg.expandable_segments = true;
-  // Measured on the shared and our own traces (docs/benchmarks.md, bench/fragmentation.py):
-  // taking back wholly free pages before growing cuts reserved/requested from PyTorch's
-  // expandable segments' 1.07-1.16 to 1.01-1.06 with its 20 MiB pages; 2 MiB pages bring every
-  // trace to 1.002-1.028 (a 20 MiB page left partly used strands up to 20 MiB, a 2 MiB page at
-  // most 2), and mapping them in 10 MiB chunks keeps the calls few (<= 1.7 % of the traces'
-  // active time; 8 MiB chunks: multistream 1.032, 12 MiB: decode 1.068). On the H200 its step
-  // time matched expandable segments' (bench/step_lockstep.py), also under a 1.03x cap.
+  // PyTorch's rules with expandable segments, plus allocwatch's page policy: free pages taken
+  // back before a segment grows past its high-water mark, 2 MiB large pages created in 10 MiB
+  // chunks (expandable.cpp, Note [page policy]). Chosen by the measures of DESIGN.md on the
+  // recorded traces; the figures are in docs/benchmarks.md.
   cfg.expandable_large_page = 2 * kMiB;
   cfg.expandable_chunk = 10 * kMiB;
   cfg.reuse_free_pages = true;

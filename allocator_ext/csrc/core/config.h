@@ -51,8 +51,9 @@ struct AllocatorConfig {
   // Large-pool growth maps physical chunks of this size where a whole one fits, and single
   // pages for the rest (0: pages only).
   std::size_t expandable_chunk = 0;  // expandable_chunk_mb
-  // Before growing an expandable segment, release wholly free chunks elsewhere in the same
-  // pool, so that the growth reuses their memory instead of raising reserved memory.
+  // Before an expandable segment grows past reserved memory's high-water mark, take wholly
+  // free pages back from elsewhere, so that the growth reuses their memory instead of raising
+  // reserved memory (expandable.cpp, Note [page policy]).
   bool reuse_free_pages = false;
 
   static AllocatorConfig native();     // PyTorch's defaults

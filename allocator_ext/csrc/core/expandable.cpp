@@ -1,6 +1,58 @@
 // Expandable segments inside the allocator: finding room, mapping pages on demand, unmapping
 // them on reclaim, and (allocwatch's addition) moving fully free pages to where growth is
 // needed instead of asking the device for more.
+//
+// Note [page policy]
+// ~~~~~~~~~~~~~~~~~~
+// allocwatch's own rules for expandable segments, on with its defaults (reuse_free_pages, 2 MiB
+// large pages in chunks); PyTorch maps new pages for every growth and unmaps only in
+// empty_cache. Each rule was chosen by replaying the recorded traces
+// (bench/replay/fragmentation.py for reserved memory and device calls, and
+// bench/replay/steady_state.py for the calls repeated passes keep making); the figures, and
+// the variants that lost, are in docs/benchmarks.md. Code elsewhere cites this note rather
+// than arguing the rules again.
+//
+// Take-back. Growing a segment while wholly free pages sit elsewhere raises reserved memory for
+// nothing, so before a segment grows such pages are unmapped and their physical memory mapped
+// where the growth is needed. The growing pool's own free pages come first (same page size: the
+// handles move as they are, no release and create), then its sibling pool's: the small pool
+// takes the large pool's (a decoder's small KV-cache tensors then grow into memory the large
+// pool no longer uses), the large pool the small pool's (moved as they are where both page
+// sizes are 2 MiB, otherwise released so that their memory goes into the page created
+// instead). Largest free blocks first: fewest calls per byte. A handle taken back is mapped
+// again whole where it fits, never released and re-created.
+//
+// High-water mark. An unmap waits for the segment's stream, which stalls the CPU's run-ahead,
+// and a moved page costs that wait again in every step that moves it. Pages are therefore taken
+// back only where growing would raise reserved memory above its high-water mark (the most
+// reserved since the start or the last explicit reclaim), or where there is no room left (the
+// memory fraction, or a device out of memory). Below the mark a new page raises no peak, so a
+// training loop whose shapes vary settles with its peak's pages mapped and stops moving them.
+// An explicit reclaim (empty_cache, garbage_collect) lowers the mark to what it leaves: the
+// caller asked for less memory from then on.
+//
+// Small-pool reserve. The large pool leaves the small pool's last kSmallPagesKept free pages
+// in place. Without a reserve the small pool at once re-creates what it gave, and that churn
+// cost out-of-memory errors under a cap and page moves in every repeated pass; one page was
+// too few, more than two kept more than needed. The reserve counts free bytes, partly used
+// pages' included (they serve small requests too); pages go whole, so a take-back can end up
+// to one page below it. Counting whole pages only moved fewer pages but fragmented more.
+//
+// Page size and chunks. A partly used page strands up to a page: 2 MiB large pages (PyTorch's:
+// 20 MiB) strand a tenth as much. Created one by one they cost too many device calls, so
+// large-pool growth creates chunks (expandable_chunk_mb) in the middle of the grown range and
+// single pages at both of its ends, where it borders other blocks whose free space must stay
+// givable once they are freed (ExpandableSegment::map). The chunk size is a measured sweet
+// spot, not a plateau.
+//
+// Memory fraction. With reuse_free_pages the fraction is checked in map_block, after the
+// take-back, against what growth really adds. PyTorch checks reserved memory plus the whole
+// request before, and over it frees every cached block and waits for every stream where moving
+// a few free pages would have done; the native preset keeps PyTorch's check.
+//
+// Captures. Nothing is unmapped while a CUDA graph is captured anywhere in the process: an
+// unmap waits for a stream, which a capture forbids (PyTorch releases nothing during capture
+// either). Growth then creates pages.
 #include <algorithm>
 
 #include "allocator.h"
@@ -9,12 +61,16 @@ namespace allocwatch {
 
 namespace {
 
-// Free small-pool pages the large pool leaves in place when it takes the rest (see
-// take_back_free_pages).
+// Free small-pool pages the large pool leaves in place when it takes the rest (Note [page
+// policy], small-pool reserve).
 constexpr std::size_t kSmallPagesKept = 2;
 
 bool allocatable(const Block* b) {
   return b != nullptr && b->is_free();
+}
+
+std::size_t whole_pages(std::size_t bytes, std::size_t page) {
+  return (bytes + page - 1) / page * page;
 }
 
 }  // namespace
@@ -59,101 +115,122 @@ std::size_t CachingAllocator::grow_size(const BlockPool* pool, std::size_t neede
   return std::max(needed, config_.expandable_grow);
 }
 
+bool CachingAllocator::over_fraction_when_mapping(std::size_t bytes) const {
+  // With reuse_free_pages the memory fraction is checked here, after the take-back, against
+  // what growth really adds (alloc_block leaves it to this); `native` keeps PyTorch's check
+  // (Note [page policy], memory fraction).
+  return set_fraction_ && fraction_checked_when_mapping() &&
+         total_allocated_memory_ + bytes > allowed_memory_maximum_;
+}
+
+std::size_t CachingAllocator::growth_within_fraction(std::size_t size, std::size_t needed,
+                                                     std::size_t page) const {
+  // Growth beyond the request (expandable_grow_mb) only as far as the memory fraction leaves
+  // room: a small request must not fail because its generous growth would not fit.
+  if (!(set_fraction_ && fraction_checked_when_mapping()) || size <= needed) return size;
+  const std::size_t room = allowed_memory_maximum_ > total_allocated_memory_
+                               ? allowed_memory_maximum_ - total_allocated_memory_
+                               : 0;
+  return std::max(whole_pages(needed, page), std::min(size, room / page * page));
+}
+
+std::size_t CachingAllocator::growth_chunk_pages(const BlockPool& pool, std::size_t size,
+                                                 std::size_t page) const {
+  // Large-pool growth maps whole chunks where it can (few calls), single pages at the ends
+  // (easy to give back; ExpandableSegment::map lays them out; Note [page policy], page size
+  // and chunks). The small pool maps its 2 MiB pages one by one, as PyTorch does.
+  if (pool.is_small) return 1;
+  if (config_.expandable_grow > 0) return whole_pages(size, page) / page;
+  if (config_.expandable_chunk > page) return config_.expandable_chunk / page;
+  return 1;
+}
+
+bool CachingAllocator::should_take_back(std::size_t bytes) const {
+  // Only where growing by `bytes` would raise reserved memory above its high-water mark, or
+  // pass the memory fraction; never during a capture (Note [page policy], high-water mark and
+  // captures). A device with no memory left is map_block's second try.
+  return config_.reuse_free_pages && !captures_underway() &&
+         (total_allocated_memory_ + bytes > reserved_high_water_ ||
+          over_fraction_when_mapping(bytes));
+}
+
+void CachingAllocator::release_spares_beyond(std::size_t keep_pages, std::size_t page) {
+  // Taken-back chunks are mapped as they are (largest first) where they fit in the range being
+  // mapped. Those that will not fit go back to the device before anything is created, so that
+  // physical memory never holds both (it could run the device out, or pass the cap).
+  std::sort(spare_pages_.begin(), spare_pages_.end(),
+            [](const SparePhysical& a, const SparePhysical& b) { return a.pages > b.pages; });
+  std::vector<SparePhysical> kept;
+  for (const SparePhysical& s : spare_pages_) {
+    if (s.pages <= keep_pages) {
+      keep_pages -= s.pages;
+      kept.push_back(s);
+    } else {
+      device_->release_physical(s.handle, s.pages * page);
+    }
+  }
+  spare_pages_ = std::move(kept);
+}
+
 bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t needed) {
   ExpandableSegment* es = to_map->expandable;
   const std::size_t page = es->page_size();
-  auto whole_pages = [page](std::size_t bytes) { return (bytes + page - 1) / page * page; };
-  // With reuse_free_pages the memory fraction is checked here, after the take-back, against
-  // what growth really adds (alloc_block leaves it to this); `native` keeps PyTorch's check.
-  const bool cap_here = set_fraction_ && fraction_checked_when_mapping();
-  if (cap_here && size > needed) {
-    // Growth beyond the request (expandable_grow_mb) only as far as the memory fraction leaves
-    // room: a small request must not fail because its generous growth would not fit.
-    const std::size_t room = allowed_memory_maximum_ > total_allocated_memory_
-                                 ? allowed_memory_maximum_ - total_allocated_memory_
-                                 : 0;
-    size = std::max(whole_pages(needed), std::min(size, room / page * page));
-  }
-  // Large-pool growth maps whole chunks where it can (few calls), single pages at the ends
-  // (easy to give back; ExpandableSegment::map lays them out).
-  std::size_t chunk_pages = 1;
-  if (!to_map->pool->is_small) {
-    if (config_.expandable_grow > 0) {
-      chunk_pages = whole_pages(size) / page;
-    } else if (config_.expandable_chunk > page) {
-      chunk_pages = config_.expandable_chunk / page;
-    }
-  }
-  const std::size_t rounded = whole_pages(size);
-  // Taken-back chunks are mapped as they are (largest first) where they fit in the range.
-  // Those that will not fit go back to the device before anything is created, so that
-  // physical memory never holds both (it could run the device out, or pass the cap).
-  auto release_spares_beyond = [&](std::size_t keep_pages) {
-    std::sort(spare_pages_.begin(), spare_pages_.end(),
-              [](const SparePhysical& a, const SparePhysical& b) { return a.pages > b.pages; });
-    std::vector<SparePhysical> kept;
-    for (const SparePhysical& s : spare_pages_) {
-      if (s.pages <= keep_pages) {
-        keep_pages -= s.pages;
-        kept.push_back(s);
-      } else {
-        device_->release_physical(s.handle, s.pages * page);
-      }
-    }
-    spare_pages_ = std::move(kept);
-  };
+  size = growth_within_fraction(size, needed, page);
+  const std::size_t chunk_pages = growth_chunk_pages(*to_map->pool, size, page);
+  const std::size_t rounded = whole_pages(size, page);
   // Taken-back pages never outlive this call, even when a device call throws: another
   // segment (whose page size may differ) must not map or release them.
   struct ReleaseSparesOnExit {
-    decltype(release_spares_beyond)& release;
+    CachingAllocator& a;
+    std::size_t page;
     ~ReleaseSparesOnExit() {
       try {
-        release(0);
+        a.release_spares_beyond(0, page);
       } catch (...) {
       }
     }
-  } release_spares_on_exit{release_spares_beyond};
-  // Taking pages back costs an unmap, which waits for the stream: worth it only where growing
-  // would raise reserved memory above its high-water mark (the peak that counts), or where the
-  // device has no memory left. Below the mark new pages are created instead, so a training
-  // loop whose shapes vary settles with its peak's pages mapped and stops moving them (before
-  // this rule, every large step moved pages: its step time 15 % over expandable segments').
-  // Never while a CUDA graph is being captured: an unmap waits for a stream, which a capture
-  // forbids (PyTorch releases nothing during capture either).
-  const bool over_cap = cap_here && total_allocated_memory_ + rounded > allowed_memory_maximum_;
-  const bool may_take_back = config_.reuse_free_pages && !captures_underway();
-  const bool take_back = may_take_back &&
-                         (total_allocated_memory_ + rounded > reserved_high_water_ || over_cap);
-  if (take_back) take_back_free_pages(to_map->pool, to_map, rounded);
-  if (cap_here && total_allocated_memory_ + rounded > allowed_memory_maximum_) {
+  } release_spares_on_exit{*this, page};
+
+  const bool took_back = should_take_back(rounded);
+  if (took_back) take_back_free_pages(to_map->pool, to_map, rounded);
+  if (over_fraction_when_mapping(rounded)) {
     // Still over the memory fraction: pages taken back go to the device, and the caller's
     // out-of-memory path frees cached blocks and retries.
-    release_spares_beyond(0);
+    release_spares_beyond(0, page);
     return false;
   }
   // Growth in one chunk (expandable_grow_mb) creates that chunk whole.
-  const std::size_t spare_room = config_.expandable_grow > 0 && chunk_pages > 1 ? 0 : rounded / page;
-  release_spares_beyond(spare_room);
+  const std::size_t spare_room =
+      config_.expandable_grow > 0 && chunk_pages > 1 ? 0 : rounded / page;
+  release_spares_beyond(spare_room, page);
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
-  if (mapped.size == 0 && may_take_back && !take_back &&
+  // The device had no memory left for pages below the high-water mark: take back after all.
+  if (mapped.size == 0 && !took_back && config_.reuse_free_pages && !captures_underway() &&
       take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
-    release_spares_beyond(spare_room);
+    release_spares_beyond(spare_room, page);
     mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   }
   // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
   // returned to the device.
-  release_spares_beyond(0);
+  release_spares_beyond(0, page);
   if (mapped.size == 0) return false;
+  adopt_mapped(to_map, mapped);
+  count_reserved(*to_map->pool, TraceAction::segment_map, mapped.ptr, mapped.size,
+                 to_map->stream);
+  return true;
+}
 
+void CachingAllocator::adopt_mapped(Block* to_map, Range mapped) {
+  // The mapped front of the unmapped block becomes a free block, merged with free neighbours;
+  // the rest stays unmapped: to_map -> remaining (still unmapped) -> to_map->next.
   BlockPool& pool = *to_map->pool;
   pool.unmapped.erase(to_map);
   to_map->mapped = true;
   if (mapped.size < to_map->size) {
-    // to_map -> remaining (still unmapped) -> to_map->next
     Block* remaining = new_block(to_map->stream, to_map->size - mapped.size, &pool,
                                  to_map->ptr + mapped.size);
     remaining->mapped = false;
-    remaining->expandable = es;
+    remaining->expandable = to_map->expandable;
     remaining->splice(to_map, to_map->next);
     pool.unmapped.insert(remaining);
     to_map->size = mapped.size;
@@ -161,14 +238,6 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   try_merge_blocks(to_map, to_map->prev, pool);
   try_merge_blocks(to_map, to_map->next, pool);
   pool.insert_into_blocks(to_map);
-
-  total_allocated_memory_ += mapped.size;
-  reserved_high_water_ = std::max(reserved_high_water_, total_allocated_memory_);
-  if (pool.owner != nullptr) pool.owner->mapped_bytes += mapped.size;
-  stats_.reserved_bytes.increase(pool.kind(), static_cast<std::int64_t>(mapped.size));
-  stats_.num_device_alloc++;
-  trace_.record(TraceAction::segment_map, mapped.ptr, mapped.size, to_map->stream);
-  return true;
 }
 
 Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPool* pool,
@@ -224,11 +293,7 @@ std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
   try_merge_blocks(block, block->next, pool);
   pool.unmapped.insert(block);
 
-  total_allocated_memory_ -= unmapped.size;
-  stats_.reserved_bytes.decrease(pool.kind(), static_cast<std::int64_t>(unmapped.size));
-  if (pool.owner != nullptr) pool.owner->mapped_bytes -= unmapped.size;
-  stats_.num_device_free++;
-  trace_.record(TraceAction::segment_unmap, unmapped.ptr, unmapped.size, block->stream);
+  count_released(pool, TraceAction::segment_unmap, unmapped.ptr, unmapped.size, block->stream);
   return unmapped.size;
 }
 
@@ -244,20 +309,10 @@ void CachingAllocator::release_expandable_segment(Block* block) {
 
 std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclude,
                                                    std::size_t bytes) {
-  // Growing a segment while wholly free pages sit elsewhere raises reserved memory for
-  // nothing: unmap those pages first, so the growth reuses their physical memory. The pool's
-  // own free pages come first (same page size: they move as they are, no release and create);
-  // then, for the small pool, the large pool's, whose pages are released: a decoder's small
-  // KV-cache tensors then grow into memory its large pool no longer uses (decode trace: 1.050
-  // -> 1.021 reserved/requested). The large pool takes the small pool's pages too: moved as
-  // they are where the sizes match (2 MiB large pages; moe 1.032 -> 1.013), else released so
-  // that their memory goes into the large page created instead — but never the small pool's
-  // last kSmallPagesKept free pages: without that reserve the small pool at once re-creates
-  // what it gave, and the churn cost out-of-memory errors on the convnet trace under a 1.03x
-  // cap with 20 MiB pages (with it: convnet 1.036 -> 1.030, moe 1.038 -> 1.020, no error; a
-  // reserve of 1 page was too few, 3 or more kept more than needed), and page moves in every
-  // repeated pass with 2 MiB pages (moe: 49 -> 28 stream waits a pass, bench/steady_state.py).
-  // Largest free blocks first: fewest calls per byte.
+  // Unmaps wholly free pages, the pool's own first, then its sibling's beyond the small-pool
+  // reserve, largest free blocks first, until `bytes` are taken (Note [page policy]). Pages of
+  // the growing segment's page size are kept in spare_pages_ for map_block; others are
+  // released.
   const std::size_t page = exclude->expandable->page_size();
   BlockPool* sibling = nullptr;
   if (pool->owner == nullptr) {
@@ -281,11 +336,7 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
     });
     std::size_t budget = bytes;
     if (from_small_reserve) {
-      // Counted in free bytes, partly used pages' included (they serve small requests too);
-      // pages go whole, so a take-back can end up to one page below the reserve. Counting
-      // whole pages only was measured (fifth session): fewer moves in repeated passes (moe 28
-      // -> 13 stream waits) but convnet 1.013 -> 1.014 and, with 20 MiB large pages, 1.030 ->
-      // 1.031 and a retry under a 1.03x fraction; kept as it is.
+      // In free bytes, partly used pages' included (Note [page policy], small-pool reserve).
       std::size_t free_pages_bytes = 0;
       for (const Block* b : donors) free_pages_bytes += b->size;
       const std::size_t reserve = kSmallPagesKept * kSmallBuffer;

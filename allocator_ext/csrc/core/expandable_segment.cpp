@@ -65,8 +65,7 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
   // New memory: chunks in the middle, single pages at both ends. Each end of a grown range
   // borders another block, and once that block is freed only whole free handles can be
   // given back: fine pages there leave little free memory pinned inside a chunk that is
-  // partly in use (single pages only at the tail: decode trace 1.039 with 10 MiB chunks,
-  // split between both ends 1.025).
+  // partly in use (Note [page policy] in expandable.cpp, page size and chunks).
   const std::size_t chunks = chunk > 1 ? (end - first) / chunk : 0;
   const std::size_t singles = (end - first) - chunks * chunk;
   const std::size_t chunks_begin = first + (chunks > 0 ? singles / 2 : singles);

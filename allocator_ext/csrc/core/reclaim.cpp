@@ -80,17 +80,9 @@ std::size_t CachingAllocator::release_blocks(BlockPool& pool) {
 }
 
 void CachingAllocator::release_block(Block* block) {
-  stats_.num_device_free++;
-  trace_.record(TraceAction::segment_free, block->ptr, block->size, block->stream);
   device_->free(reinterpret_cast<void*>(block->ptr), block->size);
-  total_allocated_memory_ -= block->size;
-  BlockPool* pool = block->pool;
-  if (pool->owner != nullptr) pool->owner->device_alloc_count--;
-  const PoolKind kind = pool->kind();
-  stats_.segment.decrease(kind, 1);
-  stats_.reserved_bytes.decrease(kind, static_cast<std::int64_t>(block->size));
-  if (block->size >= config_.max_split_size) stats_.oversize_segments.decrease(1);
-  pool->blocks.erase(block);
+  count_released(*block->pool, TraceAction::segment_free, block->ptr, block->size, block->stream);
+  block->pool->blocks.erase(block);
   delete_block(block);
 }
 
