@@ -45,9 +45,10 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from exporter.admin_config import AdminConfig, read_token, server_tls_context
-from exporter.collector import fragmentation_ratio
 from exporter.config import ConfigError
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.figures import fragmentation_ratio
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.settings import validate_settings
 from exporter.registry import AgentGoneError, AgentState, Registry
 
 log = logging.getLogger("exporter.admin")
@@ -171,26 +172,21 @@ _ENDPOINTS = {
 }
 
 
-def validate_settings(text: Any) -> str:
+def _settings(text: Any) -> str:
     if not isinstance(text, str) or not text.strip():
         raise AdminError(400, "settings: expected a non-empty settings string "
                               "(e.g. garbage_collection_threshold:0.8)")
     try:
-        from allocator_ext import parse_config as parse_allocator_settings
-    except ImportError:  # core not built where the sidecar runs: the agents still validate
-        return text
-    try:
-        parse_allocator_settings(text)
+        return validate_settings(text)
     except ValueError as err:
         raise AdminError(400, f"settings: {err}") from None
-    return text
 
 
 def build_command(endpoint: _Endpoint, body: Mapping[str, Any]) -> pb.Command:
     """The command for a request body, validated before anything is sent."""
     if endpoint.command == "set_config":
         return pb.Command(cuda_device=-1, set_config=pb.SetConfig(
-            settings=validate_settings(body.get("settings"))))
+            settings=_settings(body.get("settings"))))
     if endpoint.command == "reclaim":
         mode = body.get("mode", "gc")
         if mode not in ("gc", "all"):

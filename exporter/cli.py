@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 import exporter.commands
-from exporter import __version__
+from exporter.protocol.version import PACKAGE_VERSION
 
 # The order commands appear in --help; commands not listed follow alphabetically.
 COMMAND_ORDER = ["sidecar", "demo", "replay", "tune", "run", "ctl"]
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Watch and steer the GPU caching allocator of PyTorch training jobs.",
         epilog="Run 'allocwatch COMMAND --help' for a command's options.",
     )
-    parser.add_argument("--version", action="version", version=f"allocwatch {__version__}")
+    parser.add_argument("--version", action="version", version=f"allocwatch {PACKAGE_VERSION}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _command_modules():
         module = importlib.import_module(f"exporter.commands.{name}")

@@ -20,10 +20,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from exporter import __version__
-from exporter.nvml import GpuMemory, NvmlReader
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from exporter.protocol.figures import fragmentation_ratio
+from exporter.protocol.nvml import GpuMemory, NvmlReader
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.version import PACKAGE_VERSION, PROTOCOL_MAJOR, PROTOCOL_MINOR
 from exporter.registry import AgentState, Registry
 
 log = logging.getLogger("exporter.collector")
@@ -72,10 +72,6 @@ def _add_pool_sample(family: Metric, labels: list[str], pool: str, value: float)
     # A family's label names are fixed by add_metric; the per-pool series add one more label.
     family.samples.append(Sample(family.name, {**dict(zip(SERIES_LABELS, labels, strict=True)),
                                                "pool": pool}, float(value)))
-
-
-def fragmentation_ratio(reserved: int, allocated: int) -> float:
-    return (reserved - allocated) / reserved if reserved > 0 else 0.0
 
 
 class AllocwatchCollector(Collector):
@@ -278,5 +274,5 @@ class AllocwatchCollector(Collector):
         yield err
         build = InfoMetricFamily("allocwatch_build", "The sidecar's version",
                                  labels=["version", "protocol"])
-        build.add_metric([__version__, f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"], {})
+        build.add_metric([PACKAGE_VERSION, f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"], {})
         yield build

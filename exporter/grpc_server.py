@@ -17,11 +17,16 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from exporter import __version__
 from exporter.config import AgentsConfig
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.proto.allocwatch.v1 import agent_pb2_grpc
-from exporter.protocol import SERVICE_NAME, format_version, incompatibility, local_version
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
+from exporter.protocol.service import SERVICE_NAME
+from exporter.protocol.version import (
+    PACKAGE_VERSION,
+    format_version,
+    incompatibility,
+    local_version,
+)
 from exporter.registry import AgentLimitError, AgentSession, AgentState, Registry
 
 log = logging.getLogger("exporter.grpc")
@@ -83,7 +88,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         why = incompatibility(hello.protocol_version)
         if why is not None:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "protocol_version",
-                               f"sidecar {__version__}: agent {why}", peer)
+                               f"sidecar {PACKAGE_VERSION}: agent {why}", peer)
             return
         problem = _identity_problem(hello.identity)
         if problem is not None:
@@ -108,7 +113,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         reason = "stream ended"
         try:
             await context.write(pb.SidecarMessage(welcome=pb.Welcome(
-                protocol_version=local_version(), sidecar_version=__version__,
+                protocol_version=local_version(), sidecar_version=PACKAGE_VERSION,
                 agent_key=state.key)))
             reason = await self._read_loop(context, state, session)
         finally:

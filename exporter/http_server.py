@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from exporter import __version__
+from exporter.protocol.version import PACKAGE_VERSION
 from exporter.registry import Registry
 
 log = logging.getLogger("exporter.http")
@@ -67,7 +67,7 @@ class MetricsHttpServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            server_version = f"allocwatch/{__version__}"
+            server_version = f"allocwatch/{PACKAGE_VERSION}"
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 path = self.path.split("?", 1)[0]
@@ -138,7 +138,7 @@ class MetricsHttpServer:
             "training job", "pod", "allocator", "reports"))
         page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>allocwatch sidecar</title></head>
-<body><h1>allocwatch sidecar {html.escape(__version__)}</h1>
+<body><h1>allocwatch sidecar {html.escape(PACKAGE_VERSION)}</h1>
 <p><a href="/metrics">/metrics</a> · <a href="/healthz">/healthz</a> ·
 <a href="/readyz">/readyz</a></p>
 <h2>Agents ({len(rows)})</h2>

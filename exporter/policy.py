@@ -27,9 +27,9 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.collector import fragmentation_ratio
 from exporter.policy_config import PolicyConfig, Rule
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.figures import fragmentation_ratio
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.registry import AgentGoneError, AgentState, Registry
 
 log = logging.getLogger("exporter.policy")

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from exporter.config import ConfigError
+from exporter.protocol.settings import validate_settings
 
 # What a rule can watch, per agent and CUDA device (exporter.policy computes them).
 METRICS: dict[str, str] = {
@@ -104,18 +105,11 @@ def _string(value: Any, path: str) -> str:
     return value
 
 
-def validate_settings(text: str, path: str) -> str:
-    """Allocator settings checked by the allocator's own parser, so that a typo is refused
-    here rather than by every agent."""
+def _settings(text: str, path: str) -> str:
     try:
-        from allocator_ext import parse_config as parse_allocator_settings
-    except ImportError:  # the core is not built here: the agents still validate
-        return text
-    try:
-        parse_allocator_settings(text)
+        return validate_settings(text)
     except ValueError as err:
         raise ConfigError(f"{path}: {err}") from None
-    return text
 
 
 _RULE_KEYS = {"name", "metric", "above", "below", "clear", "for", "cooldown",
@@ -158,7 +152,7 @@ def _parse_rule(raw: Any, path: str) -> Rule:
     if action == "set_config":
         if "settings" not in raw:
             raise ConfigError(f"{path}.settings: required for action set_config")
-        settings = validate_settings(_string(raw["settings"], f"{path}.settings"),
+        settings = _settings(_string(raw["settings"], f"{path}.settings"),
                                      f"{path}.settings")
     elif "settings" in raw:
         raise ConfigError(f"{path}.settings: only for action set_config")
@@ -191,7 +185,7 @@ def parse_policy_section(raw: Any, path: str = "policy") -> PolicyConfig:
     initial = raw.get("initial_settings") or ""
     initial = _string(initial, f"{path}.initial_settings")
     if initial:
-        validate_settings(initial, f"{path}.initial_settings")
+        _settings(initial, f"{path}.initial_settings")
     interval = parse_duration(raw.get("interval", 1.0), f"{path}.interval")
     timeout = parse_duration(raw.get("command_timeout", 30.0), f"{path}.command_timeout")
     for field, value in (("interval", interval), ("command_timeout", timeout)):

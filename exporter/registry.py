@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 log = logging.getLogger("exporter.registry")
 

@@ -18,16 +18,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from exporter import __version__
 from exporter.admin import AdminHttpServer, AdminService
 from exporter.admin_config import AdminConfig
 from exporter.collector import AllocwatchCollector
 from exporter.config import ConfigError, SidecarConfig
 from exporter.grpc_server import start_grpc_server
 from exporter.http_server import MetricsHttpServer
-from exporter.nvml import NvmlReader
 from exporter.policy import PolicyEngine, PolicyRunner
 from exporter.policy_config import PolicyConfig
+from exporter.protocol.nvml import NvmlReader
+from exporter.protocol.version import PACKAGE_VERSION
 from exporter.registry import Registry
 from exporter.reload import ConfigWatcher, ReloadConfig
 
@@ -103,7 +103,7 @@ class Sidecar:
         self._ready = True
         policy = self.policy.config
         log.info("sidecar started", extra={
-            "version": __version__, "agents": self.agent_targets, "metrics": self.metrics_url,
+            "version": PACKAGE_VERSION, "agents": self.agent_targets, "metrics": self.metrics_url,
             "nvml": bool(self.nvml and self.nvml.available),
             "admin": self.admin.addresses() if self.admin else [],
             "policy_rules": [r.name for r in policy.rules], "policy_dry_run": policy.dry_run,

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from allocator_ext.agent import convert
 from exporter.config import AgentsConfig, LoggingConfig, MetricsConfig, NvmlConfig, SidecarConfig
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.sidecar import SidecarThread
 
 MiB = 1 << 20

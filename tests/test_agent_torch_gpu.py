@@ -13,7 +13,7 @@ import pytest
 from _sidecar_fixtures import MiB, start_sidecar, values, wait_for
 
 from allocator_ext.agent import start_agent
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 pytestmark = [

@@ -13,7 +13,7 @@ import pytest
 from exporter.config import ConfigError, parse_config
 from exporter.policy import PolicyEngine, device_figures
 from exporter.policy_config import PolicyConfig, parse_policy_section
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.registry import AgentState
 
 MiB = 1 << 20

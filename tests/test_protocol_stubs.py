@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2
 
-from exporter.proto.allocwatch.v1 import agent_pb2
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
-STUBS = ROOT / "exporter" / "proto"
+STUBS = ROOT / "exporter" / "protocol" / "proto"
 PROTO = ROOT / "protos" / "allocwatch" / "v1" / "agent.proto"
 
 
@@ -30,7 +30,7 @@ def test_stubs_are_byte_identical_to_a_fresh_generation(tmp_path: Path) -> None:
                    and "__pycache__" not in p.parts)
     checked_in = sorted(p.relative_to(STUBS) for p in STUBS.rglob("*") if p.is_file()
                         and "__pycache__" not in p.parts)
-    assert fresh == checked_in, "exporter/proto/ files differ: run protos/generate.sh"
+    assert fresh == checked_in, "exporter/protocol/proto/ files differ: run protos/generate.sh"
     stale = [str(p) for p in fresh if not filecmp.cmp(tmp_path / p, STUBS / p, shallow=False)]
     assert not stale, f"stale stubs {stale}: run protos/generate.sh and commit the result"
 
@@ -60,7 +60,7 @@ def test_stub_descriptor_matches_the_proto_file(tmp_path: Path) -> None:
     embedded = _normalised(
         descriptor_pb2.FileDescriptorProto.FromString(agent_pb2.DESCRIPTOR.serialized_pb))
     assert len(embedded.message_type) > 10
-    assert compiled == embedded, "exporter/proto/ is stale: run protos/generate.sh"
+    assert compiled == embedded, "exporter/protocol/proto/ is stale: run protos/generate.sh"
 
 
 def test_the_stubs_need_no_newer_protobuf_than_pyproject_allows() -> None:

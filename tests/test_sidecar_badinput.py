@@ -16,8 +16,8 @@ from _sidecar_fixtures import FakeSource, start_sidecar, values, wait_for
 
 from allocator_ext.agent import start_agent
 from allocator_ext.agent.identity import build_identity
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol import CONNECT_METHOD
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.service import CONNECT_METHOD
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ import pytest
 from _sidecar_fixtures import FakeSource, samples, start_sidecar, values, wait_for
 
 from allocator_ext.agent import start_agent
-from exporter.nvml import NvmlReader
+from exporter.protocol.nvml import NvmlReader
 
 pytestmark = pytest.mark.timeout(60)
 GiB = 1 << 30

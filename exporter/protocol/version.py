@@ -1,18 +1,14 @@
-"""Protocol constants and rules shared by the agent and the sidecar (allocwatch.v1)."""
+"""The package's version, the protocol's (allocwatch.v1), and the rule by which peers accept
+each other."""
 
 from __future__ import annotations
 
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+
+PACKAGE_VERSION = "0.1.0"
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 0
-
-SERVICE_NAME = "allocwatch.v1.AgentService"
-CONNECT_METHOD = f"/{SERVICE_NAME}/Connect"
-
-# Reports are small (a few hundred bytes per device); anything near this is a broken or hostile
-# peer. Applies to every message the sidecar receives.
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 
 
 def local_version() -> pb.ProtocolVersion:
