@@ -185,15 +185,15 @@ def _format(figures: dict[str, float], elapsed: float) -> str:
 
 def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
              out: Any = None) -> int:
-    from exporter.config import (
+    from exporter.logs import configure_logging
+    from exporter.sidecar.app import SidecarThread
+    from exporter.sidecar.config import (
         AgentsConfig,
         LoggingConfig,
         MetricsConfig,
         NvmlConfig,
         SidecarConfig,
     )
-    from exporter.logs import configure_logging
-    from exporter.sidecar import SidecarThread
 
     out = out or sys.stdout
     if workload == "auto":

@@ -3,10 +3,10 @@ parse_config, so that every way of loading settings knows them)."""
 
 from __future__ import annotations
 
-from exporter.admin_config import parse_admin_section
-from exporter.config import EXTRA_SECTIONS
-from exporter.policy_config import parse_policy_section
-from exporter.reload import parse_reload_section
+from exporter.admin.config import parse_admin_section
+from exporter.policy.config import parse_policy_section
+from exporter.sidecar.config import EXTRA_SECTIONS
+from exporter.sidecar.reload import parse_reload_section
 
 EXTRA_SECTIONS.setdefault("policy", parse_policy_section)
 EXTRA_SECTIONS.setdefault("admin", parse_admin_section)

@@ -12,8 +12,8 @@ from typing import Any
 from _sidecar_fixtures import sidecar_config, values, wait_for
 
 from allocator_ext.agent import Agent, start_agent
-from exporter.config import parse_config
-from exporter.sidecar import SidecarThread
+from exporter.sidecar.app import SidecarThread
+from exporter.sidecar.config import parse_config
 
 
 def control_config(tmp_path: Path, *, policy: dict[str, Any] | None = None,

@@ -15,9 +15,15 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from allocator_ext.agent import convert
-from exporter.config import AgentsConfig, LoggingConfig, MetricsConfig, NvmlConfig, SidecarConfig
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.sidecar import SidecarThread
+from exporter.sidecar.app import SidecarThread
+from exporter.sidecar.config import (
+    AgentsConfig,
+    LoggingConfig,
+    MetricsConfig,
+    NvmlConfig,
+    SidecarConfig,
+)
 
 MiB = 1 << 20
 

@@ -188,7 +188,7 @@ def test_command_to_a_departed_agent_fails_cleanly(setup) -> None:
     session = state.session
     agent.stop()
     wait_for(lambda: values(url, "allocwatch_agents_connected") == [0.0], what="departure")
-    from exporter.registry import AgentGoneError
+    from exporter.sidecar.registry import AgentGoneError
 
     with pytest.raises(AgentGoneError):
         running.call(session.send(pb.Command(reset_peaks=pb.ResetPeaks()), timeout=5))

@@ -10,11 +10,11 @@ import logging
 
 import pytest
 
-from exporter.config import ConfigError, parse_config
-from exporter.policy import PolicyEngine, device_figures
-from exporter.policy_config import PolicyConfig, parse_policy_section
+from exporter.policy.config import PolicyConfig, parse_policy_section
+from exporter.policy.engine import PolicyEngine, device_figures
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.registry import AgentState
+from exporter.sidecar.config import ConfigError, parse_config
+from exporter.sidecar.registry import AgentState
 
 MiB = 1 << 20
 

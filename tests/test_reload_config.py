@@ -13,8 +13,8 @@ import pytest
 from _control_fixtures import connect_agent, metric
 from _sidecar_fixtures import FakeSource, wait_for
 
-from exporter.config import load_config
-from exporter.sidecar import SidecarThread
+from exporter.sidecar.app import SidecarThread
+from exporter.sidecar.config import load_config
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from exporter.cli import build_parser, main
-from exporter.config import ConfigError, load_config, parse_config
+from exporter.sidecar.config import ConfigError, load_config, parse_config
 
 
 def test_defaults() -> None:

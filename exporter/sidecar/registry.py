@@ -77,7 +77,7 @@ class AgentSession:
             raise
         finally:
             self._pending.pop(command.id, None)
-        self._registry.count_command(name, pb.CommandResult.Status.Name(result.status).lower())
+        self._registry.count_command(name, outcome_name(result))
         return result
 
     def send_threadsafe(self, command: pb.Command, timeout: float = 30.0) -> pb.CommandResult:
@@ -97,6 +97,34 @@ class AgentSession:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(AgentGoneError(f"agent {self._key} disconnected"))
+
+
+Outcome = pb.CommandResult | str  # the agent's result, or why there is none
+
+
+def outcome_name(outcome: Outcome) -> str:
+    """A command's outcome as a label: the result's status (ok, invalid_argument, unsupported,
+    failed), or "timeout" / "disconnected" where the agent gave none."""
+    if isinstance(outcome, str):
+        return outcome
+    return pb.CommandResult.Status.Name(outcome.status).lower()
+
+
+async def send_command(session: AgentSession | None, command: pb.Command,
+                       timeout: float) -> Outcome:
+    """Send a copy of `command` (each send assigns its own id) and wait for the agent's result;
+    "timeout" or "disconnected" instead of raising, so that one agent's silence is an outcome
+    among others."""
+    if session is None:
+        return "disconnected"
+    copy = pb.Command()
+    copy.CopyFrom(command)
+    try:
+        return await session.send(copy, timeout)
+    except asyncio.TimeoutError:
+        return "timeout"
+    except AgentGoneError:
+        return "disconnected"
 
 
 class Registry:

@@ -25,8 +25,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from exporter.config import ConfigError
 from exporter.protocol.settings import validate_settings
+from exporter.sidecar.config import ConfigError
 
 # What a rule can watch, per agent and CUDA device (exporter.policy computes them).
 METRICS: dict[str, str] = {

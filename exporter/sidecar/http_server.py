@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from exporter.protocol.version import PACKAGE_VERSION
-from exporter.registry import Registry
+from exporter.sidecar.registry import Registry
 
 log = logging.getLogger("exporter.http")
 

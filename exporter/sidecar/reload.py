@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.config import ConfigError, SidecarConfig, _build, parse_config
+from exporter.sidecar.config import ConfigError, SidecarConfig, _build, parse_config
 
 log = logging.getLogger("exporter.reload")
 

@@ -1,13 +1,10 @@
 """The policy engine: rules over each agent's figures decide reclaims and settings changes.
 
-Two halves:
-- PolicyEngine (synchronous, no I/O, a clock passed in): per (rule, agent, CUDA device) a small
-  state machine — ok → pending (fire level crossed) → firing (held for `for`) → ok (back past
-  the clear level: hysteresis). A firing rule acts, then waits out its cooldown, and never acts
-  more than max_actions_per_hour times in any hour. Every transition and decision is logged.
-- PolicyRunner (on the sidecar's event loop): evaluates on a timer and sends the decided commands
-  as tasks, so neither evaluation nor a slow agent ever holds up the gRPC server. It also pushes
-  `initial_settings` to each agent that connects.
+Synchronous, no I/O, a clock passed in: per (rule, agent, CUDA device) a small state machine —
+ok → pending (fire level crossed) → firing (held for `for`) → ok (back past the clear level:
+hysteresis). A firing rule acts, then waits out its cooldown, and never acts more than
+max_actions_per_hour times in any hour. Every transition and decision is logged. The engine only
+decides; exporter.policy.runner sends what it decided.
 
 Counted in allocwatch_policy_actions_total{rule, action, result} (result: ok, invalid_argument,
 unsupported, failed, timeout, disconnected, dry_run) and
@@ -16,26 +13,23 @@ allocwatch_policy_suppressed_total{rule, reason} (cooldown, max_actions_per_hour
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.policy_config import PolicyConfig, Rule
+from exporter.policy.config import PolicyConfig, Rule
 from exporter.protocol.figures import fragmentation_ratio
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.registry import AgentGoneError, AgentState, Registry
+from exporter.sidecar.registry import AgentState
 
 log = logging.getLogger("exporter.policy")
 
 HOUR = 3600.0
-INITIAL_RULE = "initial_settings"  # the rule label of initial-settings pushes
 
 
 def device_figures(device: pb.DeviceReport, timestamp: float,
@@ -243,101 +237,3 @@ class PolicyEngine:
         for rule in self.config.rules:
             gauge.add_metric([rule.name], firing.get(rule.name, 0))
         yield gauge
-
-
-def result_name(result: pb.CommandResult) -> str:
-    return pb.CommandResult.Status.Name(result.status).lower()
-
-
-class PolicyRunner:
-    """Runs the engine on the sidecar's event loop."""
-
-    def __init__(self, engine: PolicyEngine, registry: Registry):
-        self.engine = engine
-        self.registry = registry
-        self._greeted: dict[str, Any] = {}  # agent key -> the session given initial settings
-        self._tasks: set[asyncio.Task] = set()
-
-    async def run(self) -> None:
-        while True:
-            try:
-                self.tick(time.monotonic())
-            except Exception:  # a bug here must not end the loop, nor the sidecar
-                log.exception("policy evaluation failed")
-            await asyncio.sleep(self.engine.config.interval_seconds)
-
-    def tick(self, now: float) -> None:
-        agents = self.registry.agents()
-        self._push_initial_settings(agents)
-        for decision in self.engine.evaluate(agents, now):
-            if decision.dry_run:
-                self.engine.finished(decision, "dry_run")
-                continue
-            self._spawn(self._act(decision))
-
-    def reconfigure(self, config: PolicyConfig) -> None:
-        changed = config.initial_settings != self.engine.config.initial_settings
-        self.engine.reconfigure(config)
-        if changed:  # the new initial settings go to the agents already connected too
-            self._greeted.clear()
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _push_initial_settings(self, agents: list[AgentState]) -> None:
-        live = {a.key for a in agents if a.connected}
-        for key in [k for k in self._greeted if k not in live]:
-            del self._greeted[key]
-        settings = self.engine.config.initial_settings
-        if not settings:
-            return
-        for agent in agents:
-            session = agent.session
-            if not agent.connected or session is None or self._greeted.get(agent.key) is session:
-                continue
-            self._greeted[agent.key] = session
-            if self.engine.config.dry_run:
-                log.info("policy initial settings", extra={
-                    "agent": agent.key, "settings": settings, "decision": "dry_run"})
-                self.engine.count(INITIAL_RULE, "set_config", "dry_run")
-                continue
-            self._spawn(self._send_initial(agent.key, session, settings))
-
-    async def _send_initial(self, key: str, session: Any, settings: str) -> None:
-        command = pb.Command(cuda_device=-1, set_config=pb.SetConfig(settings=settings))
-        result = await self._send(session, command)
-        self.engine.count(INITIAL_RULE, "set_config", result if isinstance(result, str)
-                          else result_name(result))
-        log.info("policy initial settings", extra={
-            "agent": key, "settings": settings, "decision": "sent",
-            "result": result if isinstance(result, str) else result_name(result),
-            "detail": None if isinstance(result, str) else result.message})
-
-    async def _act(self, decision: Decision) -> None:
-        state = self.registry.get(decision.agent_key)
-        session = state.session if state is not None else None
-        outcome: str | pb.CommandResult = "disconnected"
-        try:
-            if session is not None:
-                outcome = await self._send(session, decision.command)
-        finally:
-            name = outcome if isinstance(outcome, str) else result_name(outcome)
-            self.engine.finished(decision, name)
-        fields: dict[str, Any] = {"rule": decision.rule.name, "agent": decision.agent_key,
-                                  "cuda_device": decision.cuda_device,
-                                  "action": decision.rule.action, "result": name,
-                                  "decision": "result"}
-        if not isinstance(outcome, str):
-            fields.update(detail=outcome.message, bytes_released=outcome.bytes_released,
-                          sync_seconds=round(outcome.sync_seconds, 6))
-        log.info("policy action result", extra=fields)
-
-    async def _send(self, session: Any, command: pb.Command) -> str | pb.CommandResult:
-        try:
-            return await session.send(command, timeout=self.engine.config.command_timeout_seconds)
-        except asyncio.TimeoutError:
-            return "timeout"
-        except AgentGoneError:
-            return "disconnected"

@@ -24,7 +24,7 @@ from exporter.protocol.figures import fragmentation_ratio
 from exporter.protocol.nvml import GpuMemory, NvmlReader
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.version import PACKAGE_VERSION, PROTOCOL_MAJOR, PROTOCOL_MINOR
-from exporter.registry import AgentState, Registry
+from exporter.sidecar.registry import AgentState, Registry
 
 log = logging.getLogger("exporter.collector")
 

@@ -18,18 +18,20 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from exporter.admin import AdminHttpServer, AdminService
-from exporter.admin_config import AdminConfig
-from exporter.collector import AllocwatchCollector
-from exporter.config import ConfigError, SidecarConfig
-from exporter.grpc_server import start_grpc_server
-from exporter.http_server import MetricsHttpServer
-from exporter.policy import PolicyEngine, PolicyRunner
-from exporter.policy_config import PolicyConfig
+from exporter.admin.config import AdminConfig
+from exporter.admin.http_server import AdminHttpServer
+from exporter.admin.service import AdminService
+from exporter.policy.config import PolicyConfig
+from exporter.policy.engine import PolicyEngine
+from exporter.policy.runner import PolicyRunner
 from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.version import PACKAGE_VERSION
-from exporter.registry import Registry
-from exporter.reload import ConfigWatcher, ReloadConfig
+from exporter.sidecar.collectors import AllocwatchCollector
+from exporter.sidecar.config import ConfigError, SidecarConfig
+from exporter.sidecar.grpc_server import start_grpc_server
+from exporter.sidecar.http_server import MetricsHttpServer
+from exporter.sidecar.registry import Registry
+from exporter.sidecar.reload import ConfigWatcher, ReloadConfig
 
 log = logging.getLogger("exporter.sidecar")
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from exporter.config import AgentsConfig
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
 from exporter.protocol.service import SERVICE_NAME
@@ -27,7 +26,8 @@ from exporter.protocol.version import (
     incompatibility,
     local_version,
 )
-from exporter.registry import AgentLimitError, AgentSession, AgentState, Registry
+from exporter.sidecar.config import AgentsConfig
+from exporter.sidecar.registry import AgentLimitError, AgentSession, AgentState, Registry
 
 log = logging.getLogger("exporter.grpc")
 

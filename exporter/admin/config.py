@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from exporter.config import ConfigError, _build, check_tls_files
+from exporter.admin.tls import server_tls_context
+from exporter.sidecar.config import ConfigError, _build, check_tls_files
 
 MAX_TOKEN_BYTES = 4096
 MIN_TOKEN_BYTES = 16
@@ -117,20 +117,8 @@ def _check_tls(config: AdminConfig, path: str) -> None:
                           f"{path}.tcp_port too")
     if config.tls_cert_file:
         try:
-            server_tls_context(config)
+            server_tls_context(config.tls_cert_file, config.tls_key_file,
+                               config.tls_client_ca_file)
         except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
             raise ConfigError(f"{path}.tls_cert_file / tls_key_file: not a usable certificate "
                               f"and key: {err}") from None
-
-
-def server_tls_context(config: AdminConfig) -> ssl.SSLContext | None:
-    """The server side of HTTPS for the TCP listener, or None for plain HTTP."""
-    if not config.tls_cert_file:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
-    if config.tls_client_ca_file:
-        context.load_verify_locations(config.tls_client_ca_file)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
