@@ -20,8 +20,9 @@ def control_config(tmp_path: Path, *, policy: dict[str, Any] | None = None,
                    admin: dict[str, Any] | None = None, reload: dict[str, Any] | None = None,
                    **kwargs: Any):
     """The fixtures' sidecar settings plus the control sections, parsed as from YAML."""
-    sections = parse_config({"policy": policy, "admin": admin, "reload": reload}).extra
-    return dataclasses.replace(sidecar_config(tmp_path, nvml=False, **kwargs), extra=sections)
+    parsed = parse_config({"policy": policy, "admin": admin, "reload": reload})
+    return dataclasses.replace(sidecar_config(tmp_path, nvml=False, **kwargs),
+                               policy=parsed.policy, admin=parsed.admin, reload=parsed.reload)
 
 
 def start_control_sidecar(tmp_path: Path, config_path: Path | None = None,

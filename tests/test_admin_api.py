@@ -18,7 +18,8 @@ import pytest
 from _control_fixtures import connect_agent, metric, start_control_sidecar, two_agents_running
 from _sidecar_fixtures import FakeSource, MiB, scrape
 
-from exporter.sidecar.config import ConfigError, parse_config
+from exporter.config import ConfigError
+from exporter.sidecar.config import parse_config
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 

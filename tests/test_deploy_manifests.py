@@ -545,7 +545,7 @@ def test_yamllint_is_clean() -> None:
 def test_sidecar_configmap_is_accepted_by_the_sidecar() -> None:
     """The sidecar refuses unknown fields; its own parser must accept what the ConfigMap holds."""
     config_module = pytest.importorskip(
-        "exporter.config", reason="the exporter package is not importable"
+        "exporter.sidecar.config", reason="the exporter package is not importable"
     )
     config_map = one(build("deploy/base"), "ConfigMap")
     config = config_module.parse_config(yaml.safe_load(config_map["data"]["allocwatch.yaml"]))

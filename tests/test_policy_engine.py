@@ -10,10 +10,11 @@ import logging
 
 import pytest
 
-from exporter.policy.config import PolicyConfig, parse_policy_section
+from exporter.config import ConfigError
+from exporter.policy.config import PolicyConfig
 from exporter.policy.engine import PolicyEngine, device_figures
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.sidecar.config import ConfigError, parse_config
+from exporter.sidecar.config import parse_config
 from exporter.sidecar.registry import AgentState
 
 MiB = 1 << 20
@@ -47,7 +48,7 @@ def policy(**rule: object) -> PolicyConfig:
             "for": 10, "cooldown": 60, "max_actions_per_hour": 3, "action": "reclaim",
             "mode": "all"}
     dry_run = bool(rule.pop("dry_run", False))
-    return parse_policy_section({"dry_run": dry_run, "rules": [{**base, **rule}]})
+    return PolicyConfig.parse({"dry_run": dry_run, "rules": [{**base, **rule}]}, "policy")
 
 
 def frag(value: float) -> dict[str, int]:
@@ -145,10 +146,11 @@ def test_reload_keeps_the_hourly_history() -> None:
 
 
 def test_below_rules_and_figures_from_nvml_and_retries() -> None:
-    engine = PolicyEngine(parse_policy_section({"rules": [
+    engine = PolicyEngine(PolicyConfig.parse({"rules": [
         {"name": "low-free", "metric": "nvml_free_ratio", "below": 0.1, "clear": 0.2,
          "action": "set_config", "settings": "garbage_collection_threshold:0.6"},
-        {"name": "retrying", "metric": "retry_rate", "above": 1.0, "action": "reclaim"}]}))
+        {"name": "retrying", "metric": "retry_rate", "above": 1.0, "action": "reclaim"}]},
+        "policy"))
     agent = FakeAgent()
     (low,) = engine.evaluate(agent.report(reserved=80, allocated=70, total=1000, used=950,
                                           retries=0, at=100.0), now=0.0)
@@ -208,7 +210,7 @@ def test_policy_section_values() -> None:
                                       "initial_settings": "expandable_segments:True",
                                       "rules": [{"name": "p", "metric": "pending_events",
                                                  "above": 50, "for": "2m", "cooldown": "1h"}]}})
-    section = config.extra["policy"]
+    section = config.policy
     assert section.dry_run and section.interval_seconds == 0.5
     (rule,) = section.rules
     assert (rule.for_seconds, rule.cooldown_seconds, rule.clear) == (120.0, 3600.0, 50.0)

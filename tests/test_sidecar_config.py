@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from exporter.cli import build_parser, main
-from exporter.sidecar.config import ConfigError, load_config, parse_config
+from exporter.config import ConfigError
+from exporter.sidecar.config import load_config, parse_config
 
 
 def test_defaults() -> None:

@@ -15,7 +15,8 @@ from _sidecar_fixtures import FakeSource, SidecarThread, sidecar_config, values,
 
 from allocator_ext.agent import start_agent
 from allocator_ext.agent.tls import TlsSettings
-from exporter.sidecar.config import ConfigError, parse_config
+from exporter.config import ConfigError
+from exporter.sidecar.config import parse_config
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command")
 

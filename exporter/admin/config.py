@@ -18,40 +18,62 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from exporter.admin.tls import server_tls_context
-from exporter.sidecar.config import ConfigError, _build, check_tls_files
+from exporter.config import ConfigError, FileMode, Port, Section, check_tls_files, setting
 
 MAX_TOKEN_BYTES = 4096
 MIN_TOKEN_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class AdminConfig:
+class AdminConfig(Section):
     enabled: bool = True
     # None: admin.sock in the agents' socket directory; "": no Unix socket.
     unix_socket: str | None = None
     # Only the sidecar's user (kubectl exec into the sidecar container runs as it).
-    socket_mode: int = 0o600
+    socket_mode: FileMode = 0o600
     # TCP only with a token; loopback unless configured otherwise.
-    tcp_port: int | None = None
+    tcp_port: Port | None = None
     tcp_address: str = "127.0.0.1"
-    token_file: str = ""
-    token_env: str = ""
+    # A reload (or a rotated Secret behind the same file) brings a new token without a restart.
+    token_file: str = setting("", reload=True)
+    token_env: str = setting("", reload=True)
     # HTTPS on the TCP port: the token then never crosses the network in clear. With
     # tls_client_ca_file, clients must also present a certificate signed by that CA.
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
-    command_timeout_seconds: float = 30.0
+    command_timeout_seconds: float = setting(30.0, positive=True, reload=True)
 
     def socket_path(self, agents_socket: str) -> str:
         if self.unix_socket is not None:
             return self.unix_socket
         return str(Path(agents_socket).parent / "admin.sock") if agents_socket else ""
+
+    def validate(self, path: str) -> None:
+        if self.socket_mode & 0o007:
+            raise ConfigError(f"{path}.socket_mode: {oct(self.socket_mode)} lets every user of "
+                              "the machine steer training; use 0600 or 0660")
+        if self.token_file and self.token_env:
+            raise ConfigError(f"{path}: give token_file or token_env, not both")
+        if self.enabled and self.tcp_port is not None:
+            if not (self.token_file or self.token_env):
+                raise ConfigError(f"{path}.tcp_port: the admin API listens on TCP only with a "
+                                  "bearer token: set admin.token_file (e.g. a mounted Secret) "
+                                  "or admin.token_env")
+            read_token(self)  # refuse now, not at the first request
+        check_tls_files(self, path)
+        if self.tls_cert_file and self.tcp_port is None:
+            raise ConfigError(f"{path}.tls_cert_file: TLS applies to the TCP listener; set "
+                              f"{path}.tcp_port too")
+        if self.tls_cert_file:
+            try:
+                server_tls_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+            except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+                raise ConfigError(f"{path}.tls_cert_file / tls_key_file: not a usable "
+                                  f"certificate and key: {err}") from None
 
 
 def read_token(config: AdminConfig) -> bytes | None:
@@ -76,49 +98,3 @@ def read_token(config: AdminConfig) -> bytes | None:
         raise ConfigError(f"{where}: the token is empty or shorter than {MIN_TOKEN_BYTES} "
                           "bytes (generate one: openssl rand -hex 32)")
     return token
-
-
-def parse_admin_section(raw: Any, path: str = "admin") -> AdminConfig:
-    if raw is None:
-        return AdminConfig()
-    if isinstance(raw, Mapping) and isinstance(raw.get("socket_mode"), str):
-        raw = dict(raw)
-        try:
-            raw["socket_mode"] = int(raw["socket_mode"], 8)
-        except ValueError:
-            raise ConfigError(f"{path}.socket_mode: expected an octal mode like '0600', "
-                              f"got {raw['socket_mode']!r}") from None
-    config: AdminConfig = _build(AdminConfig, raw, path)
-    if not 0 <= config.socket_mode <= 0o777:
-        raise ConfigError(f"{path}.socket_mode: must be a file mode between 0000 and 0777")
-    if config.socket_mode & 0o007:
-        raise ConfigError(f"{path}.socket_mode: {oct(config.socket_mode)} lets every user of "
-                          "the machine steer training; use 0600 or 0660")
-    if config.tcp_port is not None and not 0 <= config.tcp_port <= 65535:
-        raise ConfigError(f"{path}.tcp_port: must be a port number 0-65535, got {config.tcp_port}")
-    if config.command_timeout_seconds <= 0:
-        raise ConfigError(f"{path}.command_timeout_seconds: must be greater than 0")
-    if config.token_file and config.token_env:
-        raise ConfigError(f"{path}: give token_file or token_env, not both")
-    if config.enabled and config.tcp_port is not None:
-        if not (config.token_file or config.token_env):
-            raise ConfigError(f"{path}.tcp_port: the admin API listens on TCP only with a bearer "
-                              "token: set admin.token_file (e.g. a mounted Secret) or "
-                              "admin.token_env")
-        read_token(config)  # refuse now, not at the first request
-    _check_tls(config, path)
-    return config
-
-
-def _check_tls(config: AdminConfig, path: str) -> None:
-    check_tls_files(config, path)
-    if config.tls_cert_file and config.tcp_port is None:
-        raise ConfigError(f"{path}.tls_cert_file: TLS applies to the TCP listener; set "
-                          f"{path}.tcp_port too")
-    if config.tls_cert_file:
-        try:
-            server_tls_context(config.tls_cert_file, config.tls_key_file,
-                               config.tls_client_ca_file)
-        except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
-            raise ConfigError(f"{path}.tls_cert_file / tls_key_file: not a usable certificate "
-                              f"and key: {err}") from None

@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from exporter.admin.config import AdminConfig, read_token
 from exporter.admin.service import ENDPOINTS, SELECTOR_FIELDS, AdminError, AdminService, Selector
 from exporter.admin.tls import RenewingTlsContext
-from exporter.sidecar.config import ConfigError
+from exporter.config import ConfigError
 
 log = logging.getLogger("exporter.admin")
 
@@ -86,7 +86,7 @@ class AdminHttpServer:
         if self.unix_path:
             self._servers.append(_bind_unix(self.unix_path, config.socket_mode, handler))
         if config.tcp_port is not None:
-            if self._token is None:  # parse_admin_section refuses this; never serve TCP open
+            if self._token is None:  # AdminConfig refuses this; never serve TCP open
                 raise ConfigError("admin.tcp_port: a token is required")
             host = config.tcp_address
             server_class = _TcpServer6 if ":" in host else _TcpServer

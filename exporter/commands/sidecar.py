@@ -33,8 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from exporter.config import ConfigError
     from exporter.logs import configure_logging
-    from exporter.sidecar.config import ConfigError, load_config
+    from exporter.sidecar.config import load_config
     from exporter.sidecar.grpc_server import ListenError
 
     try:

@@ -1,6 +1,6 @@
 """The `policy:` section of the sidecar's YAML: rules over each agent's figures, and the settings
 pushed to every agent that connects. Parsed and validated here (errors name the field); the
-engine that applies it is exporter.policy.
+engine that applies it is exporter.policy.engine.
 
     policy:
       dry_run: false
@@ -25,10 +25,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from exporter.config import ConfigError, Section, setting
 from exporter.protocol.settings import validate_settings
-from exporter.sidecar.config import ConfigError
 
-# What a rule can watch, per agent and CUDA device (exporter.policy computes them).
+# What a rule can watch, per agent and CUDA device (exporter.policy.engine computes them).
 METRICS: dict[str, str] = {
     "fragmentation_ratio": "(reserved - allocated) / reserved, 0-1",
     "reserved_share": "reserved bytes / the GPU's total memory (NVML), 0-1",
@@ -65,16 +65,6 @@ class Rule:
 
     def cleared(self, value: float) -> bool:
         return value < self.clear if self.direction == "above" else value > self.clear
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyConfig:
-    dry_run: bool = False
-    # Settings string sent with set_config to every agent when it connects ("" = none).
-    initial_settings: str = ""
-    interval_seconds: float = 1.0
-    command_timeout_seconds: float = 30.0
-    rules: tuple[Rule, ...] = ()
 
 
 def parse_duration(value: Any, path: str) -> float:
@@ -152,8 +142,7 @@ def _parse_rule(raw: Any, path: str) -> Rule:
     if action == "set_config":
         if "settings" not in raw:
             raise ConfigError(f"{path}.settings: required for action set_config")
-        settings = _settings(_string(raw["settings"], f"{path}.settings"),
-                                     f"{path}.settings")
+        settings = _settings(_string(raw["settings"], f"{path}.settings"), f"{path}.settings")
     elif "settings" in raw:
         raise ConfigError(f"{path}.settings: only for action set_config")
     cap = raw.get("max_actions_per_hour", 6)
@@ -167,38 +156,31 @@ def _parse_rule(raw: Any, path: str) -> Rule:
         max_actions_per_hour=cap, action=action, mode=mode, settings=settings)
 
 
-_POLICY_KEYS = {"dry_run", "initial_settings", "interval", "command_timeout", "rules"}
+def _initial_settings(value: Any, path: str) -> str:
+    text = _string(value or "", path)
+    return _settings(text, path) if text else text
 
 
-def parse_policy_section(raw: Any, path: str = "policy") -> PolicyConfig:
-    if raw is None:
-        return PolicyConfig()
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of settings, got {type(raw).__name__}")
-    for key in raw:
-        if key not in _POLICY_KEYS:
-            raise ConfigError(f"{path}.{key}: unknown setting (known here: "
-                              f"{', '.join(sorted(_POLICY_KEYS))})")
-    dry_run = raw.get("dry_run", False)
-    if not isinstance(dry_run, bool):
-        raise ConfigError(f"{path}.dry_run: expected true or false, got {dry_run!r}")
-    initial = raw.get("initial_settings") or ""
-    initial = _string(initial, f"{path}.initial_settings")
-    if initial:
-        _settings(initial, f"{path}.initial_settings")
-    interval = parse_duration(raw.get("interval", 1.0), f"{path}.interval")
-    timeout = parse_duration(raw.get("command_timeout", 30.0), f"{path}.command_timeout")
-    for field, value in (("interval", interval), ("command_timeout", timeout)):
-        if value <= 0:
-            raise ConfigError(f"{path}.{field}: must be greater than 0")
-    rules_raw = raw.get("rules") or []
-    if not isinstance(rules_raw, list):
-        raise ConfigError(f"{path}.rules: expected a list of rules, got {type(rules_raw).__name__}")
-    rules = [_parse_rule(r, f"{path}.rules[{i}]") for i, r in enumerate(rules_raw)]
-    seen: set[str] = set()
-    for i, rule in enumerate(rules):
-        if rule.name in seen:
-            raise ConfigError(f"{path}.rules[{i}].name: {rule.name!r} is used twice")
-        seen.add(rule.name)
-    return PolicyConfig(dry_run=dry_run, initial_settings=initial, interval_seconds=interval,
-                        command_timeout_seconds=timeout, rules=tuple(rules))
+def _rules(value: Any, path: str) -> tuple[Rule, ...]:
+    raw = value or []
+    if not isinstance(raw, list):
+        raise ConfigError(f"{path}: expected a list of rules, got {type(raw).__name__}")
+    return tuple(_parse_rule(r, f"{path}[{i}]") for i, r in enumerate(raw))
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig(Section):
+    dry_run: bool = False
+    # Settings string sent with set_config to every agent when it connects ("" = none).
+    initial_settings: str = setting("", parse=_initial_settings)
+    interval_seconds: float = setting(1.0, key="interval", parse=parse_duration, positive=True)
+    command_timeout_seconds: float = setting(30.0, key="command_timeout", parse=parse_duration,
+                                             positive=True)
+    rules: tuple[Rule, ...] = setting((), parse=_rules)
+
+    def validate(self, path: str) -> None:
+        seen: set[str] = set()
+        for i, rule in enumerate(self.rules):
+            if rule.name in seen:
+                raise ConfigError(f"{path}.rules[{i}].name: {rule.name!r} is used twice")
+            seen.add(rule.name)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import threading
@@ -18,20 +17,19 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from exporter.admin.config import AdminConfig
 from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
-from exporter.policy.config import PolicyConfig
+from exporter.config import ConfigError, apply_reload
 from exporter.policy.engine import PolicyEngine
 from exporter.policy.runner import PolicyRunner
 from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.version import PACKAGE_VERSION
 from exporter.sidecar.collectors import AllocwatchCollector
-from exporter.sidecar.config import ConfigError, SidecarConfig
+from exporter.sidecar.config import SidecarConfig
 from exporter.sidecar.grpc_server import start_grpc_server
 from exporter.sidecar.http_server import MetricsHttpServer
 from exporter.sidecar.registry import Registry
-from exporter.sidecar.reload import ConfigWatcher, ReloadConfig
+from exporter.sidecar.reload import ConfigWatcher
 
 log = logging.getLogger("exporter.sidecar")
 
@@ -51,7 +49,7 @@ class Sidecar:
             log.info("NVML disabled by settings (nvml.enabled: false): no device series "
                      "from the sidecar")
         self.metrics_registry = CollectorRegistry(auto_describe=False)
-        self.policy = PolicyEngine(section(config, "policy", PolicyConfig))
+        self.policy = PolicyEngine(config.policy)
         self.policy_runner = PolicyRunner(self.policy, self.registry)
         self.admin: AdminHttpServer | None = None
         self.watcher: ConfigWatcher | None = None
@@ -97,7 +95,7 @@ class Sidecar:
             raise
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self.policy_runner.run()))
-        reload = section(self.config, "reload", ReloadConfig)
+        reload = self.config.reload
         if self.config_path is not None and reload.enabled:
             self.watcher = ConfigWatcher(self.config_path, self.apply_config,
                                          reload.interval_seconds)
@@ -112,13 +110,13 @@ class Sidecar:
             "watching": str(self.config_path) if self.watcher else None})
 
     def _start_admin(self) -> None:
-        admin = section(self.config, "admin", AdminConfig)
+        admin = self.config.admin
         if not admin.enabled:
             log.info("admin API disabled by settings (admin.enabled: false)")
             return
         service = AdminService(
             self.registry, asyncio.get_running_loop(),
-            timeout=lambda: section(self.config, "admin", AdminConfig).command_timeout_seconds)
+            timeout=lambda: self.config.admin.command_timeout_seconds)
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
         self.admin.start()
 
@@ -133,11 +131,10 @@ class Sidecar:
         """Install reloaded settings (on the event loop); returns the changed fields that only
         a restart applies (listeners, ports), which keep their values until then."""
         old = self.config
-        effective, restart = merge_live_settings(old, new)
-        admin = section(effective, "admin", AdminConfig)
-        if self.admin is not None and admin != section(old, "admin", AdminConfig):
+        effective, restart = apply_reload(old, new)
+        if self.admin is not None and effective.admin != old.admin:
             try:
-                self.admin.set_token(admin)
+                self.admin.set_token(effective.admin)
             except ConfigError as err:
                 log.error("the reloaded admin token cannot be read; the old one stays",
                           extra={"reason": str(err)})
@@ -145,9 +142,8 @@ class Sidecar:
         self.registry.max_agents = effective.agents.max_agents
         logging.getLogger().setLevel(effective.logging.level.upper())
         if self.watcher is not None:
-            self.watcher.interval_seconds = section(effective, "reload",
-                                                    ReloadConfig).interval_seconds
-        self.policy_runner.reconfigure(section(effective, "policy", PolicyConfig))
+            self.watcher.interval_seconds = effective.reload.interval_seconds
+        self.policy_runner.reconfigure(effective.policy)
         self.config = effective
         return restart
 
@@ -174,49 +170,6 @@ class Sidecar:
         if self.nvml is not None:
             self.nvml.close()
         log.info("sidecar stopped")
-
-
-# Fields a reload applies at once; any other change waits for a restart (listeners, ports).
-LIVE_FIELDS = {
-    "agents": {"expiry_seconds", "max_agents"},
-    "logging": {"level"},
-    "admin": {"token_file", "token_env", "command_timeout_seconds"},
-    "reload": {"interval_seconds"},
-}
-LIVE_SECTIONS = {"policy"}  # applied whole
-
-
-def section(config: SidecarConfig, name: str, default: type) -> Any:
-    """An extra section's settings (its defaults when the config was built without it)."""
-    value = config.extra.get(name)
-    return value if value is not None else default()
-
-
-def merge_live_settings(old: SidecarConfig, new: SidecarConfig
-                        ) -> tuple[SidecarConfig, list[str]]:
-    """(the settings in force after a reload, the changed fields that need a restart)."""
-    restart: list[str] = []
-
-    def merge(name: str, before: Any, after: Any) -> Any:
-        if name in LIVE_SECTIONS or before is None or after is None:
-            return after if after is not None else before
-        live = LIVE_FIELDS.get(name, set())
-        changes = {}
-        for field in dataclasses.fields(before):
-            value = getattr(after, field.name)
-            if value == getattr(before, field.name):
-                continue
-            if field.name in live:
-                changes[field.name] = value
-            else:
-                restart.append(f"{name}.{field.name}")
-        return dataclasses.replace(before, **changes)
-
-    sections = {name: merge(name, getattr(old, name), getattr(new, name))
-                for name in ("agents", "metrics", "nvml", "logging")}
-    extra = {name: merge(name, old.extra.get(name), new.extra.get(name))
-             for name in set(old.extra) | set(new.extra)}
-    return dataclasses.replace(old, extra=extra, **sections), restart
 
 
 TRAINING_DONE_FILE = "training-done"

@@ -15,36 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import hashlib
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.sidecar.config import ConfigError, SidecarConfig, _build, parse_config
+from exporter.config import ConfigError
+from exporter.sidecar.config import SidecarConfig, parse_config
 
 log = logging.getLogger("exporter.reload")
 
 MAX_FILE_BYTES = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class ReloadConfig:
-    enabled: bool = True
-    interval_seconds: float = 5.0
-
-
-def parse_reload_section(raw: Any, path: str = "reload") -> ReloadConfig:
-    config: ReloadConfig = _build(ReloadConfig, raw, path)
-    if config.interval_seconds <= 0:
-        raise ConfigError(f"{path}.interval_seconds: must be greater than 0")
-    return config
 
 
 def file_signature(path: Path) -> tuple[int, int, int, int]:
