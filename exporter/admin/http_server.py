@@ -24,12 +24,9 @@ import stat
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-
-from prometheus_client.core import CounterMetricFamily, Metric
 
 from exporter.admin.config import AdminConfig, read_token
 from exporter.admin.service import ENDPOINTS, SELECTOR_FIELDS, AdminError, AdminService, Selector
@@ -142,15 +139,10 @@ class AdminHttpServer:
         with self._lock:
             self.requests_total[(endpoint, str(code))] += 1
 
-    def families(self) -> Iterator[Metric]:
+    def request_counts(self) -> list[tuple[tuple[str, str], int]]:
+        """Requests by endpoint and HTTP status, for the collector."""
         with self._lock:
-            totals = sorted(self.requests_total.items())
-        family = CounterMetricFamily("allocwatch_admin_requests",
-                                     "Admin API requests, by endpoint and HTTP status",
-                                     labels=["endpoint", "code"])
-        for labels, count in totals:
-            family.add_metric(list(labels), count)
-        yield family
+            return sorted(self.requests_total.items())
 
     def _make_handler(self) -> type[BaseHTTPRequestHandler]:
         admin = self

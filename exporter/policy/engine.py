@@ -17,10 +17,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.policy.config import PolicyConfig, Rule
 from exporter.protocol.figures import fragmentation_ratio
@@ -215,25 +212,9 @@ class PolicyEngine:
         """Agent devices on which each rule was firing at the last evaluation."""
         return self._firing
 
-    def families(self) -> Iterator[Metric]:
+    def counts(self) -> tuple[list[tuple[tuple[str, str, str], int]],
+                              list[tuple[tuple[str, str], int]]]:
+        """(actions by rule, action and result; suppressions by rule and reason), for the
+        collector."""
         with self._lock:
-            actions = sorted(self.actions_total.items())
-            suppressed = sorted(self.suppressed_total.items())
-        family = CounterMetricFamily(
-            "allocwatch_policy_actions", "Actions decided by the policy engine, by result "
-            "(dry_run: decided, not sent)", labels=["rule", "action", "result"])
-        for labels, count in actions:
-            family.add_metric(list(labels), count)
-        yield family
-        family = CounterMetricFamily(
-            "allocwatch_policy_suppressed", "Actions a firing rule did not take, by reason",
-            labels=["rule", "reason"])
-        for reasons, count in suppressed:
-            family.add_metric(list(reasons), count)
-        yield family
-        gauge = GaugeMetricFamily("allocwatch_policy_rule_firing",
-                                  "Agent devices on which the rule is firing", labels=["rule"])
-        firing = self.firing()
-        for rule in self.config.rules:
-            gauge.add_metric([rule.name], firing.get(rule.name, 0))
-        yield gauge
+            return sorted(self.actions_total.items()), sorted(self.suppressed_total.items())

@@ -7,24 +7,29 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from grpc import aio
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
+from exporter.admin.collector import AdminCollector
 from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
 from exporter.config import ConfigError, apply_reload
+from exporter.policy.collector import PolicyCollector
 from exporter.policy.engine import PolicyEngine
 from exporter.policy.runner import PolicyRunner
 from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.version import PACKAGE_VERSION
-from exporter.sidecar.collectors import AllocwatchCollector
+from exporter.sidecar.collectors import (
+    AgentsCollector,
+    AllocatorCollector,
+    GpuCollector,
+    SidecarCollector,
+)
 from exporter.sidecar.config import SidecarConfig
 from exporter.sidecar.grpc_server import start_grpc_server
 from exporter.sidecar.http_server import MetricsHttpServer
@@ -48,13 +53,19 @@ class Sidecar:
         else:
             log.info("NVML disabled by settings (nvml.enabled: false): no device series "
                      "from the sidecar")
-        self.metrics_registry = CollectorRegistry(auto_describe=False)
         self.policy = PolicyEngine(config.policy)
         self.policy_runner = PolicyRunner(self.policy, self.registry)
         self.admin: AdminHttpServer | None = None
         self.watcher: ConfigWatcher | None = None
-        self.metrics_registry.register(AllocwatchCollector(self.registry, self.nvml,
-                                                           extra_families=self._extra_families))
+        if config_path is not None and config.reload.enabled:
+            self.watcher = ConfigWatcher(config_path, self.apply_config,
+                                         config.reload.interval_seconds)
+        # One collector per source; the admin API's joins them once it listens.
+        self.metrics_registry = CollectorRegistry(auto_describe=False)
+        for collector in (AllocatorCollector(self.registry), GpuCollector(self.registry, self.nvml),
+                          AgentsCollector(self.registry), SidecarCollector(self.watcher),
+                          PolicyCollector(self.policy)):
+            self.metrics_registry.register(collector)
         # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
         ProcessCollector(registry=self.metrics_registry)
         self.grpc_server: aio.Server | None = None
@@ -95,10 +106,7 @@ class Sidecar:
             raise
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self.policy_runner.run()))
-        reload = self.config.reload
-        if self.config_path is not None and reload.enabled:
-            self.watcher = ConfigWatcher(self.config_path, self.apply_config,
-                                         reload.interval_seconds)
+        if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         self._ready = True
         policy = self.policy.config
@@ -119,13 +127,7 @@ class Sidecar:
             timeout=lambda: self.config.admin.command_timeout_seconds)
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
         self.admin.start()
-
-    def _extra_families(self) -> Iterator[Metric]:
-        yield from self.policy.families()
-        if self.watcher is not None:
-            yield from self.watcher.families()
-        if self.admin is not None:
-            yield from self.admin.families()
+        self.metrics_registry.register(AdminCollector(self.admin))
 
     def apply_config(self, new: SidecarConfig) -> list[str]:
         """Install reloaded settings (on the event loop); returns the changed fields that only

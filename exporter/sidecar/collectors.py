@@ -1,4 +1,6 @@
-"""The one Prometheus collector of the sidecar, building every family fresh on each scrape.
+"""The sidecar's Prometheus collectors, one per source, each building its families fresh on
+each scrape (the policy engine's and the admin API's sit beside them, in exporter.policy and
+exporter.admin).
 
 Names follow DESIGN.md "Metric names". Allocator series are labelled by
 rank, local_rank, cuda_device, gpu_uuid (unknown values are empty labels); two agents with the
@@ -7,9 +9,8 @@ same labels (e.g. a restarted process before its predecessor expired) show the l
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -23,10 +24,9 @@ from prometheus_client.samples import Sample
 from exporter.protocol.figures import fragmentation_ratio
 from exporter.protocol.nvml import GpuMemory, NvmlReader
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.version import PACKAGE_VERSION, PROTOCOL_MAJOR, PROTOCOL_MINOR
+from exporter.protocol.version import PACKAGE_VERSION, format_version, local_version
 from exporter.sidecar.registry import AgentState, Registry
-
-log = logging.getLogger("exporter.collector")
+from exporter.sidecar.reload import ConfigWatcher
 
 ALLOC = "torch_cuda_allocator"
 SERIES_LABELS = ["rank", "local_rank", "cuda_device", "gpu_uuid"]
@@ -74,62 +74,48 @@ def _add_pool_sample(family: Metric, labels: list[str], pool: str, value: float)
                                                "pool": pool}, float(value)))
 
 
-class AllocwatchCollector(Collector):
-    def __init__(
-        self,
-        registry: Registry,
-        nvml: NvmlReader | None = None,
-        extra_families: Callable[[], Iterable[Metric]] | None = None,
-    ):
-        self._registry = registry
-        self._nvml = nvml
-        # Lets other parts (the policy engine) add families, e.g. allocwatch_policy_actions_total.
-        self._extra_families = extra_families
+DeviceRow = tuple[list[str], AgentState, pb.DeviceReport]
 
-    def describe(self) -> list[Metric]:
-        return []  # families vary per scrape: unchecked collector
+
+def latest_device_rows(agents: list[AgentState]) -> list[DeviceRow]:
+    """Each reported device once, under its series labels: the latest reporter wins a clash."""
+    rows: dict[tuple[str, ...], tuple[float, AgentState, pb.DeviceReport]] = {}
+    for agent in agents:
+        report, when = agent.last_report, agent.last_report_time
+        if report is None or when is None:
+            continue
+        ident = agent.identity
+        for device in report.devices:
+            labels = (_label(ident.rank), _label(ident.local_rank),
+                      _label(device.cuda_device), device.gpu_uuid)
+            if labels not in rows or rows[labels][0] <= when:
+                rows[labels] = (when, agent, device)
+    return [(list(k), agent, device) for k, (_, agent, device) in rows.items()]
+
+
+class AllocatorCollector(Collector):
+    """torch_cuda_allocator_*: each agent's allocator, from its latest report, and the info
+    series of the process behind it."""
+
+    def __init__(self, registry: Registry):
+        self._registry = registry
 
     def collect(self) -> Iterator[Metric]:
         agents = self._registry.agents()
-        device_rows = self._latest_device_rows(agents)
-        yield from self._allocator_families(device_rows)
-        yield from self._info_family(agents)
-        yield from self._device_families(agents, device_rows)
-        yield from self._sidecar_families(agents)
-        if self._extra_families is not None:
-            yield from self._extra_families()
-        else:  # no policy engine: the family exists, without samples
-            yield CounterMetricFamily("allocwatch_policy_actions",
-                                      "Actions decided by the policy engine",
-                                      labels=["rule", "action"])
+        yield from self._allocator_families(latest_device_rows(agents))
+        yield self._info_family(agents)
 
     @staticmethod
-    def _latest_device_rows(
-        agents: list[AgentState],
-    ) -> list[tuple[list[str], AgentState, pb.DeviceReport]]:
-        rows: dict[tuple[str, ...], tuple[float, AgentState, pb.DeviceReport]] = {}
-        for agent in agents:
-            report, when = agent.last_report, agent.last_report_time
-            if report is None or when is None:
-                continue
-            ident = agent.identity
-            for device in report.devices:
-                labels = (_label(ident.rank), _label(ident.local_rank),
-                          _label(device.cuda_device), device.gpu_uuid)
-                if labels not in rows or rows[labels][0] <= when:
-                    rows[labels] = (when, agent, device)
-        return [(list(k), agent, device) for k, (_, agent, device) in rows.items()]
-
-    def _allocator_families(self, rows) -> Iterator[Metric]:
+    def _allocator_families(rows: list[DeviceRow]) -> Iterator[Metric]:
         for suffix, doc, field in _POOL_GAUGES:
             family = GaugeMetricFamily(f"{ALLOC}_{suffix}", doc, labels=SERIES_LABELS)
             for labels, _, device in rows:
                 family.add_metric(labels, getattr(device.allocator.all, field))
             if field in _POOL_SPLIT:
                 for labels, _, device in rows:
-                    for pool, stats in (("small", device.allocator.small_pool),
-                                        ("large", device.allocator.large_pool)):
-                        _add_pool_sample(family, labels, pool, getattr(stats, field))
+                    for pool, pool_stats in (("small", device.allocator.small_pool),
+                                             ("large", device.allocator.large_pool)):
+                        _add_pool_sample(family, labels, pool, getattr(pool_stats, field))
             yield family
 
         pending_free = GaugeMetricFamily(
@@ -170,7 +156,7 @@ class AllocwatchCollector(Collector):
             yield counter
 
     @staticmethod
-    def _info_family(agents: list[AgentState]) -> Iterator[Metric]:
+    def _info_family(agents: list[AgentState]) -> Metric:
         info = InfoMetricFamily(
             ALLOC, "The training process behind the allocator series",
             labels=SERIES_LABELS,
@@ -203,9 +189,18 @@ class AllocwatchCollector(Collector):
                     "agent_version": ident.agent_version,
                     "protocol": agent.protocol,
                 })
-        yield info
+        return info
 
-    def _device_families(self, agents: list[AgentState], rows) -> Iterator[Metric]:
+
+class GpuCollector(Collector):
+    """allocwatch_gpu_memory_* and allocwatch_process_gpu_memory_used_bytes: the GPUs, from the
+    sidecar's own NVML where it sees them, else from what each agent read of its own GPU."""
+
+    def __init__(self, registry: Registry, nvml: NvmlReader | None):
+        self._registry = registry
+        self._nvml = nvml
+
+    def collect(self) -> Iterator[Metric]:
         total = GaugeMetricFamily("allocwatch_gpu_memory_total_bytes",
                                   "GPU memory, from NVML", labels=["gpu_uuid"])
         used = GaugeMetricFamily("allocwatch_gpu_memory_used_bytes",
@@ -217,7 +212,7 @@ class AllocwatchCollector(Collector):
         own: dict[str, GpuMemory] = {g.uuid: g for g in (self._nvml.read() if self._nvml else [])}
         gpus: dict[str, tuple[int, int]] = {
             u: (g.total_bytes, g.used_bytes) for u, g in own.items()}
-        for labels, agent, device in rows:
+        for labels, agent, device in latest_device_rows(self._registry.agents()):
             uuid = device.gpu_uuid
             mem = device.device_memory if device.HasField("device_memory") else None
             if uuid and uuid not in own and mem is not None:
@@ -232,7 +227,16 @@ class AllocwatchCollector(Collector):
             used.add_metric([uuid], used_bytes)
         yield from (total, used, process)
 
-    def _sidecar_families(self, agents: list[AgentState]) -> Iterator[Metric]:
+
+class AgentsCollector(Collector):
+    """allocwatch_agents_connected and the other figures of the agents' streams: reports,
+    drops, commands and refused streams."""
+
+    def __init__(self, registry: Registry):
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        agents = self._registry.agents()
         received, commands, errors = self._registry.counters()
         connected = GaugeMetricFamily("allocwatch_agents_connected",
                                       "Agents with an open stream")
@@ -272,7 +276,30 @@ class AllocwatchCollector(Collector):
         for reason, count in sorted(errors.items()):
             err.add_metric([reason], count)
         yield err
+
+
+class SidecarCollector(Collector):
+    """The sidecar itself: its build, and the reloads of its settings file where one is
+    watched."""
+
+    def __init__(self, watcher: ConfigWatcher | None):
+        self._watcher = watcher
+
+    def collect(self) -> Iterator[Metric]:
         build = InfoMetricFamily("allocwatch_build", "The sidecar's version",
                                  labels=["version", "protocol"])
-        build.add_metric([PACKAGE_VERSION, f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"], {})
+        build.add_metric([PACKAGE_VERSION, format_version(local_version())], {})
         yield build
+        if self._watcher is None:
+            return
+        totals, last_successful = self._watcher.counts()
+        family = CounterMetricFamily(
+            "allocwatch_config_reloads", "Settings file changes seen, by result (ok, partial: "
+            "some fields need a restart, invalid: refused, unreadable)", labels=["result"])
+        for result, count in totals:
+            family.add_metric([result], count)
+        yield family
+        gauge = GaugeMetricFamily("allocwatch_config_last_reload_successful",
+                                  "1 when the last settings file seen was accepted")
+        gauge.add_metric([], 1.0 if last_successful else 0.0)
+        yield gauge

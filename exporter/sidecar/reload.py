@@ -19,11 +19,10 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.config import ConfigError
 from exporter.sidecar.config import SidecarConfig, parse_config
@@ -131,16 +130,8 @@ class ConfigWatcher:
             self.reloads_total[result] += 1
         return result
 
-    def families(self) -> Iterator[Metric]:
+    def counts(self) -> tuple[list[tuple[str, int]], bool]:
+        """(reloads seen by result, whether the last file seen was accepted), for the
+        collector."""
         with self._lock:
-            totals = sorted(self.reloads_total.items())
-        family = CounterMetricFamily(
-            "allocwatch_config_reloads", "Settings file changes seen, by result (ok, partial: "
-            "some fields need a restart, invalid: refused, unreadable)", labels=["result"])
-        for result, count in totals:
-            family.add_metric([result], count)
-        yield family
-        gauge = GaugeMetricFamily("allocwatch_config_last_reload_successful",
-                                  "1 when the last settings file seen was accepted")
-        gauge.add_metric([], 1.0 if self.last_successful else 0.0)
-        yield gauge
+            return sorted(self.reloads_total.items()), self.last_successful
