@@ -1,10 +1,9 @@
 """The `allocwatch` command line.
 
-Subcommands are modules of exporter.commands, found at start-up: each defines
+Subcommands are modules (or packages) of exporter.commands, found at start-up: each defines
 `register(subparsers)`, which adds its parser and sets `func` (called with the parsed arguments,
-returning the exit status). A new command is a new file there; this one need not change.
-Present: sidecar, demo. Registration points for the others (same pattern, same folder):
-replay.py, tune.py, run.py, ctl.py.
+returning the exit status), and holds the command's code beside it. A new command is a new
+module there; this one need not change.
 """
 
 from __future__ import annotations

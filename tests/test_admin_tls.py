@@ -20,8 +20,8 @@ from _control_fixtures import connect_agent, start_control_sidecar
 from _pki import make_ca, make_leaf
 from _sidecar_fixtures import FakeSource
 
+from exporter.commands.ctl.client import AdminClient, ClientTls, CtlError
 from exporter.config import ConfigError
-from exporter.ctl import AdminClient, ClientTls, CtlError
 from exporter.sidecar.config import parse_config
 
 pytestmark = [pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command"),

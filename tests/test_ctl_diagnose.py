@@ -12,7 +12,7 @@ from _control_fixtures import connect_agent, start_control_sidecar
 from _sidecar_fixtures import MiB
 
 from exporter.cli import main
-from exporter.diagnose import EXPANDABLE, GC_THRESHOLD, MAX_SPLIT, diagnose
+from exporter.commands.ctl.diagnose import EXPANDABLE, GC_THRESHOLD, MAX_SPLIT, diagnose
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 

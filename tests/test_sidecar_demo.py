@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.demo import EXAMPLE_TRACE, _synthetic_events, run_sim_workload
+from exporter.commands.demo import EXAMPLE_TRACE, _synthetic_events, run_sim_workload
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 pytestmark = pytest.mark.timeout(120)
@@ -66,7 +66,7 @@ def test_trace_reader_refuses_classes(tmp_path: Path) -> None:
     import gzip
     import pickle
 
-    from exporter.demo import _trace_events
+    from exporter.commands.demo import _trace_events
 
     hostile = tmp_path / "t.pickle.gz"
     with gzip.open(hostile, "wb") as f:

@@ -1,7 +1,8 @@
 """What the in-process agent and the sidecar share: the allocwatch.v1 protocol.
 
 - `proto/`: the generated gRPC and protobuf stubs (protos/generate.sh);
-- `version`: the package's version, the protocol's, and the rule by which peers accept each other;
+- `version`: the package's version and the protocol's;
+- `handshake`: the rule by which the hello's protocol versions accept each other;
 - `service`: the gRPC service's names and the message-size limit;
 - `nvml`: GPU memory figures through NVML (the agent reads its own GPU, the sidecar every GPU
   it can see);

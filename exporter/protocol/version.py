@@ -1,35 +1,7 @@
-"""The package's version, the protocol's (allocwatch.v1), and the rule by which peers accept
-each other."""
-
-from __future__ import annotations
-
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+"""The package's version and the protocol's (allocwatch.v1): plain constants, so that reading
+them costs no import (`allocwatch --version`, the HTTP server's banner)."""
 
 PACKAGE_VERSION = "0.1.0"
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 0
-
-
-def local_version() -> pb.ProtocolVersion:
-    return pb.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR)
-
-
-def format_version(version: pb.ProtocolVersion) -> str:
-    return f"{version.major}.{version.minor}"
-
-
-def incompatibility(peer: pb.ProtocolVersion, ours: pb.ProtocolVersion | None = None) -> str | None:
-    """Why a peer speaking ``peer`` cannot talk to us, or None when it can.
-
-    Peers work together when they share the major version and their minor versions are at most
-    one apart: each side keeps reading the fields of the previous minor version.
-    """
-    ours = ours or local_version()
-    if peer.major == ours.major and abs(int(peer.minor) - int(ours.minor)) <= 1:
-        return None
-    return (
-        f"protocol version {format_version(peer)} is not supported: this side speaks "
-        f"{format_version(ours)} and accepts {ours.major}.{max(0, ours.minor - 1)}"
-        f"–{ours.major}.{ours.minor + 1}"
-    )

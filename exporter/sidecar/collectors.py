@@ -24,7 +24,7 @@ from prometheus_client.samples import Sample
 from exporter.protocol.figures import fragmentation_ratio
 from exporter.protocol.nvml import GpuMemory, NvmlReader
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.version import PACKAGE_VERSION, format_version, local_version
+from exporter.protocol.version import PACKAGE_VERSION, PROTOCOL_MAJOR, PROTOCOL_MINOR
 from exporter.sidecar.registry import AgentState, Registry
 from exporter.sidecar.reload import ConfigWatcher
 
@@ -288,7 +288,7 @@ class SidecarCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         build = InfoMetricFamily("allocwatch_build", "The sidecar's version",
                                  labels=["version", "protocol"])
-        build.add_metric([PACKAGE_VERSION, format_version(local_version())], {})
+        build.add_metric([PACKAGE_VERSION, f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"], {})
         yield build
         if self._watcher is None:
             return

@@ -17,15 +17,11 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
+from exporter.protocol.handshake import format_version, incompatibility, local_version
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
 from exporter.protocol.service import SERVICE_NAME
-from exporter.protocol.version import (
-    PACKAGE_VERSION,
-    format_version,
-    incompatibility,
-    local_version,
-)
+from exporter.protocol.version import PACKAGE_VERSION
 from exporter.sidecar.config import AgentsConfig
 from exporter.sidecar.registry import AgentLimitError, AgentSession, AgentState, Registry
 

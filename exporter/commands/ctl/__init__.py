@@ -1,4 +1,8 @@
-"""allocwatch ctl: talk to a running sidecar's admin API."""
+"""allocwatch ctl: talk to a running sidecar's admin API.
+
+Here the command's options; `subcommands` runs them, with the admin API's `client`, the
+`output` formats and `diagnose`, the out-of-memory checklist.
+"""
 
 from __future__ import annotations
 
@@ -104,6 +108,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from exporter.ctl import main
+    from exporter.commands.ctl.subcommands import main
 
     return main(args)

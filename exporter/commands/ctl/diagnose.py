@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from exporter.ctl import AdminClient, CtlError, human_bytes, print_results
+from exporter.commands.ctl.client import AdminClient, CtlError
+from exporter.commands.ctl.output import human_bytes, print_results
 
 FRAGMENTED = 1.25            # reserved ÷ allocated above which the cache strands memory
 SPLIT_SHARE = 0.2            # inactive split bytes ÷ large-pool reserved worth max_split_size_mb
