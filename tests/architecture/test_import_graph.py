@@ -19,8 +19,8 @@ import functools
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("allocator_ext", "exporter")
 # Built from C++, so there is no source to read: they import nothing of ours.
 COMPILED = {"allocator_ext._core"}
