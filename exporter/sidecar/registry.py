@@ -80,11 +80,6 @@ class AgentSession:
         self._registry.count_command(name, outcome_name(result))
         return result
 
-    def send_threadsafe(self, command: pb.Command, timeout: float = 30.0) -> pb.CommandResult:
-        """For callers outside the event loop (blocking)."""
-        future = asyncio.run_coroutine_threadsafe(self.send(command, timeout), self.loop)
-        return future.result(timeout + 1.0)
-
     def resolve(self, result: pb.CommandResult) -> bool:
         future = self._pending.get(result.command_id)
         if future is None or future.done():
