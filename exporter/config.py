@@ -31,8 +31,7 @@ class ConfigError(ValueError):
     """A settings file that cannot be used; the message names the field."""
 
 
-def setting(default: Any = dataclasses.MISSING, *,
-            default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             key: str | None = None, parse: Callable[[Any, str], Any] | None = None,
             choices: Iterable[str] = (), positive: bool = False, reload: bool = False) -> Any:
     """A section's field with options: `key`, its name in the file (default: the field's);
