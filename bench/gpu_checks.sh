@@ -4,7 +4,7 @@
 #   OUT=/some/folder bash bench/gpu_checks.sh PART...
 # Parts (each prints its command; a part that fails is reported and the next still runs):
 #   install      python -m pip install --no-build-isolation --no-deps -e .
-#   tests        the gpu-marked tests (tests/test_*gpu*.py; the torchrun ones need 2 GPUs)
+#   tests        the gpu-marked tests (tests/*/test_*gpu*.py; the torchrun ones need 2 GPUs)
 #   torchrun     only the torchrun tests (2 GPUs)
 #   soak-start   starts bench/gpu_soak.py (10 min, sidecar SIGKILLed every 60 s) in its own
 #                session on the last GPU, so other parts can use GPU 0 meanwhile
@@ -57,10 +57,11 @@ soak_wait() {
 run_part() {
   case "$1" in
     install) part install "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e . ;;
-    tests) part tests "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_torch_gpu.py \
-        tests/test_agent_torch_gpu.py tests/test_agent_torchrun_gpu.py ;;
+    tests) part tests "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+        tests/pytorch/test_torch_gpu.py tests/agent/test_agent_torch_gpu.py \
+        tests/agent/test_agent_torchrun_gpu.py ;;
     torchrun) part torchrun "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
-        tests/test_agent_torchrun_gpu.py ;;
+        tests/agent/test_agent_torchrun_gpu.py ;;
     soak-start) part soak-start soak_start ;;
     soak-wait) part soak-wait soak_wait ;;
     overhead)

@@ -1,7 +1,6 @@
-"""allocwatch's sidecar: gRPC server for agents, Prometheus exporter, NVML reader, command line.
+"""allocwatch's sidecar and command line: `protocol` (what the agent shares with the sidecar),
+`sidecar`, `policy`, `admin` and `commands`.
 
-Kept free of imports so that the in-process agent can use ``exporter.proto`` and
-``exporter.protocol`` without pulling in the sidecar's dependencies.
+Kept free of imports so that the in-process agent can use ``exporter.protocol`` without pulling
+in the sidecar's dependencies.
 """
-
-__version__ = "0.1.0"

@@ -1,10 +1,9 @@
 """The `allocwatch` command line.
 
-Subcommands are modules of exporter.commands, found at start-up: each defines
+Subcommands are modules (or packages) of exporter.commands, found at start-up: each defines
 `register(subparsers)`, which adds its parser and sets `func` (called with the parsed arguments,
-returning the exit status). A new command is a new file there; this one need not change.
-Present: sidecar, demo. Registration points for the others (same pattern, same folder):
-replay.py, tune.py, run.py, ctl.py.
+returning the exit status), and holds the command's code beside it. A new command is a new
+module there; this one need not change.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 import exporter.commands
-from exporter import __version__
+from exporter.protocol.version import PACKAGE_VERSION
 
 # The order commands appear in --help; commands not listed follow alphabetically.
 COMMAND_ORDER = ["sidecar", "demo", "replay", "tune", "run", "ctl"]
@@ -35,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Watch and steer the GPU caching allocator of PyTorch training jobs.",
         epilog="Run 'allocwatch COMMAND --help' for a command's options.",
     )
-    parser.add_argument("--version", action="version", version=f"allocwatch {__version__}")
+    parser.add_argument("--version", action="version", version=f"allocwatch {PACKAGE_VERSION}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _command_modules():
         module = importlib.import_module(f"exporter.commands.{name}")

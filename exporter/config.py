@@ -1,7 +1,14 @@
-"""The sidecar's YAML settings: dataclasses with defaults, and validation that names the field.
+"""The sidecar's settings file, section by section: typed dataclasses built from parsed YAML, with
+errors that name the field.
 
-Every section and field is listed in docs/sidecar.md. Unknown fields are errors (a typo must not
-silently fall back to a default), and every error names the field's dotted path.
+A section is a frozen dataclass deriving from `Section`. `Section.parse(raw, path)` builds it by
+its fields' types — bool, int, float, str, `X | None`, `Port`, `FileMode`, a nested section — or
+by a field's own `parse` function. Unknown keys are errors (a typo must not silently fall back to
+a default), every error names the field's dotted path, and each section's `validate` checks what
+spans its fields. `setting(...)` gives a field its options; `reload=True` marks a field that a
+reloaded file changes at once (any other change waits for a restart: listeners, ports).
+
+Every section and field is listed in docs/sidecar.md.
 """
 
 from __future__ import annotations
@@ -10,110 +17,104 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Annotated, Any, TypeVar
 
-import yaml
+# Integers with a range of their own (still plain ints to a type checker):
+Port = Annotated[int, "port"]            # 0-65535, 0 meaning any free port
+FileMode = Annotated[int, "file mode"]   # 0000-0777: an octal string ("0660") or a number
 
-DEFAULT_UNIX_SOCKET = "/run/allocwatch/agent.sock"
+S = TypeVar("S", bound="Section")
 
 
 class ConfigError(ValueError):
     """A settings file that cannot be used; the message names the field."""
 
 
-@dataclasses.dataclass(frozen=True)
-class AgentsConfig:
-    # Unix socket in a directory shared by the training and sidecar containers; "" disables it.
-    unix_socket: str = DEFAULT_UNIX_SOCKET
-    # Owner and group (the pod's fsGroup) may connect; nobody else.
-    socket_mode: int = 0o660
-    # TCP listener for agents; off unless a port is given. Loopback unless configured otherwise.
-    tcp_port: int | None = None
-    tcp_address: str = "127.0.0.1"
-    # TLS for the TCP listener (the Unix socket is local and guarded by its mode): PEM files.
-    # With tls_client_ca_file, agents must present a certificate signed by that CA (mutual TLS).
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    tls_client_ca_file: str = ""
-    max_message_bytes: int = 1 << 20
-    hello_timeout_seconds: float = 10.0
-    # A disconnected agent's series stay this long, then disappear from /metrics.
-    expiry_seconds: float = 60.0
-    max_agents: int = 1024
+def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+            key: str | None = None, parse: Callable[[Any, str], Any] | None = None,
+            choices: Iterable[str] = (), positive: bool = False, reload: bool = False) -> Any:
+    """A section's field with options: `key`, its name in the file (default: the field's);
+    `parse(value, path)`, its own conversion; `choices`, the values allowed; `positive`, greater
+    than 0; `reload`, applied by a reload without a restart."""
+    metadata = {"key": key, "parse": parse, "choices": tuple(choices), "positive": positive,
+                "reload": reload}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-@dataclasses.dataclass(frozen=True)
-class MetricsConfig:
-    # Prometheus and the kubelet reach the endpoint from outside the pod: all interfaces.
-    address: str = "0.0.0.0"
-    port: int = 9464
-
-
-@dataclasses.dataclass(frozen=True)
-class NvmlConfig:
-    enabled: bool = True
-    # NVML figures are cached this long, so that scrapes stay cheap.
-    cache_seconds: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class LoggingConfig:
-    level: str = "info"
-    format: str = "json"
-
-
-@dataclasses.dataclass(frozen=True)
-class SidecarConfig:
-    agents: AgentsConfig = dataclasses.field(default_factory=AgentsConfig)
-    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
-    nvml: NvmlConfig = dataclasses.field(default_factory=NvmlConfig)
-    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
-    # Sections added by other parts of the sidecar (policy, admin: issue 5), parsed by the
-    # parsers registered in EXTRA_SECTIONS.
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-
-# name -> parser(raw_value, path) returning the parsed section; raise ConfigError on bad input.
-EXTRA_SECTIONS: dict[str, Callable[[Any, str], Any]] = {}
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "logging.level": ("debug", "info", "warning", "error"),
-    "logging.format": ("json", "text"),
-}
-
-_POSITIVE = {
-    "agents.max_message_bytes",
-    "agents.hello_timeout_seconds",
-    "agents.expiry_seconds",
-    "agents.max_agents",
-}
-_PORTS = {"agents.tcp_port", "metrics.port"}
+def _key(field: dataclasses.Field) -> str:
+    return field.metadata.get("key") or field.name
 
 
 def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _convert(value: Any, hint: Any, path: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """Base of every section of the settings file."""
+
+    @classmethod
+    def parse(cls: type[S], raw: Any, path: str = "") -> S:
+        """The section from its parsed YAML (None: every default); ConfigError naming the field
+        on bad input."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            where = path or "the settings file"
+            raise ConfigError(f"{where}: expected a mapping of settings, got {_type_name(raw)} "
+                              f"{raw!r}")
+        fields = {_key(f): f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls, include_extras=True)
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            where = f"{path}.{key}" if path else str(key)
+            field = fields.get(key)
+            if field is None:
+                raise ConfigError(f"{where}: unknown setting (known here: "
+                                  f"{', '.join(sorted(fields))})")
+            values[field.name] = _check(field, _convert(value, hints[field.name], field, where),
+                                        where)
+        section = cls(**values)
+        section.validate(path)
+        return section
+
+    def validate(self, path: str) -> None:
+        """Checks that span the section's fields; ConfigError naming the field."""
+
+
+def _convert(value: Any, hint: Any, field: dataclasses.Field, path: str) -> Any:
+    parse = field.metadata.get("parse")
+    if parse is not None:
+        return parse(value, path)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None:
             return None
-        return _convert(value, args[0], path)
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if hint is bool:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{path}: expected true or false, got {value!r}")
-    if hint is int:
-        if path == "agents.socket_mode" and isinstance(value, str):
+    if hint == FileMode:
+        if isinstance(value, str):
             try:
-                return int(value, 8)
+                value = int(value, 8)
             except ValueError:
-                raise ConfigError(
-                    f"{path}: expected an octal mode like '0660', got {value!r}") from None
+                raise ConfigError(f"{path}: expected an octal mode like '{field.default:04o}', "
+                                  f"got {value!r}") from None
+        mode = _convert(value, int, field, path)
+        if not 0 <= mode <= 0o777:
+            raise ConfigError(f"{path}: must be a file mode between 0000 and 0777, got {oct(mode)}")
+        return mode
+    if hint == Port:
+        port = _convert(value, int, field, path)
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"{path}: must be a port number 0-65535 (0: any free port), "
+                              f"got {port!r}")
+        return port
+    if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {_type_name(value)} {value!r}")
         return value
@@ -125,65 +126,39 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {_type_name(value)} {value!r}")
         return value
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, path)
-    raise ConfigError(f"{path}: unsupported setting type {hint!r}")  # a bug in this module
+    if isinstance(hint, type) and issubclass(hint, Section):
+        return hint.parse(value, path)
+    raise ConfigError(f"{path}: unsupported setting type {hint!r}")  # a bug in a section
 
 
-def _check_value(path: str, value: Any) -> None:
-    if path in _CHOICES and value not in _CHOICES[path]:
-        raise ConfigError(f"{path}: must be one of {', '.join(_CHOICES[path])}; got {value!r}")
-    if path in _POSITIVE and value <= 0:
+def _check(field: dataclasses.Field, value: Any, path: str) -> Any:
+    choices = field.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{path}: must be one of {', '.join(choices)}; got {value!r}")
+    if field.metadata.get("positive") and value <= 0:
         raise ConfigError(f"{path}: must be greater than 0, got {value!r}")
-    if path in _PORTS and value is not None and not 0 <= value <= 65535:
-        raise ConfigError(
-            f"{path}: must be a port number 0-65535 (0: any free port), got {value!r}")
-    if path == "agents.socket_mode" and not 0 <= value <= 0o777:
-        raise ConfigError(f"{path}: must be a file mode between 0000 and 0777, got {oct(value)}")
+    return value
 
 
-def _build(cls: Any, raw: Any, path: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, Mapping):
-        where = path or "the settings file"
-        raise ConfigError(f"{where}: expected a mapping of settings, got {_type_name(raw)} {raw!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}
-    values: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    for key, value in raw.items():
-        field_path = f"{path}.{key}" if path else str(key)
-        if key in fields:
-            converted = _convert(value, hints[key], field_path)
-            if not dataclasses.is_dataclass(hints[key]):
-                _check_value(field_path, converted)
-            values[key] = converted
-        elif not path and key in EXTRA_SECTIONS:
-            extra[key] = EXTRA_SECTIONS[key](value, field_path)
+def apply_reload(old: S, new: S, path: str = "") -> tuple[S, list[str]]:
+    """The settings in force after a reload from `old` to `new`, and the changed fields that only
+    a restart applies (by dotted path), which keep their old values until then. Fields marked
+    `reload` take their new value; nested sections are merged field by field."""
+    changes: dict[str, Any] = {}
+    restart: list[str] = []
+    for field in dataclasses.fields(old):
+        before, after = getattr(old, field.name), getattr(new, field.name)
+        if before == after:
+            continue
+        where = f"{path}.{_key(field)}" if path else _key(field)
+        if field.metadata.get("reload"):
+            changes[field.name] = after
+        elif isinstance(before, Section):
+            changes[field.name], needs_restart = apply_reload(before, after, where)
+            restart += needs_restart
         else:
-            known = sorted(fields | (set(EXTRA_SECTIONS) if not path else set()))
-            raise ConfigError(f"{field_path}: unknown setting (known here: {', '.join(known)})")
-    if cls is SidecarConfig:
-        # A section absent from the file gets its parser's defaults (admin API on by default).
-        for name, parser in EXTRA_SECTIONS.items():
-            if name not in extra:
-                extra[name] = parser(None, name)
-        values["extra"] = extra
-    return cls(**values)
-
-
-def parse_config(raw: Any) -> SidecarConfig:
-    """Validated settings from parsed YAML (None or an empty document: all defaults)."""
-    import exporter.sections  # noqa: F401  (registers policy, admin, reload; no import cycle)
-
-    config: SidecarConfig = _build(SidecarConfig, raw, "")
-    if not config.agents.unix_socket and config.agents.tcp_port is None:
-        raise ConfigError(
-            "agents: no listener: set agents.unix_socket or agents.tcp_port (or both)"
-        )
-    check_tls_files(config.agents, "agents")
-    return config
+            restart.append(where)
+    return dataclasses.replace(old, **changes), restart
 
 
 def check_tls_files(section: Any, path: str) -> None:
@@ -198,21 +173,3 @@ def check_tls_files(section: Any, path: str) -> None:
         file = getattr(section, name)
         if file and not os.access(file, os.R_OK):
             raise ConfigError(f"{path}.{name}: cannot read {file}")
-
-
-def load_config(path: str | Path | None) -> SidecarConfig:
-    """Settings from a YAML file; defaults when path is None."""
-    if path is None:
-        return parse_config(None)
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ConfigError(f"cannot read settings file {path}: {err.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    try:
-        return parse_config(raw)
-    except ConfigError as err:
-        raise ConfigError(f"{path}: {err}") from None

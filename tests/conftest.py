@@ -5,10 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-SHARED_TRACES = REPO.parent / "shared" / "traces"
-RECORDED_TRACES = REPO / "tests" / "data" / "traces"
+from support.paths import SHARED_TRACES
 
 
 def _cuda_available() -> tuple[bool, str]:

@@ -34,7 +34,7 @@ from allocator_ext.agent.client import Agent
 from allocator_ext.agent.identity import build_identity, visible_device_entry
 from allocator_ext.agent.sources import AllocatorSource, Source, TorchSource, UnsupportedCommand
 from allocator_ext.agent.tls import TlsSettings
-from exporter.nvml import NvmlReader
+from exporter.protocol.nvml import NvmlReader
 
 __all__ = [
     "Agent",

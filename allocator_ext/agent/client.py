@@ -23,10 +23,11 @@ from allocator_ext.agent.oom_snapshots import OomSnapshots
 from allocator_ext.agent.outbox import Outbox
 from allocator_ext.agent.sources import Source
 from allocator_ext.agent.tls import TlsSettings
-from exporter.nvml import NvmlReader
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.proto.allocwatch.v1 import agent_pb2_grpc
-from exporter.protocol import DEFAULT_MAX_MESSAGE_BYTES, incompatibility, local_version
+from exporter.protocol.handshake import incompatibility, local_version
+from exporter.protocol.nvml import NvmlReader
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
+from exporter.protocol.service import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("allocator_ext.agent")
 

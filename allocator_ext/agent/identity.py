@@ -29,8 +29,8 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from exporter import __version__
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.version import PACKAGE_VERSION
 
 RANK_VARS = ("ALLOCWATCH_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 LOCAL_RANK_VARS = ("ALLOCWATCH_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -98,7 +98,7 @@ def build_identity(
         backend=backend,
         torch_version=torch_version,
         cuda_version=cuda_version,
-        agent_version=__version__,
+        agent_version=PACKAGE_VERSION,
         process_start_time_seconds=_PROCESS_START,
     )
     for key, value in (overrides or {}).items():

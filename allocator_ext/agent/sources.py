@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from allocator_ext.agent import convert
-from exporter.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 log = logging.getLogger("allocator_ext.agent")
 

@@ -1,4 +1,5 @@
-"""One module per `allocwatch` subcommand, each with `register(subparsers)` (see exporter.cli).
+"""One module (or package, for `ctl`) per `allocwatch` subcommand, each with
+`register(subparsers)` and the command's code beside it (see exporter.cli).
 
 Heavy imports belong inside the command's function, so that `allocwatch --help` stays fast.
 """

@@ -33,9 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from exporter.config import ConfigError, load_config
-    from exporter.grpc_server import ListenError
+    from exporter.config import ConfigError
     from exporter.logs import configure_logging
+    from exporter.sidecar.config import load_config
+    from exporter.sidecar.grpc_server import ListenError
 
     try:
         config = load_config(args.config)
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"settings OK: {config}")
         return 0
     configure_logging(config.logging.level, config.logging.format)
-    from exporter.sidecar import run_sidecar
+    from exporter.sidecar.app import run_sidecar
 
     try:
         run_sidecar(config, args.exit_after_training, args.exit_grace, config_path=args.config)

@@ -1,5 +1,5 @@
 """GPU scenarios for allocwatch's allocator inside PyTorch, one per fresh process (the
-allocator must be installed before CUDA starts). Run by tests/test_torch_gpu.py:
+allocator must be installed before CUDA starts). Run by tests/pytorch/test_torch_gpu.py:
 
     python tests/gpu/scenarios.py NAME        prints "PASS NAME ..." or raises
 """

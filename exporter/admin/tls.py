@@ -1,0 +1,53 @@
+"""HTTPS for the admin API's TCP listener: the token then never crosses a network in clear, and
+with a client CA, clients must also present a certificate signed by it (mutual TLS)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import threading
+
+log = logging.getLogger("exporter.admin")
+
+
+def server_tls_context(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext:
+    """The server side of HTTPS; OSError or ValueError when the files are not a usable
+    certificate and key."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        context.load_verify_locations(client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class RenewingTlsContext:
+    """The TLS context of the TCP listener, rebuilt when its files change on disk, so that a
+    renewed certificate (a cert-manager Secret update, say) is served without a restart."""
+
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str = ""):
+        self._files = (cert_file, key_file, client_ca_file)
+        self._lock = threading.Lock()
+        self._stamp = self._read_stamp()
+        self._context = server_tls_context(*self._files)
+
+    def _read_stamp(self) -> tuple[float, ...]:
+        try:
+            return tuple(os.stat(f).st_mtime for f in self._files if f)
+        except OSError:
+            return ()
+
+    def context(self) -> ssl.SSLContext:
+        with self._lock:
+            stamp = self._read_stamp()
+            if stamp and stamp != self._stamp:
+                try:
+                    fresh = server_tls_context(*self._files)
+                except (OSError, ValueError) as err:  # half-written files: keep the old one
+                    log.warning("admin API: the renewed TLS files cannot be loaded yet; the "
+                                "previous certificate stays", extra={"reason": str(err)})
+                else:
+                    self._context, self._stamp = fresh, stamp
+            return self._context

@@ -1,0 +1,265 @@
+"""`allocwatch ctl diagnose`: the usual out-of-memory troubleshooting order, on one agent's live
+figures.
+
+1. retries and reserved ÷ allocated   (is there pressure? is the cache fragmented?)
+2. expandable_segments                (the fix for fragmentation, where it is not on yet)
+3. max_split_size_mb                  (the older fix, where expandable segments cannot be used)
+4. garbage_collection_threshold       (release old cached blocks before retrying)
+5. the snapshot                       (with --replay: replayed under each candidate, measured)
+
+Each step says what it found and which setting it would apply; the first proposal wins unless
+the replay measured a better one. Counters read twice, `--window` seconds apart, also show the
+classic mistakes, e.g. empty_cache() every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from exporter.commands.ctl.client import AdminClient, CtlError
+from exporter.commands.ctl.output import human_bytes, print_results
+
+FRAGMENTED = 1.25            # reserved ÷ allocated above which the cache strands memory
+SPLIT_SHARE = 0.2            # inactive split bytes ÷ large-pool reserved worth max_split_size_mb
+EMPTY_CACHE_RATE = 0.2       # empty_cache() calls a second that look like "every step"
+PENDING_EVENTS = 100
+EXPANDABLE = "expandable_segments:True"
+MAX_SPLIT = "max_split_size_mb:512"
+GC_THRESHOLD = "garbage_collection_threshold:0.8"
+
+
+@dataclasses.dataclass
+class Step:
+    title: str
+    finding: str
+    proposal: str | None = None
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    agent: str
+    cuda_device: int
+    steps: list[Step]
+    mistakes: list[str]
+    recommendation: str | None
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any], name: str) -> int:
+    return max(0, after["counters"][name] - before["counters"][name])
+
+
+def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: float,
+             replayed: list[tuple[str, dict[str, Any] | str]] | None = None,
+             replay_note: str | None = None) -> Diagnosis:
+    """`before`/`after`: one device's figures (the admin API's device view) `window` s apart.
+    `replayed`: (settings, replay report or error text) per candidate."""
+    counters, settings = after["counters"], after["settings"]
+    steps: list[Step] = []
+    reserved, allocated = after["reserved_bytes"], after["allocated_bytes"]
+    ratio = reserved / allocated if allocated else float("inf") if reserved else 1.0
+    retries, ooms = counters["alloc_retries"], counters["ooms"]
+    new_retries = _delta(before, after, "alloc_retries")
+    pressure = retries > 0 or ooms > 0
+    fragmented = ratio >= FRAGMENTED
+    verdict = ("memory pressure" if pressure else "no retries") + ", " + (
+        "fragmented cache" if fragmented else "compact cache")
+    steps.append(Step(
+        "retries and reserved ÷ allocated",
+        f"{retries} allocation retries ({new_retries} in the last {window:g} s), {ooms} "
+        f"out-of-memory errors; reserved ÷ allocated = {ratio:.2f} ({human_bytes(reserved)} "
+        f"reserved for {human_bytes(allocated)} allocated): {verdict}"))
+    needs_help = pressure or fragmented
+
+    if settings["expandable_segments"]:
+        steps.append(Step("expandable segments", "already on"))
+    elif needs_help:
+        steps.append(Step("expandable segments",
+                          "off: segments of fixed size strand their free tails; expandable "
+                          "segments grow one mapping instead, usually the most effective fix",
+                          EXPANDABLE))
+    else:
+        steps.append(Step("expandable segments", "off, and nothing calls for it"))
+
+    large = after["large_pool"]
+    split_share = large["inactive_split_bytes"] / large["reserved_bytes"] \
+        if large["reserved_bytes"] else 0.0
+    split_note = (f"inactive split bytes {human_bytes(large['inactive_split_bytes'])} = "
+                  f"{split_share:.0%} of the large pool")
+    if settings["expandable_segments"]:
+        steps.append(Step("max_split_size_mb", f"not needed with expandable segments "
+                          f"({split_note})"))
+    elif settings["max_split_size_bytes"]:
+        steps.append(Step("max_split_size_mb", f"already set to "
+                          f"{human_bytes(settings['max_split_size_bytes'])} ({split_note})"))
+    elif needs_help and split_share >= SPLIT_SHARE:
+        steps.append(Step("max_split_size_mb", f"{split_note}: large blocks are split and their "
+                          "remainders stranded; where expandable segments cannot be used, stop "
+                          "splitting blocks above 512 MiB", MAX_SPLIT))
+    else:
+        steps.append(Step("max_split_size_mb", f"{split_note}: not the problem"))
+
+    gc = settings["garbage_collection_threshold"]
+    if gc > 0:
+        steps.append(Step("garbage_collection_threshold",
+                          f"on at {gc:g}: {counters['gc_reclaims']} reclaims released "
+                          f"{human_bytes(counters['gc_reclaimed_bytes'])}"))
+    elif pressure:
+        steps.append(Step("garbage_collection_threshold",
+                          "off while the allocator retries: release old cached blocks before a "
+                          "retry flushes the whole cache (acts only with a per-process memory "
+                          "fraction set)", GC_THRESHOLD))
+    else:
+        steps.append(Step("garbage_collection_threshold", "off, and no retries call for it"))
+
+    recommendation = next((s.proposal for s in steps if s.proposal), None)
+    steps.append(_snapshot_step(replayed, replay_note))
+    if steps[-1].proposal:
+        recommendation = steps[-1].proposal  # measured on this job's own trace: it wins
+    return Diagnosis(agent, after["cuda_device"], steps, _mistakes(before, after, window),
+                     recommendation)
+
+
+def _snapshot_step(replayed: list[tuple[str, dict[str, Any] | str]] | None,
+                   note: str | None) -> Step:
+    if replayed is None:
+        return Step("snapshot", note or "not replayed (add --replay to replay this agent's "
+                    "snapshot under each candidate setting)")
+    lines, best = [], None
+    for settings, report in replayed:
+        if isinstance(report, str):
+            lines.append(f"{settings}: {report}")
+            continue
+        lines.append(f"{settings}: peak reserved {human_bytes(report['peak_reserved_bytes'])}, "
+                     f"ratio {report['reserved_ratio']:.3f}, retries "
+                     f"{report['num_alloc_retries']}, OOMs {report['num_ooms']}")
+        if report["num_ooms"] == 0 and (best is None or report["peak_reserved_bytes"]
+                                        < best[1]["peak_reserved_bytes"]):
+            best = (settings, report)
+    finding = "replayed: " + "; ".join(lines)
+    if best is None:
+        return Step("snapshot", finding + " — no candidate ran without out-of-memory")
+    first = replayed[0]
+    if best[0] == first[0]:
+        return Step("snapshot", finding + " — the settings in force do best")
+    return Step("snapshot", finding + f" — lowest peak reserved: {best[0]}", best[0])
+
+
+def _mistakes(before: dict[str, Any], after: dict[str, Any], window: float) -> list[str]:
+    found = []
+    empties = _delta(before, after, "empty_cache_calls")
+    syncs = _delta(before, after, "sync_all_streams")
+    mallocs = _delta(before, after, "device_mallocs")
+    frees = _delta(before, after, "device_frees")
+    if window > 0 and empties >= 2 and empties / window >= EMPTY_CACHE_RATE:
+        found.append(
+            f"empty_cache() called every step: {empties} calls in {window:g} s "
+            f"({empties / window:.1f}/s); each synchronises the device ({syncs} device-wide "
+            f"synchronisations) and hands back memory the next step allocates again ({mallocs} "
+            f"device allocations, {frees} frees in the window). Remove it from the loop.")
+    elif frees >= 2 and mallocs >= 2 and _delta(before, after, "alloc_retries") > 0:
+        found.append(f"cache churn under pressure: {frees} device frees and {mallocs} device "
+                     f"allocations in {window:g} s, with retries flushing the cache")
+    if after["counters"]["ooms"] > 0:
+        found.append(f"{after['counters']['ooms']} out-of-memory errors so far: the agent "
+                     "writes a snapshot at each (see `allocwatch ctl snapshot` for a fresh one)")
+    if after["pending_events"] >= PENDING_EVENTS:
+        found.append(f"{after['pending_events']} stream events pending "
+                     f"({human_bytes(after['pending_free_bytes'])} waiting): tensors used on "
+                     "side streams (record_stream) are freed long before those streams finish")
+    return found
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def _one_agent(client: AdminClient, selector: dict[str, Any]) -> dict[str, Any]:
+    agents = [a for a in client.get("/v1/agents", **selector)["agents"] if a["connected"]]
+    if len(agents) != 1:
+        names = ", ".join(a["agent"] for a in agents) or "none"
+        raise CtlError(f"diagnose looks at one agent: {len(agents)} connected agents match "
+                       f"({names}); narrow with --rank/--host/--job/--agent")
+    return agents[0]
+
+
+def _device(agent: dict[str, Any], cuda_device: int | None) -> dict[str, Any]:
+    for device in agent["devices"]:
+        if cuda_device is None or device["cuda_device"] == cuda_device:
+            return device
+    raise CtlError(f"agent {agent['agent']} reports no "
+                   f"{'device' if cuda_device is None else f'cuda:{cuda_device}'} yet")
+
+
+def candidates(current: str) -> list[str]:
+    base = current or "native"
+    return [base] + [f"{base},{extra}" for extra in (EXPANDABLE, MAX_SPLIT)
+                     if extra.split(":")[0] not in base]
+
+
+def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
+                    ) -> tuple[list[tuple[str, dict[str, Any] | str]] | None, str | None]:
+    from allocator_ext.replay import TraceError, load_trace, replay
+
+    answer = client.post("/v1/snapshot", {"agent": agent, "frames": False})
+    result = answer["results"][0]
+    if "snapshot" not in result:
+        return None, f"no snapshot: {result['message']}"
+    data = client.request("GET", result["snapshot"]["download"])
+    with tempfile.TemporaryDirectory(prefix="allocwatch-diagnose-") as tmp:
+        path = Path(tmp) / "snapshot.pickle.gz"
+        path.write_bytes(data)
+        try:
+            trace = load_trace(path, device["cuda_device"])
+        except TraceError as err:
+            return None, (f"snapshot {result['snapshot']['path']} cannot be replayed: {err} "
+                          "(record the allocator's history from the start of the process)")
+    capacity = (device["device_memory"] or {}).get("total_bytes", 0)
+    replayed: list[tuple[str, dict[str, Any] | str]] = []
+    for settings in candidates(device["settings"]["config_string"]):
+        try:
+            replayed.append((settings, replay(trace, config=settings,
+                                              device_memory=capacity).report))
+        except (TraceError, ValueError) as err:
+            replayed.append((settings, f"not replayable: {err}"))
+    return replayed, None
+
+
+def print_diagnosis(d: Diagnosis, out: TextIO) -> None:
+    print(f"diagnosis of {d.agent}, cuda:{d.cuda_device}", file=out)
+    for i, step in enumerate(d.steps, 1):
+        print(f"{i}. {step.title}: {step.finding}", file=out)
+        if step.proposal:
+            print(f"   would apply: {step.proposal}", file=out)
+    if d.mistakes:
+        print("classic mistakes seen:", file=out)
+        for mistake in d.mistakes:
+            print(f"  - {mistake}", file=out)
+    print(f"recommendation: {d.recommendation or 'none: nothing to change'}", file=out)
+
+
+def run_diagnosis(args: argparse.Namespace, client: AdminClient, selector: dict[str, Any],
+                  out: TextIO) -> int:
+    agent = _one_agent(client, selector)
+    before = _device(agent, args.device)
+    time.sleep(args.window)
+    after_agent = _one_agent(client, {"agent": agent["agent"]})
+    after = _device(after_agent, before["cuda_device"])
+    replayed, note = (replay_snapshot(client, agent["agent"], after) if args.replay
+                      else (None, None))
+    diagnosis = diagnose(agent["agent"], before, after, args.window, replayed, note)
+    if args.json:
+        import json
+
+        print(json.dumps(dataclasses.asdict(diagnosis), indent=2), file=out)
+    else:
+        print_diagnosis(diagnosis, out)
+    if args.apply and diagnosis.recommendation:
+        answer = client.post("/v1/settings", {"agent": agent["agent"],
+                                              "settings": diagnosis.recommendation})
+        print_results(answer, out)
+        return 0 if answer["ok"] else 1
+    return 0

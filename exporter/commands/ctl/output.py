@@ -1,0 +1,62 @@
+"""What `allocwatch ctl` prints: byte counts, the agents' table, commands' results."""
+
+from __future__ import annotations
+
+from typing import Any, TextIO
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _table(rows: list[list[str]], out: TextIO) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(), file=out)
+
+
+def print_agents(agents: list[dict[str, Any]], out: TextIO) -> None:
+    if not agents:
+        print("no agent matches", file=out)
+        return
+    rows = [["AGENT", "RANK", "HOST", "JOB", "BACKEND", "STATE", "DEV", "ALLOCATED", "RESERVED",
+             "FRAG", "RETRIES", "OOMS", "SETTINGS"]]
+    for agent in agents:
+        state = "connected" if agent["connected"] else "gone"
+        devices = agent["devices"] or [None]
+        for device in devices:
+            rows.append([
+                agent["agent"], str(agent["rank"]) if agent["rank"] >= 0 else "-",
+                agent["host"] or "-", agent["job"] or "-", agent["backend"] or "-", state,
+                str(device["cuda_device"]) if device else "-",
+                human_bytes(device["allocated_bytes"]) if device else "-",
+                human_bytes(device["reserved_bytes"]) if device else "-",
+                f"{device['fragmentation_ratio']:.2f}" if device else "-",
+                str(device["counters"]["alloc_retries"]) if device else "-",
+                str(device["counters"]["ooms"]) if device else "-",
+                device["settings"]["config_string"] or "-" if device else "-"])
+    _table(rows, out)
+
+
+def print_results(answer: dict[str, Any], out: TextIO) -> None:
+    print(f"{answer['command']}: {answer['selected']} agent(s)", file=out)
+    for r in answer["results"]:
+        line = f"  {r['agent']} (rank {r['rank']}, {r['host']}): {r['status']}"
+        if r.get("message"):
+            line += f" — {r['message']}"
+        print(line, file=out)
+        if answer["command"] == "reclaim" and r["status"] == "ok":
+            print(f"    released {human_bytes(r['bytes_released'])} in "
+                  f"{r['sync_seconds'] * 1e3:.2f} ms (device synchronisation included)", file=out)
+        if "snapshot" in r:
+            print(f"    snapshot {r['snapshot']['path']} ({human_bytes(r['snapshot']['bytes'])})",
+                  file=out)
+        for s in r.get("settings_in_force", []):
+            print(f"    cuda:{s['cuda_device']} settings in force: {s['config_string'] or '-'}",
+                  file=out)

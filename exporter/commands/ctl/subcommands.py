@@ -1,0 +1,90 @@
+"""`allocwatch ctl`'s subcommands: each builds a request from its arguments, sends it to the
+sidecar's admin API and prints the answer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from exporter.commands.ctl.client import AdminClient, CtlError, client_for
+from exporter.commands.ctl.diagnose import run_diagnosis
+from exporter.commands.ctl.output import human_bytes, print_agents, print_results
+
+
+def selectors(args: argparse.Namespace) -> dict[str, Any]:
+    found = {"rank": args.rank, "host": args.host, "job": args.job, "agent": args.agent}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _emit(args: argparse.Namespace, answer: dict[str, Any], out: TextIO) -> int:
+    if args.json:
+        print(json.dumps(answer, indent=2), file=out)
+    else:
+        print_results(answer, out)
+    return 0 if answer["ok"] else 1
+
+
+def cmd_agents(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    answer = client.get("/v1/agents", **selectors(args))
+    if args.json:
+        print(json.dumps(answer, indent=2), file=out)
+    else:
+        print_agents(answer["agents"], out)
+    return 0
+
+
+def cmd_set(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    return _emit(args, client.post("/v1/settings", {"settings": args.settings,
+                                                    **selectors(args)}), out)
+
+
+def cmd_reclaim(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    mode = "all" if args.all else "gc"
+    return _emit(args, client.post("/v1/reclaim", {"mode": mode, **selectors(args)}), out)
+
+
+def cmd_reset_peaks(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    return _emit(args, client.post("/v1/reset-peaks", selectors(args)), out)
+
+
+def cmd_snapshot(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    answer = client.post("/v1/snapshot", {"frames": args.frames, **selectors(args)})
+    status = _emit(args, answer, out)
+    if args.output:
+        taken = [r for r in answer["results"] if "snapshot" in r]
+        target = Path(args.output)
+        if len(taken) > 1 and not target.is_dir():
+            raise CtlError(f"-o {args.output}: {len(taken)} agents answered; give a directory "
+                           "or select one agent (--rank/--host/--job/--agent)")
+        for r in taken:
+            data = client.request("GET", r["snapshot"]["download"])
+            path = target / Path(r["snapshot"]["path"]).name if target.is_dir() else target
+            path.write_bytes(data)
+            print(f"  wrote {path} ({human_bytes(len(data))})", file=sys.stderr)
+    return status
+
+
+def cmd_diagnose(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    return run_diagnosis(args, client, selectors(args), out)
+
+
+COMMANDS = {
+    "agents": cmd_agents,
+    "set": cmd_set,
+    "reclaim": cmd_reclaim,
+    "snapshot": cmd_snapshot,
+    "reset-peaks": cmd_reset_peaks,
+    "diagnose": cmd_diagnose,
+}
+
+
+def main(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    try:
+        return COMMANDS[args.ctl_command](args, client_for(args), out)
+    except CtlError as err:
+        print(f"allocwatch ctl: {err}", file=sys.stderr)
+        return err.status

@@ -1,0 +1,267 @@
+"""The sidecar daemon: the agents' gRPC server, the metrics endpoint, NVML, wired together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from grpc import aio
+from prometheus_client import CollectorRegistry
+from prometheus_client.process_collector import ProcessCollector
+
+from exporter.admin.collector import AdminCollector
+from exporter.admin.http_server import AdminHttpServer
+from exporter.admin.service import AdminService
+from exporter.config import ConfigError, apply_reload
+from exporter.policy.collector import PolicyCollector
+from exporter.policy.engine import PolicyEngine
+from exporter.policy.runner import PolicyRunner
+from exporter.protocol.nvml import NvmlReader
+from exporter.protocol.version import PACKAGE_VERSION
+from exporter.sidecar.collectors import (
+    AgentsCollector,
+    AllocatorCollector,
+    GpuCollector,
+    SidecarCollector,
+)
+from exporter.sidecar.config import SidecarConfig
+from exporter.sidecar.grpc_server import start_grpc_server
+from exporter.sidecar.http_server import MetricsHttpServer
+from exporter.sidecar.registry import Registry
+from exporter.sidecar.reload import ConfigWatcher
+
+log = logging.getLogger("exporter.sidecar")
+
+
+class Sidecar:
+    """Start with `await start()`, stop with `await stop()`; all on one event loop."""
+
+    def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None,
+                 config_path: str | Path | None = None):
+        self.config = config
+        self.config_path = config_path
+        self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents)
+        self.nvml: NvmlReader | None = None
+        if config.nvml.enabled:
+            self.nvml = NvmlReader(nvml_module, cache_seconds=config.nvml.cache_seconds)
+        else:
+            log.info("NVML disabled by settings (nvml.enabled: false): no device series "
+                     "from the sidecar")
+        self.policy = PolicyEngine(config.policy)
+        self.policy_runner = PolicyRunner(self.policy, self.registry)
+        self.admin: AdminHttpServer | None = None
+        self.watcher: ConfigWatcher | None = None
+        if config_path is not None and config.reload.enabled:
+            self.watcher = ConfigWatcher(config_path, self.apply_config,
+                                         config.reload.interval_seconds)
+        # One collector per source; the admin API's joins them once it listens.
+        self.metrics_registry = CollectorRegistry(auto_describe=False)
+        for collector in (AllocatorCollector(self.registry), GpuCollector(self.registry, self.nvml),
+                          AgentsCollector(self.registry), SidecarCollector(self.watcher),
+                          PolicyCollector(self.policy)):
+            self.metrics_registry.register(collector)
+        # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
+        ProcessCollector(registry=self.metrics_registry)
+        self.grpc_server: aio.Server | None = None
+        self.http: MetricsHttpServer | None = None
+        self.agent_targets: list[str] = []
+        self._ready = False
+        self._heartbeat = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def metrics_url(self) -> str:
+        assert self.http is not None
+        host = self.config.metrics.address
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.http.port}"
+
+    async def start(self) -> None:
+        if self.nvml is not None:
+            await asyncio.to_thread(self.nvml.start)
+        self.http = MetricsHttpServer(
+            self.config.metrics.address, self.config.metrics.port, self.metrics_registry,
+            self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy)
+        self.http.start()
+        try:
+            self.grpc_server, self.agent_targets = await start_grpc_server(
+                self.registry, self.config.agents)
+        except Exception:
+            self.http.stop()
+            raise
+        try:
+            self._start_admin()
+        except Exception:
+            await self.grpc_server.stop(0)
+            self.http.stop()
+            raise
+        self._tasks.append(asyncio.create_task(self._housekeeping()))
+        self._tasks.append(asyncio.create_task(self.policy_runner.run()))
+        if self.watcher is not None:
+            self._tasks.append(asyncio.create_task(self.watcher.run()))
+        self._ready = True
+        policy = self.policy.config
+        log.info("sidecar started", extra={
+            "version": PACKAGE_VERSION, "agents": self.agent_targets, "metrics": self.metrics_url,
+            "nvml": bool(self.nvml and self.nvml.available),
+            "admin": self.admin.addresses() if self.admin else [],
+            "policy_rules": [r.name for r in policy.rules], "policy_dry_run": policy.dry_run,
+            "watching": str(self.config_path) if self.watcher else None})
+
+    def _start_admin(self) -> None:
+        admin = self.config.admin
+        if not admin.enabled:
+            log.info("admin API disabled by settings (admin.enabled: false)")
+            return
+        service = AdminService(
+            self.registry, asyncio.get_running_loop(),
+            timeout=lambda: self.config.admin.command_timeout_seconds)
+        self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
+        self.admin.start()
+        self.metrics_registry.register(AdminCollector(self.admin))
+
+    def apply_config(self, new: SidecarConfig) -> list[str]:
+        """Install reloaded settings (on the event loop); returns the changed fields that only
+        a restart applies (listeners, ports), which keep their values until then."""
+        old = self.config
+        effective, restart = apply_reload(old, new)
+        if self.admin is not None and effective.admin != old.admin:
+            try:
+                self.admin.set_token(effective.admin)
+            except ConfigError as err:
+                log.error("the reloaded admin token cannot be read; the old one stays",
+                          extra={"reason": str(err)})
+        self.registry.expiry_seconds = effective.agents.expiry_seconds
+        self.registry.max_agents = effective.agents.max_agents
+        logging.getLogger().setLevel(effective.logging.level.upper())
+        if self.watcher is not None:
+            self.watcher.interval_seconds = effective.reload.interval_seconds
+        self.policy_runner.reconfigure(effective.policy)
+        self.config = effective
+        return restart
+
+    def _healthy(self) -> bool:
+        # The event loop is alive when its housekeeping task ran recently.
+        return time.monotonic() - self._heartbeat < 10.0
+
+    async def _housekeeping(self) -> None:
+        while True:
+            self._heartbeat = time.monotonic()
+            self.registry.agents()  # expires departed agents even when nobody scrapes
+            await asyncio.sleep(1.0)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        self._ready = False
+        for task in self._tasks:
+            task.cancel()
+        if self.admin is not None:
+            await asyncio.to_thread(self.admin.stop)
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace)
+        if self.http is not None:
+            self.http.stop()
+        if self.nvml is not None:
+            self.nvml.close()
+        log.info("sidecar stopped")
+
+
+TRAINING_DONE_FILE = "training-done"
+
+
+def training_finished(sidecar: Sidecar, grace_seconds: float) -> str | None:
+    """Why the training is over, for --exit-after-training (Kubernetes before 1.29, where a
+    sidecar is a regular container and must exit for the pod to complete); None while it runs.
+
+    Over when the trainer wrote `training-done` beside the agents' socket, or when every agent
+    that connected has been gone for `grace_seconds` (a trainer killed before it could write
+    the file). Before any agent connected, only the file ends it.
+    """
+    socket = sidecar.config.agents.unix_socket
+    if socket and (Path(socket).parent / TRAINING_DONE_FILE).exists():
+        return f"{TRAINING_DONE_FILE} found"
+    agents = sidecar.registry.agents()
+    if sidecar.registry.ever_connected and not any(a.connected for a in agents):
+        gone = sidecar.registry.all_gone_since
+        if gone is not None and time.monotonic() - gone >= grace_seconds:
+            return f"every agent gone for {grace_seconds:g} s"
+    return None
+
+
+async def _serve(config: SidecarConfig, exit_after_training: bool, grace_seconds: float,
+                 config_path: str | Path | None = None) -> None:
+    sidecar = Sidecar(config, config_path=config_path)
+    await sidecar.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+        except asyncio.TimeoutError:
+            pass
+        if exit_after_training:
+            reason = training_finished(sidecar, grace_seconds)
+            if reason is not None:
+                log.info("training finished, stopping", extra={"reason": reason})
+                break
+    else:
+        log.info("signal received, stopping")
+    await sidecar.stop()
+
+
+def run_sidecar(config: SidecarConfig, exit_after_training: bool = False,
+                grace_seconds: float = 60.0, config_path: str | Path | None = None) -> None:
+    """Run until SIGTERM or SIGINT (the `allocwatch sidecar` command), or, with
+    exit_after_training, until the training is over. With `config_path`, the file is watched
+    and reloaded when it changes."""
+    asyncio.run(_serve(config, exit_after_training, grace_seconds, config_path))
+
+
+class SidecarThread:
+    """A sidecar on its own event loop in a background thread (tests, demo, benchmarks)."""
+
+    def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None,
+                 config_path: str | Path | None = None):
+        self.sidecar = Sidecar(config, nvml_module, config_path)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="allocwatch-sidecar",
+                                        daemon=True)
+
+    def start(self) -> SidecarThread:
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.sidecar.start(), self.loop).result(30)
+        except BaseException:
+            self._end_loop()
+            raise
+        return self
+
+    def _end_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        try:
+            self.call(self.sidecar.stop(grace=0.2))
+        finally:
+            self._end_loop()
+
+    def __enter__(self) -> SidecarThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,240 @@
+"""The agents' gRPC endpoint: AgentService.Connect, one stream per training process.
+
+Each stream: the agent's Hello (within agents.hello_timeout_seconds, with a compatible protocol
+version, else the stream is refused with a message saying why), the sidecar's Welcome, then
+reports from the agent and commands from the sidecar, concurrently. Bad input ends that one
+stream with a clear status; other agents are not affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from exporter.protocol.handshake import format_version, incompatibility, local_version
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
+from exporter.protocol.service import SERVICE_NAME
+from exporter.protocol.version import PACKAGE_VERSION
+from exporter.sidecar.config import AgentsConfig
+from exporter.sidecar.registry import AgentLimitError, AgentSession, AgentState, Registry
+
+log = logging.getLogger("exporter.grpc")
+
+MAX_DEVICES_PER_REPORT = 64
+MAX_IDENTITY_STRING = 512
+
+
+class ListenError(RuntimeError):
+    """The agents' listener cannot be set up (e.g. the socket directory is not writable)."""
+
+
+def _identity_problem(identity: pb.Identity) -> str | None:
+    for field, value in identity.ListFields():
+        if isinstance(value, str) and len(value) > MAX_IDENTITY_STRING:
+            return f"identity.{field.name} is longer than {MAX_IDENTITY_STRING} characters"
+    if identity.pid <= 0:
+        return "identity.pid must be a positive process id"
+    if not identity.instance_id:
+        return "identity.instance_id is empty"
+    return None
+
+
+class AgentService(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, registry: Registry, config: AgentsConfig):
+        self._registry = registry
+        self._config = config
+
+    async def _refuse(self, context: aio.ServicerContext, code: grpc.StatusCode, reason: str,
+                      message: str, peer: str) -> None:
+        self._registry.count_stream_error(reason)
+        log.warning("agent stream refused", extra={"peer": peer, "reason": reason,
+                                                   "detail": message})
+        await context.abort(code, message)
+
+    async def Connect(self, request_iterator, context: aio.ServicerContext):  # noqa: N802
+        peer = context.peer() or "unknown"
+        try:
+            first = await asyncio.wait_for(context.read(), self._config.hello_timeout_seconds)
+        except asyncio.TimeoutError:
+            await self._refuse(
+                context, grpc.StatusCode.DEADLINE_EXCEEDED, "no_hello",
+                f"no hello within {self._config.hello_timeout_seconds:g} s: an agent must open "
+                "the stream with AgentMessage.hello", peer)
+            return
+        if first is aio.EOF:
+            return
+        kind = first.WhichOneof("body")
+        if kind != "hello":
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "no_hello",
+                f"the first message must be hello, got {kind or 'an empty message'}", peer)
+            return
+        hello = first.hello
+        if not hello.HasField("protocol_version"):
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_hello",
+                               "hello.protocol_version is missing", peer)
+            return
+        why = incompatibility(hello.protocol_version)
+        if why is not None:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "protocol_version",
+                               f"sidecar {PACKAGE_VERSION}: agent {why}", peer)
+            return
+        problem = _identity_problem(hello.identity)
+        if problem is not None:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_hello", problem,
+                               peer)
+            return
+        protocol = format_version(hello.protocol_version)
+        try:
+            state = self._registry.connect(hello.identity, protocol, peer)
+        except AgentLimitError as err:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_many_agents",
+                               str(err), peer)
+            return
+        session = AgentSession(asyncio.get_running_loop(), self._registry, state.key)
+        state.session = session
+        ident = hello.identity
+        log.info("agent connected", extra={
+            "agent": state.key, "peer": peer, "pid": ident.pid, "host": ident.host,
+            "rank": ident.rank, "local_rank": ident.local_rank, "protocol": protocol,
+            "backend": ident.backend})
+        writer = asyncio.create_task(self._write_commands(context, session))
+        reason = "stream ended"
+        try:
+            await context.write(pb.SidecarMessage(welcome=pb.Welcome(
+                protocol_version=local_version(), sidecar_version=PACKAGE_VERSION,
+                agent_key=state.key)))
+            reason = await self._read_loop(context, state, session)
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+            self._registry.disconnect(state)
+            log.info("agent disconnected", extra={"agent": state.key, "reason": reason})
+
+    async def _write_commands(self, context: aio.ServicerContext, session: AgentSession) -> None:
+        while True:
+            command = await session.outgoing.get()
+            await context.write(pb.SidecarMessage(command=command))
+
+    async def _read_loop(self, context: aio.ServicerContext, state: AgentState,
+                         session: AgentSession) -> str:
+        while True:
+            message = await context.read()
+            if message is aio.EOF:
+                return "agent closed the stream"
+            kind = message.WhichOneof("body")
+            if kind == "report":
+                report = message.report
+                if len(report.devices) > MAX_DEVICES_PER_REPORT:
+                    await self._refuse(
+                        context, grpc.StatusCode.INVALID_ARGUMENT, "bad_report",
+                        f"a report has {len(report.devices)} devices, more than "
+                        f"{MAX_DEVICES_PER_REPORT}", state.peer)
+                self._registry.record_report(state, report)
+            elif kind == "command_result":
+                state.last_result = message.command_result
+                if not session.resolve(message.command_result):
+                    log.warning("result for an unknown command", extra={
+                        "agent": state.key, "command_id": message.command_result.command_id})
+            elif kind == "goodbye":
+                return f"goodbye: {message.goodbye.reason}"
+            elif kind == "hello":
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_sequence",
+                                   "hello sent twice on one stream", state.peer)
+            else:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_message",
+                                   "empty AgentMessage (no body set)", state.peer)
+
+
+def _prepare_socket_dir(path: Path) -> None:
+    try:
+        path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+    except OSError as err:
+        raise ListenError(
+            f"cannot create the socket directory {path.parent}: {err.strerror}") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ListenError(f"the socket directory {path.parent} is not writable by this user "
+                          f"(uid {os.getuid()})")
+
+
+async def start_grpc_server(registry: Registry, config: AgentsConfig
+                            ) -> tuple[aio.Server, list[str]]:
+    """Start the server; returns it and the addresses agents can use."""
+    server = aio.server(options=[
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ])
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(registry, config), server)
+    health = _add_health_service(server)
+    targets = []
+    if config.unix_socket:
+        path = Path(config.unix_socket)
+        _prepare_socket_dir(path)
+        # The socket is created by bind(); the umask keeps it private from the first instant,
+        # chmod then sets exactly the configured mode.
+        old_umask = os.umask(0o777 & ~config.socket_mode)
+        try:
+            server.add_insecure_port(f"unix://{path}")
+        except RuntimeError as err:
+            raise ListenError(f"cannot listen on unix socket {path}: {err}") from None
+        finally:
+            os.umask(old_umask)
+        targets.append(f"unix://{path}")
+    if config.tcp_port is not None:
+        host = config.tcp_address
+        bracketed = f"[{host}]" if ":" in host else host
+        try:
+            address = f"{bracketed}:{config.tcp_port}"
+            credentials = _tls_credentials(config)
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
+        except RuntimeError as err:
+            raise ListenError(f"cannot listen on {bracketed}:{config.tcp_port}: {err}") from None
+        targets.append(f"{bracketed}:{port}")
+    await server.start()
+    if config.unix_socket:
+        os.chmod(config.unix_socket, config.socket_mode)
+    if health is not None:
+        from grpc_health.v1 import health_pb2
+
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, targets
+
+
+def _add_health_service(server: aio.Server):
+    try:
+        from grpc_health.v1 import health_pb2_grpc
+        from grpc_health.v1.health import aio as health_aio
+    except Exception as err:  # e.g. a protobuf runtime older than grpcio-health-checking's stubs
+        log.warning("gRPC health service unavailable", extra={"reason": str(err)})
+        return None
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    return health
+
+
+def _tls_credentials(config: AgentsConfig) -> grpc.ServerCredentials | None:
+    """Server credentials for the TCP listener, or None for plaintext."""
+    if not config.tls_cert_file:
+        return None
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    client_ca = read(config.tls_client_ca_file) if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(read(config.tls_key_file), read(config.tls_cert_file))],
+        root_certificates=client_ca, require_client_auth=client_ca is not None)

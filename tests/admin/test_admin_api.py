@@ -1,0 +1,234 @@
+"""The admin API over real sockets and real HTTP: selection reaches exactly the chosen agents,
+bad values and bad tokens are refused and change nothing, the token never shows in logs or
+metrics, and snapshots come back with their path and bytes."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import logging
+import pickle
+import socket
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.control import connect_agent, metric, start_control_sidecar, two_agents_running
+from support.sidecar import FakeSource, MiB, scrape
+
+from exporter.config import ConfigError
+from exporter.sidecar.config import parse_config
+
+ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "4f1c0a9e7b2d4c6a8e0f1b3d5c7a9e2f"
+
+
+class _Unix(http.client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("localhost", timeout=30)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self._path)
+
+
+def call(address: str, method: str, path: str, body: Any = None,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    if address.startswith("unix://"):
+        conn: http.client.HTTPConnection = _Unix(address[len("unix://"):])
+    else:
+        conn = http.client.HTTPConnection(address[len("http://"):], timeout=30)
+    data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None
+                                                 else None)
+    conn.request(method, path, body=data, headers=headers or {})
+    response = conn.getresponse()
+    payload = response.read()
+    conn.close()
+    if response.getheader("Content-Type") == "application/json":
+        return response.status, json.loads(payload)
+    return response.status, payload
+
+
+@pytest.fixture
+def two_agents(tmp_path: Path):
+    with two_agents_running(tmp_path) as running:
+        yield running
+
+
+def test_unix_socket_is_private_and_lists_agents_by_selector(two_agents) -> None:
+    running, address, _ = two_agents
+    mode = stat.S_IMODE(Path(address[len("unix://"):]).stat().st_mode)
+    assert mode == 0o600
+    status, answer = call(address, "GET", "/v1/agents")
+    assert status == 200 and sorted(a["rank"] for a in answer["agents"]) == [0, 1]
+    for query, rank in (("rank=1", 1), ("host=node-a", 0), ("job=j2", 1)):
+        status, answer = call(address, "GET", f"/v1/agents?{query}")
+        assert status == 200 and [a["rank"] for a in answer["agents"]] == [rank], query
+    (device,) = answer["agents"][0]["devices"]
+    assert device["reserved_bytes"] == 40 * MiB and device["allocated_bytes"] == 30 * MiB
+    assert device["fragmentation_ratio"] == pytest.approx(0.25)
+    assert call(address, "GET", "/v1/agents?rank=7")[1]["agents"] == []
+    assert call(address, "GET", "/v1/agents?colour=red")[0] == 400
+
+
+def test_commands_reach_exactly_the_selected_agents(two_agents) -> None:
+    running, address, (first, second) = two_agents
+    status, answer = call(address, "POST", "/v1/settings",
+                          {"settings": "garbage_collection_threshold:0.6", "rank": 1})
+    assert status == 200 and answer["ok"] and answer["selected"] == 1
+    (result,) = answer["results"]
+    assert result["rank"] == 1 and result["status"] == "ok"
+    assert "garbage_collection_threshold:0.6" in result["settings_in_force"][0]["config_string"]
+    assert first.calls == [] and second.calls == [("set_config",
+                                                   "garbage_collection_threshold:0.6")]
+
+    status, answer = call(address, "POST", "/v1/reclaim", {"mode": "all", "host": "node-a"})
+    assert status == 200 and [r["rank"] for r in answer["results"]] == [0]
+    assert answer["results"][0]["bytes_released"] == 10 * MiB
+    assert answer["results"][0]["sync_seconds"] >= 0
+    assert first.calls == [("reclaim", (0, True))] and len(second.calls) == 1
+
+    assert call(address, "POST", "/v1/reset-peaks", {"job": "j2"})[0] == 200
+    assert second.calls[-1] == ("reset_peaks", 0) and len(first.calls) == 1
+
+    status, answer = call(address, "POST", "/v1/reclaim", {})  # no selector: every agent
+    assert status == 200 and answer["selected"] == 2
+    assert first.calls[-1] == ("reclaim", (0, False)) == second.calls[-1]
+
+
+def test_bad_values_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    running = start_control_sidecar(tmp_path)
+    allocator = ae.Allocator(ae.SimDevice(capacity=0), "native")
+    agent = connect_agent(running, tmp_path, {0: allocator})
+    (address,) = running.sidecar.admin.addresses()
+    before = allocator.config_string()
+    try:
+        cases = [
+            ("/v1/settings", {"settings": "garbage_collection_threshold:0.6,bogus_key:1"},
+             400, "bogus_key"),
+            ("/v1/settings", {"settings": "garbage_collection_threshold:1.5"}, 400,
+             "garbage_collection_threshold"),
+            ("/v1/settings", {"settings": ""}, 400, "settings"),
+            ("/v1/settings", {"settings": "expandable_segments:True", "colour": 1}, 400,
+             "unknown field 'colour'"),
+            ("/v1/settings", {"settings": "expandable_segments:True", "rank": "first"}, 400,
+             "rank: expected an integer"),
+            ("/v1/settings", {"settings": "expandable_segments:True", "rank": 5}, 404,
+             "no connected agent matches"),
+            ("/v1/reclaim", {"mode": "everything"}, 400, "mode: must be gc or all"),
+            ("/v1/snapshot", {"frames": "yes"}, 400, "frames: expected true or false"),
+            ("/v1/reclaim", b"{not json", 400, "not JSON"),
+            ("/v1/reclaim", [1, 2], 400, "JSON object"),
+        ]
+        for path, body, code, message in cases:
+            status, answer = call(address, "POST", path, body)
+            assert status == code and message in answer["error"], (body, answer)
+        assert call(address, "GET", "/v1/settings")[0] == 405
+        assert call(address, "POST", "/v1/reboot", {})[0] == 404
+        assert allocator.config_string() == before
+        assert allocator.stats()["num_empty_cache_calls"] == 0
+        assert metric(running, "allocwatch_commands_total") == 0.0  # nothing reached the agent
+        assert metric(running, "allocwatch_admin_requests_total", endpoint="/v1/settings",
+                      code="400") == 5.0
+    finally:
+        agent.stop()
+        running.stop()
+
+
+def test_tcp_needs_the_right_token_and_never_shows_it(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    running = start_control_sidecar(tmp_path, admin={
+        "unix_socket": "", "tcp_port": 0, "token_file": str(token_file)})
+    source = FakeSource()
+    agent = connect_agent(running, tmp_path, source)
+    (address,) = running.sidecar.admin.addresses()
+    assert address.startswith("http://127.0.0.1:")  # loopback by default
+    body = {"settings": "garbage_collection_threshold:0.6"}
+    try:
+        with caplog.at_level(logging.DEBUG):
+            for headers in ({}, {"Authorization": "Bearer wrong"},
+                            {"Authorization": f"Bearer {TOKEN}x"},
+                            {"Authorization": f"Bearer {TOKEN[:-1]}"},
+                            {"Authorization": TOKEN},  # no scheme
+                            {"Authorization": f"Basic {TOKEN}"}):
+                assert call(address, "POST", "/v1/settings", body, headers)[0] == 401, headers
+                assert call(address, "GET", "/v1/agents", None, headers)[0] == 401
+            assert source.calls == []  # nothing changed
+            good = {"Authorization": f"Bearer {TOKEN}"}
+            status, answer = call(address, "GET", "/v1/agents", None, good)
+            assert status == 200 and len(answer["agents"]) == 1
+            assert call(address, "POST", "/v1/settings", body, good)[0] == 200
+            assert source.calls == [("set_config", "garbage_collection_threshold:0.6")]
+        text, _ = scrape(running.sidecar.metrics_url)
+        assert TOKEN not in text
+        assert metric(running, "allocwatch_admin_requests_total", code="401") == 12.0
+        for record in caplog.records:
+            assert TOKEN not in repr(vars(record)) and TOKEN[:-1] not in repr(vars(record))
+        refused = [r for r in caplog.records if r.getMessage() == "admin request"
+                   and getattr(r, "status", 0) == 401]
+        assert len(refused) == 12 and refused[0].levelno == logging.WARNING
+    finally:
+        agent.stop()
+        running.stop()
+
+
+def test_token_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AW_TEST_ADMIN_TOKEN", TOKEN)
+    running = start_control_sidecar(tmp_path, admin={"tcp_port": 0,
+                                                     "token_env": "AW_TEST_ADMIN_TOKEN"})
+    try:
+        unix, tcp = running.sidecar.admin.addresses()
+        assert call(tcp, "GET", "/v1/agents")[0] == 401
+        assert call(tcp, "GET", "/v1/agents", None, {"Authorization": f"Bearer {TOKEN}"})[0] == 200
+        assert call(unix, "GET", "/v1/agents")[0] == 200  # the socket's mode guards it
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("admin, message", [
+    ({"tcp_port": 9000}, "admin.tcp_port: the admin API listens on TCP only with a bearer token"),
+    ({"tcp_port": 9000, "token_env": "AW_SURELY_UNSET_VARIABLE"}, "token is empty"),
+    ({"tcp_port": 9000, "token_file": "/nonexistent/token"}, "admin.token_file: cannot read"),
+    ({"socket_mode": "0666"}, "admin.socket_mode: 0o666 lets every user"),
+    ({"tcp_port": 9000, "token_file": "/x", "token_env": "Y"}, "not both"),
+    ({"command_timeout_seconds": 0}, "admin.command_timeout_seconds"),
+    ({"colour": 1}, "admin.colour: unknown setting"),
+])
+def test_admin_settings_are_checked(admin: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"admin": admin})
+    assert message in str(err.value)
+
+
+def test_short_token_file_is_refused(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("abc\n")
+    with pytest.raises(ConfigError, match="shorter than 16 bytes"):
+        parse_config({"admin": {"tcp_port": 0, "token_file": str(token_file)}})
+
+
+def test_snapshot_returns_path_and_bytes(two_agents) -> None:
+    running, address, _ = two_agents
+    status, answer = call(address, "POST", "/v1/snapshot", {"rank": 0})
+    assert status == 200 and answer["ok"]
+    (result,) = answer["results"]
+    path = Path(result["snapshot"]["path"])
+    assert path.is_file() and path.stat().st_size == result["snapshot"]["bytes"]
+    status, data = call(address, "GET", result["snapshot"]["download"])
+    assert status == 200 and data == path.read_bytes()
+    snapshot = pickle.loads(gzip.decompress(data))
+    assert snapshot["segments"][0]["frames"] == []  # no stack frames unless asked
+
+    status, answer = call(address, "POST", "/v1/snapshot", {"rank": 0, "frames": True})
+    data = call(address, "GET", answer["results"][0]["snapshot"]["download"])[1]
+    assert pickle.loads(gzip.decompress(data))["segments"][0]["frames"]
+    # Only files an agent reported are served.
+    assert call(address, "GET", "/v1/snapshots/passwd")[0] == 404
+    assert call(address, "GET", "/v1/snapshots/..%2F..%2Fetc%2Fpasswd")[0] == 404

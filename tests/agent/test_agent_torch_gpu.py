@@ -1,0 +1,60 @@
+"""PyTorch's own allocator as the agent's source, on a real GPU (skipped elsewhere, saying why).
+
+Runs for real on the H200 machine: torch.cuda.memory_stats for every device the process uses,
+the GPU's UUID from torch, NVML device figures from the agent, and the reclaim/reset/settings
+commands mapped onto PyTorch's calls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.sidecar import MiB, start_sidecar, values
+from support.waiting import wait_for
+
+from allocator_ext.agent import start_agent
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch"),
+]
+
+
+def test_pytorch_source_on_the_gpu(tmp_path: Path) -> None:
+    running = start_sidecar(tmp_path)
+    url = running.sidecar.metrics_url
+    torch.cuda.init()
+    device = torch.device("cuda", 0)
+    keep = [torch.empty(64 * MiB, dtype=torch.uint8, device=device) for _ in range(4)]
+    scratch = [torch.empty(32 * MiB, dtype=torch.uint8, device=device) for _ in range(4)]
+    del scratch
+    agent = start_agent(running.sidecar.agent_targets[0], interval=0.1, source="pytorch",
+                        identity={"rank": 0}, stop_at_exit=False)
+    try:
+        uuid = agent.identity.gpu_uuid
+        assert uuid.startswith("GPU-"), uuid
+        wait_for(lambda: values(url, "torch_cuda_allocator_allocated_bytes", gpu_uuid=uuid),
+                 what="series of cuda:0")
+        assert values(url, "torch_cuda_allocator_allocated_bytes", gpu_uuid=uuid)[0] >= 256 * MiB
+        assert values(url, "torch_cuda_allocator_info", backend="pytorch") == [1.0]
+        assert values(url, "allocwatch_gpu_memory_total_bytes", gpu_uuid=uuid)[0] > 0
+        reserved = torch.cuda.memory_reserved(0)
+        session = running.sidecar.registry.agents()[0].session
+        assert session is not None
+        result = running.call(session.send(
+            pb.Command(cuda_device=0, reclaim=pb.Reclaim(mode=pb.Reclaim.EMPTY_CACHE))))
+        assert result.status == pb.CommandResult.OK, result.message
+        assert result.bytes_released == reserved - torch.cuda.memory_reserved(0)
+        assert result.bytes_released >= 128 * MiB
+        result = running.call(session.send(pb.Command(
+            set_config=pb.SetConfig(settings="garbage_collection_threshold:0.9"))))
+        assert result.status == pb.CommandResult.OK, result.message
+        assert result.settings_in_force[0].settings.garbage_collection_threshold == 0.9
+    finally:
+        agent.stop()
+        running.stop()
+        del keep

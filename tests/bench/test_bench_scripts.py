@@ -1,0 +1,119 @@
+"""The GPU benchmarks' plumbing, exercised on the CPU so that a GPU session does not spend its
+minutes on a broken script (the measurements themselves need the H200)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.paths import REPO
+
+from allocator_ext.replay import load_trace
+from allocator_ext.replay.engine import replay
+
+
+def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out_file = tmp_path / "soak.json"
+    out = subprocess.run([sys.executable, "bench/gpu_soak.py", "--self-check", "--json",
+                          str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["corrupt_steps"] == 0 and result["steps"] > 100
+    assert result["sidecar_kills"] >= 2
+    assert result["agent_back_after_restart"] == result["sidecar_kills"]
+    assert result["counters_went_back"] == 0
+
+
+def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_path: Path) -> None:
+    out_file = tmp_path / "agent_cpu.json"
+    out = subprocess.run([sys.executable, "bench/agent_cpu_cost.py", "--seconds", "3",
+                          "--interval", "0.5", "--json", str(out_file)], cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["reports_sent"] >= 5           # it really published, every half second
+    assert result["sample_median_us"] > 0
+    assert "agent_cpu_share_of_one_core" in result
+
+
+@pytest.mark.parametrize("script", ["agent_overhead.py", "torch_bench.py", "gpu_soak.py",
+                                    "fragmentation.py", "policy_under_cap.py",
+                                    "agent_cpu_cost.py", "step_lockstep.py", "steady_state.py"])
+def test_bench_scripts_explain_themselves(script: str) -> None:
+    out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "usage:" in out.stdout
+
+
+def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles(
+        tmp_path: Path) -> None:
+    out_file = tmp_path / "steady.json"
+    out = subprocess.run([sys.executable, "bench/steady_state.py", "--passes", "3", "--traces",
+                          "tests/data/traces/convnet__default.pickle.gz", "--json",
+                          str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    passes = json.loads(out_file.read_text())["passes"]["convnet__default.pickle.gz"]
+    assert len(passes) == 3
+    # The first pass grows the cache; once the pattern repeats, allocwatch's defaults make a
+    # small fraction of those calls (the high-water rule: no new pages below the peak), and
+    # what they still make costs a small share of the trace's active time.
+    assert passes[0]["create"] > 50
+    assert passes[-1]["create"] * 10 <= passes[0]["create"]
+    assert passes[-1]["call_share"] * 3 <= passes[0]["call_share"]
+    # The first pass is exactly what `allocwatch replay` prices: the same frees, the same waits.
+    replayed = replay(load_trace(str(REPO / "tests/data/traces/convnet__default.pickle.gz")))
+    assert passes[0]["call_share"] == pytest.approx(replayed.report["device_call_share"])
+
+
+def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
+    out = subprocess.run([sys.executable, "bench/step_lockstep.py", "--fraction-of-peak", "0.9"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr
+
+
+def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path) -> None:
+    # Built with the project's only build requirement, a C++ compiler; the figures themselves
+    # count only on the H200 host (docs/benchmarks.md).
+    out_file = tmp_path / "hotpath.json"
+    out = subprocess.run(["bash", "bench/run_hotpath.sh", "--rounds", "2", "--json",
+                          str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "device calls inside the timed loop" not in out.stderr
+    result = json.loads(out_file.read_text())
+    assert result["rounds"] == 2
+    patterns = {r["pattern"]: r for r in result["results"]}
+    assert len(patterns) == 14
+    assert all(0 < r["p10_ns"] <= r["median_ns"] <= r["p90_ns"] for r in patterns.values())
+    assert set(result["scale_ratio"]) == {"native", "allocwatch"}
+
+
+def test_core_hot_path_benchmark_refuses_an_unknown_option() -> None:
+    out = subprocess.run(["bash", "bench/run_hotpath.sh", "--round", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "usage: hotpath" in out.stderr
+
+
+def test_hotpath_ratios_compare_batches_of_the_same_round() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
+    finally:
+        sys.path.pop(0)
+    samples = []
+    # The host is twice as slow in round 1: within each round allocwatch takes half the time.
+    for rnd, pace in [(0, 1.0), (1, 2.0), (2, 1.0)]:
+        for pattern in [*HOTPATH_PATTERNS, TORCH_EMPTY]:
+            samples.append({"round": rnd, "pattern": pattern, "allocator": "pytorch",
+                            "ns": 400 * pace})
+            samples.append({"round": rnd, "pattern": pattern, "allocator": "allocwatch",
+                            "ns": (200 if rnd < 2 else 300) * pace})
+    got = compare_hotpath(samples)
+    assert got["ratio_to_pytorch"]["allocwatch"]["512B"] == pytest.approx(0.5)
+    assert got["geomean_ratio"]["allocwatch"] == pytest.approx(0.5)
+    assert got["median_ns"]["pytorch"]["mix1000"] == pytest.approx(400)
+    assert "pytorch" not in got["geomean_ratio"]

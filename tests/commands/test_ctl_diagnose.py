@@ -1,0 +1,137 @@
+"""`allocwatch ctl diagnose`: the troubleshooting order on live figures of our core, the classic
+mistakes seen from counters, the snapshot replayed under candidates, and --apply."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from support.control import connect_agent, start_control_sidecar
+from support.sidecar import MiB
+
+from exporter.cli import main
+from exporter.commands.ctl.diagnose import EXPANDABLE, GC_THRESHOLD, MAX_SPLIT, diagnose
+
+ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def one_agent(tmp_path: Path):
+    running = start_control_sidecar(tmp_path)
+    allocator = ae.Allocator(ae.SimDevice(capacity=0), "native")
+    allocator.record_history(True)  # from the start, so that its snapshot replays
+    agent = connect_agent(running, tmp_path, {0: allocator}, rank=0)
+    (address,) = running.sidecar.admin.addresses()
+    yield address, allocator
+    agent.stop()
+    running.stop()
+
+
+def growing_blocks(allocator) -> None:
+    """Each large block freed before a larger one: fixed segments strand them (260 MiB reserved
+    for 8 MiB in use under PyTorch's defaults, 140 MiB with expandable segments)."""
+    for size in (30, 50, 70, 90):
+        block = allocator.malloc(size * MiB)
+        allocator.malloc(2 * MiB)
+        allocator.free(block)
+
+
+def test_fragmented_agent_walks_the_order_replays_and_applies(
+        one_agent, capsys: pytest.CaptureFixture[str]) -> None:
+    address, allocator = one_agent
+    growing_blocks(allocator)
+    time.sleep(0.2)  # a report with these figures
+    assert main(["ctl", "--admin", address, "diagnose", "--window", "0.2", "--replay",
+                 "--apply"]) == 0
+    out = capsys.readouterr().out
+    steps = [line.split(":")[0] for line in out.splitlines() if line[:2] in
+             ("1.", "2.", "3.", "4.", "5.")]
+    assert steps == ["1. retries and reserved ÷ allocated", "2. expandable segments",
+                     "3. max_split_size_mb", "4. garbage_collection_threshold", "5. snapshot"]
+    assert "reserved ÷ allocated = 32.50" in out and "fragmented cache" in out
+    assert f"would apply: {EXPANDABLE}" in out
+    # The replay measured each candidate on this process's own trace.
+    assert "native: peak reserved 260.0 MiB" in out
+    assert f"native,{EXPANDABLE}: peak reserved 140.0 MiB" in out
+    assert f"lowest peak reserved: native,{EXPANDABLE}" in out
+    assert f"recommendation: native,{EXPANDABLE}" in out
+    # --apply: the recommendation is now in force in the process.
+    assert allocator.config()["expandable_segments"] is True
+    assert "settings in force: native,expandable_segments:True" in out
+
+
+def test_empty_cache_every_step_is_named(one_agent, capsys: pytest.CaptureFixture[str]) -> None:
+    address, allocator = one_agent
+    stop = threading.Event()
+
+    def training_steps() -> None:  # the mistake: empty_cache() at the end of each step
+        while not stop.is_set():
+            block = allocator.malloc(64 * MiB)
+            allocator.free(block)
+            allocator.empty_cache()
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=training_steps)
+    thread.start()
+    try:
+        assert main(["ctl", "--admin", address, "diagnose", "--window", "1"]) == 0
+    finally:
+        stop.set()
+        thread.join()
+    out = capsys.readouterr().out
+    assert "empty_cache() called every step" in out
+    assert "device-wide synchronisations" in out
+    assert "recommendation: none" in out  # nothing is fragmented: only the mistake to fix
+    assert "add --replay" in out
+
+
+def test_diagnose_needs_one_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    running = start_control_sidecar(tmp_path)
+    agents = [connect_agent(running, tmp_path, {0: ae.Allocator(ae.SimDevice(capacity=0))},
+                            rank=rank) for rank in (0, 1)]
+    (address,) = running.sidecar.admin.addresses()
+    try:
+        assert main(["ctl", "--admin", address, "diagnose", "--window", "0"]) == 2
+        assert "diagnose looks at one agent: 2 connected agents match" in \
+            capsys.readouterr().err
+        assert main(["ctl", "--admin", address, "diagnose", "--rank", "1",
+                     "--window", "0"]) == 0
+    finally:
+        for agent in agents:
+            agent.stop()
+        running.stop()
+
+
+def device(*, reserved: int, allocated: int, retries: int = 0, expandable: bool = False,
+           gc: float = 0.0, split: int = 0, large_reserved: int = 0) -> dict:
+    counters = dict.fromkeys(("alloc_retries", "ooms", "device_mallocs", "device_frees",
+                              "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes",
+                              "empty_cache_calls", "allocations"), 0)
+    counters["alloc_retries"] = retries
+    return {"cuda_device": 0, "reserved_bytes": reserved, "allocated_bytes": allocated,
+            "pending_events": 0, "pending_free_bytes": 0, "counters": counters,
+            "large_pool": {"inactive_split_bytes": split, "reserved_bytes": large_reserved},
+            "settings": {"expandable_segments": expandable, "garbage_collection_threshold": gc,
+                         "max_split_size_bytes": None, "config_string": ""}}
+
+
+def test_order_of_proposals() -> None:
+    healthy = device(reserved=100 * MiB, allocated=95 * MiB)
+    assert diagnose("a", healthy, healthy, 1.0).recommendation is None
+    # Pressure with everything off: expandable segments first.
+    pressed = device(reserved=100 * MiB, allocated=95 * MiB, retries=4)
+    d = diagnose("a", pressed, pressed, 1.0)
+    assert [s.proposal for s in d.steps] == [None, EXPANDABLE, None, GC_THRESHOLD, None]
+    assert d.recommendation == EXPANDABLE
+    # Expandable segments already on: the GC threshold is next.
+    on = device(reserved=100 * MiB, allocated=95 * MiB, retries=4, expandable=True)
+    assert diagnose("a", on, on, 1.0).recommendation == GC_THRESHOLD
+    # Split remainders stranded: max_split_size_mb is offered as the alternative.
+    split = device(reserved=200 * MiB, allocated=100 * MiB, split=80 * MiB,
+                   large_reserved=180 * MiB)
+    assert [s.proposal for s in diagnose("a", split, split, 1.0).steps][:3] == [
+        None, EXPANDABLE, MAX_SPLIT]

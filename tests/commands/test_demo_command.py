@@ -1,0 +1,79 @@
+"""`allocwatch demo` for real: a sidecar, a workload process on the simulated device, and the
+live summary read back from /metrics."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from support.paths import SHARED_TRACES
+
+from exporter.commands.demo import EXAMPLE_TRACE, _synthetic_events, run_sim_workload
+
+ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_demo_prints_address_and_live_summary() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter.cli", "demo", "--duration", "5", "--port", "0",
+         "--workload", "sim"], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert re.search(r"metrics:\s+http://127\.0\.0\.1:\d+/metrics", out)
+    lines = [line for line in out.splitlines() if "reserved" in line and "fragmentation" in line]
+    assert len(lines) >= 3, out
+    reserved = [float(m.group(1)) for line in lines
+                if (m := re.search(r"reserved\s+([\d.]+) GiB", line))]
+    assert max(reserved) > 0, "the workload's figures never reached /metrics"
+    assert "agents 1" in lines[-1]
+    assert out.rstrip().endswith("allocwatch demo: done")
+
+
+def test_sim_workload_drives_the_allocator_until_stopped() -> None:
+    allocator = ae.Allocator(ae.SimDevice(capacity=0))
+    stop = threading.Event()
+    timer = threading.Timer(1.0, stop.set)
+    timer.start()
+    passes = run_sim_workload(allocator, stop, pace_seconds=0.0)
+    stats = allocator.stats()
+    assert passes >= 1
+    assert stats["allocation.all.allocated"] > 100
+    assert stats["allocated_bytes.all.current"] == 0  # each pass frees what it held
+    assert stats["reserved_bytes.all.peak"] > 0
+
+
+SHARED_TRACE = SHARED_TRACES / "gpt_varlen.pickle.gz"
+TRACE = EXAMPLE_TRACE if EXAMPLE_TRACE.exists() else SHARED_TRACE
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="neither the shipped example trace nor "
+                    "../shared/traces is present")
+def test_sim_workload_replays_a_recorded_trace() -> None:
+    allocator = ae.Allocator(ae.SimDevice(capacity=0))
+    stop = threading.Event()
+    threading.Timer(3.0, stop.set).start()
+    assert run_sim_workload(allocator, stop, trace=TRACE, pace_seconds=0.0) >= 1
+    stats = allocator.stats()
+    assert stats["allocation.all.allocated"] > 5000  # the trace's ~10k allocations, at least half
+    assert stats["num_ooms"] == 0
+
+
+def test_trace_reader_refuses_classes(tmp_path: Path) -> None:
+    import gzip
+    import pickle
+
+    from exporter.commands.demo import _trace_events
+
+    hostile = tmp_path / "t.pickle.gz"
+    with gzip.open(hostile, "wb") as f:
+        pickle.dump({"device_traces": [[{"action": "alloc", "x": Path("/")}]]}, f)
+    from allocator_ext.replay import TraceError
+
+    with pytest.raises(TraceError, match="only plain data"):
+        _trace_events(hostile)
+    assert _synthetic_events(steps=2)

@@ -1,0 +1,62 @@
+"""allocwatch run: every Python process it starts — and their children, as torchrun's workers
+are — installs allocwatch at start-up, before the user's code, without code changes. Here
+(no GPU) install() keeps PyTorch's allocator and says why; on a GPU it swaps it in."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.paths import REPO
+
+CHILD = "import sys; print('torch-loaded' if 'torch' in sys.modules else 'torch-absent')"
+
+
+def allocwatch_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exporter.cli", "run", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_the_command_runs_with_allocwatch_installed_at_start_up() -> None:
+    pytest.importorskip("torch")
+    out = allocwatch_run("--", sys.executable, "-c", CHILD)
+    assert out.returncode == 0, out.stderr
+    assert "torch-loaded" in out.stdout          # start-up ran before the user's code
+    assert "allocwatch" in out.stderr            # and said what it did (no GPU: kept PyTorch's)
+
+
+def test_grandchildren_install_too_as_torchrun_workers_do() -> None:
+    pytest.importorskip("torch")
+    spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {CHILD!r}])"
+    out = allocwatch_run("--", sys.executable, "-c", spawn)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("torch-loaded") == 1
+    assert out.stderr.count("keeping PyTorch's CUDA allocator") == 2   # parent and child
+
+
+def test_under_torchrun_the_workers_install_and_the_launcher_does_not(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    script = tmp_path / "worker.py"
+    script.write_text(CHILD)
+    out = allocwatch_run("--", torchrun, "--standalone", "--nproc-per-node", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("torch-loaded") == 2                       # both workers
+    assert out.stderr.count("keeping PyTorch's CUDA allocator") == 2   # not the launcher
+
+
+def test_the_exit_status_is_the_commands() -> None:
+    out = allocwatch_run("--", sys.executable, "-c", "raise SystemExit(7)")
+    assert out.returncode == 7
+
+
+def test_a_bad_setting_or_no_command_is_refused() -> None:
+    out = allocwatch_run("--config", "expandable_segments:perhaps", "--", "true")
+    assert out.returncode == 2 and "expandable_segments:perhaps" in out.stderr
+    out = allocwatch_run()
+    assert out.returncode == 2 and "no command given" in out.stderr

@@ -1,0 +1,554 @@
+"""deploy/: every kustomization builds, core manifests validate strictly against current
+Kubernetes schemas, custom resources hold together (selectors, ports, names), the sidecar is
+the same everywhere, and yamllint is clean."""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from support.deploy import (
+    DEPLOY,
+    GRAFANA,
+    METRICS_PORT,
+    REPO,
+    SIDECAR,
+    SOCKET_DIR,
+    all_containers,
+    find_sidecar,
+    kustomization_dirs,
+    kustomize_build,
+    load_yaml_documents,
+    pod_templates,
+    selector_matches,
+)
+
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate",
+    reason="kubernetes-validate is not installed (pip install kubernetes-validate)",
+)
+
+# The oldest Kubernetes the native-sidecar manifests target, and the newest the installed
+# kubernetes-validate knows ("a current version").
+OLDEST_NATIVE = "1.31.0"
+LEGACY_TARGET = "1.28.0"
+
+CUSTOM_KINDS = {
+    "PodMonitor",
+    "ServiceMonitor",
+    "PrometheusRule",
+    "PyTorchJob",
+    "JobSet",
+    "ClusterPolicy",
+}
+NATIVE_EXAMPLES = ["job", "pytorchjob", "jobset"]
+EXAMPLES = NATIVE_EXAMPLES + ["job-legacy-sidecar"]
+
+
+def newest_known_version() -> str:
+    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    versions = [
+        tuple(int(x) for x in m.group(1).split("."))
+        for p in schemas.iterdir()
+        if (m := re.fullmatch(r"v(\d+\.\d+\.\d+)-local-strict", p.name))
+    ]
+    return ".".join(map(str, max(versions)))
+
+
+def validate_strict(resource: dict, version: str) -> None:
+    kubernetes_validate.validate(resource, version, True)
+
+
+def build(relative: str) -> list[dict]:
+    return kustomize_build(REPO / relative)
+
+
+def one(resources: list[dict], kind: str) -> dict:
+    matches = [r for r in resources if r["kind"] == kind]
+    assert len(matches) == 1, f"expected one {kind}, found {len(matches)}"
+    return matches[0]
+
+
+def canonical_sidecar() -> dict:
+    job = one(load_yaml_documents(DEPLOY / "examples/job/job.yaml"), "Job")
+    sidecar = find_sidecar(job["spec"]["template"]["spec"])
+    assert sidecar is not None
+    return sidecar
+
+
+# --- builds and schemas --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("directory", kustomization_dirs(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_kustomization_builds(directory: Path) -> None:
+    resources = kustomize_build(directory)
+    assert resources, f"{directory} builds to nothing"
+    for resource in resources:
+        assert (
+            resource.get("apiVersion") and resource.get("kind") and resource["metadata"].get("name")
+        )
+
+
+def test_all_kustomizations_are_found() -> None:
+    found = {str(p.relative_to(REPO)) for p in kustomization_dirs()}
+    assert {
+        "deploy/base",
+        "deploy/monitoring",
+        "deploy/servicemonitor",
+        "deploy/admission/kyverno",
+        "deploy/admission/mutating-admission-policy",
+        "grafana",
+    } | {f"deploy/examples/{e}" for e in EXAMPLES} <= found
+
+
+def core_resources() -> list[tuple[str, dict]]:
+    out = []
+    for directory in kustomization_dirs():
+        for resource in kustomize_build(directory):
+            if resource["kind"] not in CUSTOM_KINDS and not resource["kind"].startswith(
+                "MutatingAdmissionPolicy"
+            ):
+                out.append((str(directory.relative_to(REPO)), resource))
+    return out
+
+
+@pytest.mark.parametrize("version", [OLDEST_NATIVE, "newest"])
+def test_core_manifests_are_valid_under_strict_schemas(version: str) -> None:
+    version = newest_known_version() if version == "newest" else version
+    resources = core_resources()
+    kinds = {r["kind"] for _, r in resources}
+    assert {"Job", "ConfigMap", "NetworkPolicy", "Service"} <= kinds
+    for where, resource in resources:
+        try:
+            validate_strict(resource, version)
+        except Exception as error:  # the library raises several types; report which resource
+            name = f"{resource['kind']}/{resource['metadata']['name']}"
+            pytest.fail(f"{where}: {name} invalid on {version}: {error}")
+
+
+def test_legacy_example_is_valid_where_it_is_meant_to_run() -> None:
+    for resource in build("deploy/examples/job-legacy-sidecar"):
+        if resource["kind"] not in CUSTOM_KINDS:
+            validate_strict(resource, LEGACY_TARGET)
+
+
+@pytest.mark.parametrize("version", ["1.34.0", "newest"])
+def test_mutating_admission_policy_is_valid_where_v1beta1_is_served(version: str) -> None:
+    version = newest_known_version() if version == "newest" else version
+    resources = build("deploy/admission/mutating-admission-policy")
+    assert {r["kind"] for r in resources} == {
+        "MutatingAdmissionPolicy",
+        "MutatingAdmissionPolicyBinding",
+    }
+    for resource in resources:
+        validate_strict(resource, version)
+
+
+def test_strict_validation_rejects_a_misspelt_field() -> None:
+    """The validator is the test's teeth: a typo in the sidecar must fail it."""
+    job = one(build("deploy/examples/job"), "Job")
+    broken = copy.deepcopy(job)
+    find_sidecar(broken["spec"]["template"]["spec"])["readinesProbe"] = {
+        "httpGet": {"path": "/readyz", "port": 9400}
+    }
+    with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
+        validate_strict(broken, newest_known_version())
+
+
+@pytest.mark.parametrize("example", ["pytorchjob", "jobset"])
+def test_pod_templates_inside_custom_resources_are_valid_pods(example: str) -> None:
+    """The operators copy these templates into Pods, so they get the Pod schema's strictness."""
+    workload = next(
+        r for r in build(f"deploy/examples/{example}") if r["kind"] in ("PyTorchJob", "JobSet")
+    )
+    templates = list(pod_templates(workload))
+    assert templates
+    for where, template in templates:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "x", **template["metadata"]},
+            "spec": template["spec"],
+        }
+        try:
+            validate_strict(pod, newest_known_version())
+        except Exception as error:
+            pytest.fail(f"{example} {where}: {error}")
+
+
+# --- the sidecar, everywhere it appears ----------------------------------------------------
+
+ESSENTIAL_FIELDS = (
+    "image",
+    "ports",
+    "env",
+    "startupProbe",
+    "readinessProbe",
+    "livenessProbe",
+    "resources",
+    "securityContext",
+    "volumeMounts",
+)
+
+
+def example_pods(example: str) -> list[tuple[str, dict]]:
+    resources = build(f"deploy/examples/{example}")
+    return [(f"{example} {where}", t) for r in resources for where, t in pod_templates(r)]
+
+
+def kyverno_pod_patch() -> dict:
+    policy = one(build("deploy/admission/kyverno"), "ClusterPolicy")
+    return policy["spec"]["rules"][0]["mutate"]["patchStrategicMerge"]
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_sidecar_is_the_same_in_every_example(example: str) -> None:
+    reference = canonical_sidecar()
+    for where, template in example_pods(example):
+        sidecar = find_sidecar(template["spec"])
+        assert sidecar is not None, f"{where}: no {SIDECAR}"
+        for field in ESSENTIAL_FIELDS:
+            assert sidecar.get(field) == reference.get(field), (
+                f"{where}: {field} differs from examples/job"
+            )
+
+
+def test_kyverno_policy_injects_the_same_sidecar() -> None:
+    patch = kyverno_pod_patch()
+    sidecar = find_sidecar(patch["spec"])
+    reference = canonical_sidecar()
+    assert sidecar is not None
+    for field in ESSENTIAL_FIELDS + ("restartPolicy", "args"):
+        assert sidecar.get(field) == reference.get(field), field
+    assert patch["metadata"]["labels"]["allocwatch.io/sidecar"] == "true"
+    assert {v["name"] for v in patch["spec"]["volumes"]} >= {
+        "allocwatch-socket",
+        "allocwatch-config",
+    }
+    # the anchor that adds the socket mount and address to every container of the pod
+    containers = patch["spec"]["containers"]
+    assert containers[0]["(name)"] == "*"
+    assert {"name": "allocwatch-socket", "mountPath": SOCKET_DIR} in containers[0]["volumeMounts"]
+
+
+def test_kyverno_policy_matches_opted_in_pods_only_and_never_blocks_them() -> None:
+    policy = one(build("deploy/admission/kyverno"), "ClusterPolicy")
+    assert policy["apiVersion"] == "kyverno.io/v1"
+    assert policy["spec"]["failurePolicy"] == "Ignore"
+    assert (
+        policy["metadata"]["annotations"]["pod-policies.kyverno.io/autogen-controllers"] == "none"
+    )
+    rule = policy["spec"]["rules"][0]
+    resources = rule["match"]["any"][0]["resources"]
+    assert resources["kinds"] == ["Pod"] and resources["operations"] == ["CREATE"]
+    assert resources["selector"]["matchLabels"] == {"allocwatch.io/inject": "true"}
+    assert "allocwatch-sidecar" in rule["preconditions"]["all"][0]["key"]
+
+
+def test_mutating_admission_policy_injects_the_same_sidecar() -> None:
+    resources = build("deploy/admission/mutating-admission-policy")
+    policy = one(resources, "MutatingAdmissionPolicy")
+    binding = one(resources, "MutatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["matchResources"]["objectSelector"]["matchLabels"] == {
+        "allocwatch.io/inject": "true"
+    }
+    assert policy["spec"]["failurePolicy"] == "Ignore"
+    cel = policy["spec"]["mutations"][0]["applyConfiguration"]["expression"]
+    reference = canonical_sidecar()
+    for needle in [
+        f'"{reference["image"]}"',
+        'restartPolicy: "Always"',
+        f"containerPort: {METRICS_PORT}",
+        '"/healthz"',
+        '"/readyz"',
+        "runAsNonRoot: true",
+        "readOnlyRootFilesystem: true",
+        "allowPrivilegeEscalation: false",
+        'drop: ["ALL"]',
+        'type: "RuntimeDefault"',
+        '"allocwatch-sidecar-config"',
+        '"allocwatch.io/sidecar": "true"',
+        f'mountPath: "{SOCKET_DIR}"',
+    ] + [f'"{e["name"]}"' for e in reference["env"]]:
+        assert needle in cel, needle
+    assert (
+        cel.count("{") == cel.count("}")
+        and cel.count("[") == cel.count("]")
+        and cel.count("(") == cel.count(")")
+    )
+    assert "sidecar-not-present" in {c["name"] for c in policy["spec"]["matchConditions"]}
+
+
+@pytest.mark.parametrize("example", NATIVE_EXAMPLES)
+def test_native_sidecar_is_a_restartable_init_container(example: str) -> None:
+    for where, template in example_pods(example):
+        init = {c["name"]: c for c in template["spec"].get("initContainers", [])}
+        assert init.get(SIDECAR, {}).get("restartPolicy") == "Always", where
+        assert SIDECAR not in {c["name"] for c in template["spec"]["containers"]}, where
+
+
+def test_legacy_sidecar_exits_after_training() -> None:
+    [(where, template)] = example_pods("job-legacy-sidecar")
+    spec = template["spec"]
+    sidecar = {c["name"]: c for c in spec["containers"]}[SIDECAR]
+    assert "restartPolicy" not in sidecar
+    assert "--exit-after-training" in sidecar["args"]
+    assert not spec.get("initContainers")
+    # OnFailure would restart a failed trainer without its (exited) sidecar
+    assert spec["restartPolicy"] == "Never"
+    trainer = next(c for c in spec["containers"] if c["name"] != SIDECAR)
+    script = " ".join(trainer.get("command", []) + trainer.get("args", []))
+    assert f"trap 'touch {SOCKET_DIR}/training-done' EXIT" in script
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_sidecar_pod_wiring(example: str) -> None:
+    config = one(build("deploy/base"), "ConfigMap")
+    sidecar_config = yaml.safe_load(config["data"]["allocwatch.yaml"])
+    socket_path = sidecar_config["agents"]["unix_socket"]
+    for where, template in example_pods(example):
+        spec = template["spec"]
+        labels = template["metadata"]["labels"]
+        sidecar = find_sidecar(spec)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+
+        # socket on a pod-private emptyDir, mounted by the sidecar and every training container
+        assert "emptyDir" in volumes["allocwatch-socket"], where
+        for container in all_containers(spec):
+            mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+            assert mounts.get("allocwatch-socket") == SOCKET_DIR, f"{where} {container['name']}"
+        assert Path(socket_path).parent == Path(SOCKET_DIR)
+        for container in spec["containers"]:
+            if container["name"] != SIDECAR:
+                env = {e["name"]: e for e in container["env"]}
+                assert env["ALLOCWATCH_TARGET"]["value"] == f"unix://{socket_path}", where
+
+        # the config comes from the ConfigMap that deploy/base generates, under a stable name
+        assert volumes["allocwatch-config"]["configMap"]["name"] == config["metadata"]["name"], (
+            where
+        )
+        config_flag = sidecar["args"][sidecar["args"].index("--config") + 1]
+        config_mount = {m["name"]: m for m in sidecar["volumeMounts"]}["allocwatch-config"]
+        assert (
+            Path(config_flag).parent == Path(config_mount["mountPath"]) and config_mount["readOnly"]
+        )
+        assert Path(config_flag).name in config["data"]
+
+        # pod identity through the downward API
+        env = {
+            e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            for e in sidecar["env"]
+        }
+        assert env == {
+            "ALLOCWATCH_POD_NAME": "metadata.name",
+            "ALLOCWATCH_POD_NAMESPACE": "metadata.namespace",
+            "ALLOCWATCH_NODE_NAME": "spec.nodeName",
+            "ALLOCWATCH_TRAINING_JOB": "metadata.labels['allocwatch.io/training-job']",
+        }, where
+        assert labels.get("allocwatch.io/training-job"), (
+            f"{where}: the label ALLOCWATCH_TRAINING_JOB reads"
+        )
+
+        # the metrics port, named, where the config listens; probes on it
+        ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+        assert ports == {"metrics": METRICS_PORT}
+        assert sidecar_config["metrics"]["port"] == METRICS_PORT
+        probes = {
+            k: sidecar[k]["httpGet"] for k in ("startupProbe", "readinessProbe", "livenessProbe")
+        }
+        assert probes["readinessProbe"] == {"path": "/readyz", "port": "metrics"}
+        assert probes["livenessProbe"] == {"path": "/healthz", "port": "metrics"}
+        assert probes["startupProbe"] == {"path": "/healthz", "port": "metrics"}
+
+
+def test_sidecar_security_and_resources() -> None:
+    sidecar = canonical_sidecar()
+    security = sidecar["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] != 0
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "privileged" not in security
+    resources = sidecar["resources"]
+    # equal, so that a Guaranteed training pod stays Guaranteed
+    assert resources["requests"] == resources["limits"]
+    assert set(resources["requests"]) == {"cpu", "memory"}
+    # the image runs as the same user the manifests ask for
+    dockerfile = (DEPLOY / "image/Dockerfile").read_text()
+    assert f"USER {security['runAsUser']}:{security['runAsGroup']}" in dockerfile
+
+
+# --- monitoring custom resources -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_podmonitor_selects_every_sidecar_pod_and_its_port(example: str) -> None:
+    monitor = one(build("deploy/base"), "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert "release" in monitor["metadata"]["labels"]
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    keep = [r for r in endpoint.get("relabelings", []) if r.get("action") == "keep"]
+    for where, template in example_pods(example):
+        assert selector_matches(monitor["spec"]["selector"], template["metadata"]["labels"]), where
+        sidecar = find_sidecar(template["spec"])
+        assert endpoint["port"] in {p["name"] for p in sidecar["ports"]}
+        for rule in keep:  # the relabelling keeps the sidecar's container
+            assert rule["sourceLabels"] == ["__meta_kubernetes_pod_container_name"]
+            assert re.fullmatch(rule["regex"], SIDECAR)
+        # and a training container is not selected by that rule
+        for container in template["spec"]["containers"]:
+            if container["name"] != SIDECAR:
+                assert not any(re.fullmatch(r["regex"], container["name"]) for r in keep)
+
+
+def test_podmonitor_does_not_select_pods_without_the_sidecar() -> None:
+    monitor = one(build("deploy/base"), "PodMonitor")
+    assert not selector_matches(
+        monitor["spec"]["selector"], {"app.kubernetes.io/name": "llm-pretrain"}
+    )
+
+
+def test_servicemonitor_variant_reaches_the_sidecar_port() -> None:
+    resources = build("deploy/servicemonitor")
+    service = one(resources, "Service")
+    monitor = one(resources, "ServiceMonitor")
+    assert "release" in monitor["metadata"]["labels"]
+    assert selector_matches(monitor["spec"]["selector"], service["metadata"]["labels"])
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in service_ports
+        # a number: named ports of native sidecars resolve only from Kubernetes 1.32
+        assert service_ports[endpoint["port"]]["targetPort"] == METRICS_PORT
+    assert service["spec"]["clusterIP"] == "None"
+    for example in EXAMPLES:
+        for where, template in example_pods(example):
+            assert selector_matches(
+                {"matchLabels": service["spec"]["selector"]}, template["metadata"]["labels"]
+            ), where
+
+
+def test_networkpolicy_admits_prometheus_to_metrics_and_peers_to_everything_else() -> None:
+    policy = one(build("deploy/base"), "NetworkPolicy")
+    for example in EXAMPLES:
+        for where, template in example_pods(example):
+            assert selector_matches(
+                policy["spec"]["podSelector"], template["metadata"]["labels"]
+            ), where
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress (datasets, checkpoints) untouched
+    metrics_rules = [
+        r
+        for r in policy["spec"]["ingress"]
+        if {"protocol": "TCP", "port": METRICS_PORT} in r["ports"]
+    ]
+    assert len(metrics_rules) == 1
+    assert all("namespaceSelector" in peer for peer in metrics_rules[0]["from"])
+    # the peers' rule covers every TCP port but the metrics port, and all of UDP
+    [peers] = [r for r in policy["spec"]["ingress"] if r is not metrics_rules[0]]
+    assert peers["from"] == [{"podSelector": {}}]
+    tcp = set()
+    for port in peers["ports"]:
+        if port["protocol"] == "TCP":
+            tcp |= set(range(port["port"], port.get("endPort", port["port"]) + 1))
+    assert tcp == set(range(1, 65536)) - {METRICS_PORT}
+    assert {"protocol": "UDP", "port": 1, "endPort": 65535} in peers["ports"]
+
+
+def test_prometheusrule_is_the_generated_one() -> None:
+    rule = one(build("deploy/monitoring"), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert "release" in rule["metadata"]["labels"]
+    sources = []
+    for name in ("recording.yaml", "alerts.yaml"):
+        sources += yaml.safe_load((DEPLOY / "rules" / name).read_text())["groups"]
+    assert rule["spec"]["groups"] == sources
+    check = subprocess.run(
+        [sys.executable, str(DEPLOY / "rules/generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize("example", ["pytorchjob", "jobset"])
+def test_training_operator_resources_are_well_formed(example: str) -> None:
+    workload = next(
+        r for r in build(f"deploy/examples/{example}") if r["kind"] in ("PyTorchJob", "JobSet")
+    )
+    if workload["kind"] == "PyTorchJob":
+        assert workload["apiVersion"] == "kubeflow.org/v1"
+        replicas = workload["spec"]["pytorchReplicaSpecs"]
+        assert set(replicas) <= {"Master", "Worker"} and "Master" in replicas
+        for name, replica in replicas.items():
+            assert replica["replicas"] >= 1 and replica["restartPolicy"] in (
+                "OnFailure",
+                "Never",
+                "ExitCode",
+                "Always",
+            )
+            # the operator finds the training container by this name
+            assert "pytorch" in {c["name"] for c in replica["template"]["spec"]["containers"]}, name
+    else:
+        assert workload["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+        names = [job["name"] for job in workload["spec"]["replicatedJobs"]]
+        assert len(names) == len(set(names))
+        assert set(workload["spec"]["successPolicy"]["targetReplicatedJobs"]) <= set(names)
+        for job in workload["spec"]["replicatedJobs"]:
+            job_spec = job["template"]["spec"]
+            assert job_spec["template"]["spec"]["restartPolicy"] in ("Never", "OnFailure")
+            assert job_spec["completions"] == job_spec["parallelism"]
+    assert workload["metadata"]["namespace"] == "training"
+
+
+def test_grafana_provisioning_configmap_carries_the_dashboard() -> None:
+    config_map = one(kustomize_build(GRAFANA), "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert (
+        config_map["data"]["allocwatch.json"]
+        == (GRAFANA / "dashboards/allocwatch.json").read_text()
+    )
+    monitoring = build("deploy/monitoring")
+    assert {r["kind"] for r in monitoring} == {"PrometheusRule", "ConfigMap"}
+    assert all(r["metadata"]["namespace"] == "monitoring" for r in monitoring)
+
+
+# --- lint ----------------------------------------------------------------------------------
+
+
+def test_yamllint_is_clean() -> None:
+    pytest.importorskip("yamllint", reason="yamllint is not installed (pip install yamllint)")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "yamllint",
+            "--strict",
+            "-c",
+            str(REPO / ".yamllint"),
+            str(DEPLOY),
+            str(GRAFANA),
+            str(REPO / ".yamllint"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sidecar_configmap_is_accepted_by_the_sidecar() -> None:
+    """The sidecar refuses unknown fields; its own parser must accept what the ConfigMap holds."""
+    config_module = pytest.importorskip(
+        "exporter.sidecar.config", reason="the exporter package is not importable"
+    )
+    config_map = one(build("deploy/base"), "ConfigMap")
+    config = config_module.parse_config(yaml.safe_load(config_map["data"]["allocwatch.yaml"]))
+    assert config.metrics.port == METRICS_PORT and config.metrics.address == "0.0.0.0"
+    assert config.agents.unix_socket == f"{SOCKET_DIR}/agent.sock"
+    assert config.agents.socket_mode == 0o666

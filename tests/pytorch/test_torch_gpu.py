@@ -1,0 +1,68 @@
+"""allocwatch's allocator inside PyTorch on a real GPU (marker gpu; skipped without one).
+Each scenario runs in a fresh process: install() must precede CUDA's initialisation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from support.paths import REPO
+
+SCENARIOS = REPO / "tests" / "gpu" / "scenarios.py"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["record_stream", "graph_capture", "expandable_and_empty_cache",
+                                  "out_of_memory", "statistics"])
+def test_scenario_on_the_gpu(name: str) -> None:
+    out = subprocess.run([sys.executable, str(SCENARIOS), name], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"PASS {name}" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["record_stream", "graph_capture", "expandable_and_empty_cache",
+                                  "out_of_memory", "statistics", "cudnn_benchmark"])
+def test_scenario_through_the_native_shim(name: str) -> None:
+    """The same scenarios with the shim built against this torch (ALLOCWATCH_NATIVE=1), and
+    cuDNN benchmark mode, which only the shim serves."""
+    env = {**os.environ, "ALLOCWATCH_NATIVE": "1"}
+    out = subprocess.run([sys.executable, str(SCENARIOS), name], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"PASS {name}" in out.stdout
+
+
+def test_install_after_cuda_started_is_refused_on_cpu_too() -> None:
+    torch = pytest.importorskip("torch")
+    import allocator_ext
+
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU scenarios")
+    # Without a driver, install() falls back with a warning and changes nothing.
+    with pytest.warns(UserWarning, match="keeping PyTorch's CUDA allocator"):
+        assert allocator_ext.install() is False
+    assert not allocator_ext.torch_integration.installed()
+
+
+def test_bad_settings_are_refused_before_anything_changes(monkeypatch) -> None:
+    pytest.importorskip("torch")
+    import allocator_ext
+
+    monkeypatch.setenv("ALLOCWATCH_ALLOC_CONF", "expandable_segments:maybe")
+    monkeypatch.setattr("ctypes.CDLL", lambda *a, **k: None)  # pretend a driver exists
+    with pytest.raises(ValueError, match="expandable_segments:maybe"):
+        allocator_ext.install()
+    assert not allocator_ext.torch_integration.installed()
+
+
+def test_disable_keeps_pytorchs_allocator(monkeypatch) -> None:
+    pytest.importorskip("torch")
+    import allocator_ext
+
+    monkeypatch.setenv("ALLOCWATCH_DISABLE", "1")
+    with pytest.warns(UserWarning, match="ALLOCWATCH_DISABLE"):
+        assert allocator_ext.install() is False

@@ -1,0 +1,80 @@
+"""allocwatch tune: the recommendation is the candidate with the lowest replayed peak
+reserved memory among those that never ran out of memory, and the output says why."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.paths import REPO
+
+from allocator_ext.replay import load_trace
+from allocator_ext.replay.trace import peak_requested_bytes
+from allocator_ext.replay.tune import CANDIDATES, tune
+
+EXAMPLE = REPO / "allocator_ext" / "data" / "example_trace.pickle.gz"
+
+
+def test_the_recommendation_reserves_the_least_among_survivors() -> None:
+    ranked = tune(load_trace(EXAMPLE))
+    assert len(ranked) == len(CANDIDATES)
+    survivors = [c for c in ranked if c.report["num_ooms"] == 0]
+    assert ranked[0] in survivors
+    assert ranked[0].report["peak_reserved_bytes"] == min(
+        c.report["peak_reserved_bytes"] for c in survivors)
+
+
+def test_under_a_tight_cap_candidates_that_run_out_of_memory_rank_last() -> None:
+    trace = load_trace(EXAMPLE)
+    ranked = tune(trace, device_memory=int(1.03 * peak_requested_bytes(trace)))
+    ooms = [c.report["num_ooms"] > 0 for c in ranked]
+    assert ooms == sorted(ooms)            # all survivors first
+    assert any(ooms) and not ooms[0]       # PyTorch's defaults fail at 1.03x; the best does not
+
+
+def test_tune_command_prints_a_table_and_says_why(tmp_path: Path) -> None:
+    plot = tmp_path / "tune.png"
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "tune", str(EXAMPLE),
+                          "--plot", str(plot)], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "recommended:" in out.stdout and "why:" in out.stdout
+    assert "ALLOCWATCH_ALLOC_CONF=" in out.stdout
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tune_json_names_pytorch_settings_where_pytorch_understands_them() -> None:
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "tune", str(EXAMPLE), "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    by_name = {c["name"]: c for c in result["candidates"]}
+    assert by_name["expandable segments"]["pytorch_cuda_alloc_conf"] == "expandable_segments:True"
+    assert by_name["allocwatch defaults"]["pytorch_cuda_alloc_conf"] is None
+    assert result["recommended"]["why"]
+
+
+def test_tune_refuses_a_bad_trace(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"\x80\x04garbage")
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "tune", str(bad)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2 and "allocwatch tune:" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["gpt_varlen", "multistream", "ckpt"])
+def test_tune_on_the_shared_traces_recommends_the_least_reserved(shared_traces: Path,
+                                                                 name: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "tune",
+                          str(shared_traces / f"{name}.pickle.gz"), "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    survivors = [c for c in result["candidates"] if c["num_ooms"] == 0]
+    [chosen] = [c for c in result["candidates"] if c["name"] == result["recommended"]["name"]]
+    assert chosen in survivors
+    assert chosen["peak_reserved_bytes"] == min(c["peak_reserved_bytes"] for c in survivors)
+    assert "reserves the least" in result["recommended"]["why"]

@@ -1,0 +1,153 @@
+"""Hot reload of the sidecar's YAML: a valid new file takes effect without a restart (rules,
+initial settings, expiry), an invalid one is refused, logged and counted while the old settings
+stay, and a ConfigMap-style symlink swap is seen."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+from support.control import connect_agent, metric
+from support.sidecar import FakeSource
+from support.waiting import wait_for
+
+from exporter.sidecar.app import SidecarThread
+from exporter.sidecar.config import load_config
+
+ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def settings_text(tmp_path: Path, extra: str = "", expiry: int = 60) -> str:
+    return f"""
+agents:
+  unix_socket: {tmp_path}/run/agent.sock
+  expiry_seconds: {expiry}
+metrics: {{address: 127.0.0.1, port: 0}}
+nvml: {{enabled: false}}
+reload: {{interval_seconds: 0.05}}
+{extra}
+"""
+
+
+STUCK_RULE = """
+policy:
+  interval: 0.05
+  rules:
+    - {name: stuck, metric: pending_events, above: 100, for: 0, cooldown: 1h, action: reclaim}
+"""
+
+
+def start(path: Path) -> SidecarThread:
+    return SidecarThread(load_config(path), config_path=path).start()
+
+
+def test_valid_file_takes_effect_invalid_is_refused(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text(settings_text(tmp_path))
+    running = start(path)
+    sidecar = running.sidecar
+    source = FakeSource()
+    source.bump(0, pending_events=500)
+    agent = connect_agent(running, tmp_path, source)
+    try:
+        assert sidecar.policy.config.rules == ()
+        # A new rule and a new expiry, no restart: the rule acts on the connected agent.
+        path.write_text(settings_text(tmp_path, STUCK_RULE, expiry=5))
+        wait_for(lambda: [c for c in source.calls if c[0] == "reclaim"],
+                 what="the reloaded rule to act")
+        assert sidecar.registry.expiry_seconds == 5.0
+        assert metric(running, "allocwatch_config_reloads_total", result="ok") == 1.0
+
+        # Invalid: refused, logged naming the field, counted once, the old settings stay.
+        with caplog.at_level(logging.ERROR, logger="exporter.reload"):
+            path.write_text(settings_text(tmp_path, STUCK_RULE.replace("above", "abov"), 7))
+            wait_for(lambda: metric(running, "allocwatch_config_reloads_total",
+                                    result="invalid") == 1.0, what="the refusal")
+        (record,) = [r for r in caplog.records if "refused" in r.getMessage()]
+        assert "policy.rules[0].abov: unknown setting" in record.reason  # type: ignore[attr-defined]
+        assert [r.name for r in sidecar.policy.config.rules] == ["stuck"]
+        assert sidecar.registry.expiry_seconds == 5.0
+        assert metric(running, "allocwatch_config_last_reload_successful") == 0.0
+        os.utime(path)  # the same bad content again: not counted twice
+        path.write_text(path.read_text())
+        time.sleep(0.3)  # several polls
+        assert metric(running, "allocwatch_config_reloads_total", result="invalid") == 1.0
+
+        # Not YAML at all: refused too.
+        path.write_text("agents: [unclosed\n")
+        wait_for(lambda: metric(running, "allocwatch_config_reloads_total",
+                                result="invalid") == 2.0, what="the YAML refusal")
+
+        # Fixed: accepted, without the rule now.
+        path.write_text(settings_text(tmp_path, expiry=9))
+        wait_for(lambda: sidecar.registry.expiry_seconds == 9.0, what="the fixed file")
+        assert sidecar.policy.config.rules == ()
+        assert metric(running, "allocwatch_config_last_reload_successful") == 1.0
+    finally:
+        agent.stop()
+        running.stop()
+
+
+def test_fields_that_need_a_restart_keep_their_value(tmp_path: Path) -> None:
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text(settings_text(tmp_path))
+    running = start(path)
+    sidecar = running.sidecar
+    try:
+        port = sidecar.http.port if sidecar.http else None
+        text = settings_text(tmp_path, expiry=3).replace("port: 0", "port: 1")
+        path.write_text(text)
+        wait_for(lambda: metric(running, "allocwatch_config_reloads_total",
+                                result="partial") == 1.0, what="a partial reload")
+        assert sidecar.registry.expiry_seconds == 3.0   # live: applied
+        assert sidecar.config.metrics.port == 0         # listener: after a restart
+        assert sidecar.http is not None and sidecar.http.port == port
+    finally:
+        running.stop()
+
+
+def test_configmap_symlink_swap_and_new_initial_settings(tmp_path: Path) -> None:
+    """Kubernetes updates a ConfigMap volume by pointing `..data` at a new directory."""
+    volume = tmp_path / "config"
+    (volume / "..v1").mkdir(parents=True)
+    (volume / "..v1" / "allocwatch.yaml").write_text(settings_text(tmp_path))
+    (volume / "..data").symlink_to("..v1")
+    (volume / "allocwatch.yaml").symlink_to("..data/allocwatch.yaml")
+    running = start(volume / "allocwatch.yaml")
+    allocator = ae.Allocator(ae.SimDevice(capacity=0), "native")
+    agent = connect_agent(running, tmp_path, {0: allocator})
+    try:
+        (volume / "..v2").mkdir()
+        (volume / "..v2" / "allocwatch.yaml").write_text(settings_text(tmp_path, """
+policy:
+  interval: 0.05
+  initial_settings: "garbage_collection_threshold:0.65"
+"""))
+        (volume / "..data_tmp").symlink_to("..v2")
+        os.replace(volume / "..data_tmp", volume / "..data")  # atomic, as the kubelet does
+        # The new initial settings reach the agent that is already connected.
+        wait_for(lambda: allocator.config()["garbage_collection_threshold"] == 0.65,
+                 what="the swapped file's initial settings")
+        assert metric(running, "allocwatch_config_reloads_total", result="ok") == 1.0
+    finally:
+        agent.stop()
+        running.stop()
+
+
+def test_a_missing_file_keeps_the_settings(tmp_path: Path) -> None:
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text(settings_text(tmp_path, STUCK_RULE))
+    running = start(path)
+    try:
+        path.unlink()
+        wait_for(lambda: metric(running, "allocwatch_config_reloads_total",
+                                result="unreadable") == 1.0, what="the missing file noticed")
+        assert [r.name for r in running.sidecar.policy.config.rules] == ["stuck"]
+    finally:
+        running.stop()

@@ -1,0 +1,112 @@
+"""Device figures from NVML.
+
+There is no GPU (and no NVML library) on the CI machine, so the GPU itself is faked: a stand-in
+pynvml module is injected where a test needs NVML to answer. The "no NVML" path runs for real.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from support.fake_nvml import FakePynvml
+from support.sidecar import FakeSource, samples, start_sidecar, values
+from support.waiting import wait_for
+
+from allocator_ext.agent import start_agent
+from exporter.protocol.nvml import NvmlReader
+
+pytestmark = pytest.mark.timeout(60)
+GiB = 1 << 30
+DEVICE_NAMES = ("allocwatch_gpu_memory_total_bytes", "allocwatch_gpu_memory_used_bytes",
+                "allocwatch_process_gpu_memory_used_bytes")
+
+
+def test_without_nvml_a_warning_and_no_device_series(tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # The real pynvml on a machine without the NVIDIA driver (CI's case).
+    probe = NvmlReader()
+    if probe.start():
+        probe.close()
+        pytest.skip("NVML works on this machine; this test covers machines without it")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="exporter.nvml"):
+        running = start_sidecar(tmp_path)
+    try:
+        assert any("NVML unavailable" in r.getMessage() for r in caplog.records)
+        url = running.sidecar.metrics_url
+        agent = start_agent(running.sidecar.agent_targets[0], interval=0.1, source=FakeSource(),
+                            nvml=True, stop_at_exit=False)  # the agent's real NVML path too
+        try:
+            wait_for(lambda: values(url, "torch_cuda_allocator_reserved_bytes"), what="report")
+            names = {name for name, _ in samples(url)}
+            assert not names & set(DEVICE_NAMES)
+        finally:
+            agent.stop()
+    finally:
+        running.stop()
+
+
+def test_sidecar_reads_its_own_gpus(tmp_path: Path) -> None:
+    fake = FakePynvml([("GPU-0000", 80 * GiB, 10 * GiB, {os.getpid(): 3 * GiB}),
+                       ("GPU-1111", 80 * GiB, 1 * GiB, {})])
+    running = start_sidecar(tmp_path, nvml_module=fake)
+    url = running.sidecar.metrics_url
+    agent = start_agent(running.sidecar.agent_targets[0], interval=0.1,
+                        source=FakeSource({0: "GPU-0000"}), identity={"rank": 0}, nvml=False,
+                        stop_at_exit=False)
+    try:
+        wait_for(lambda: values(url, "torch_cuda_allocator_reserved_bytes"), what="report")
+        assert values(url, "allocwatch_gpu_memory_total_bytes", gpu_uuid="GPU-0000") == [80 * GiB]
+        assert values(url, "allocwatch_gpu_memory_used_bytes", gpu_uuid="GPU-1111") == [1 * GiB]
+        # Same PID namespace here: the sidecar matches the agent's pid in NVML's process list.
+        assert values(url, "allocwatch_process_gpu_memory_used_bytes", rank="0",
+                      gpu_uuid="GPU-0000") == [3 * GiB]
+
+        # NVML fails mid-run: device series stop, allocator series carry on.
+        fake.fail = True
+        wait_for(lambda: not values(url, "allocwatch_gpu_memory_total_bytes"), what="stop")
+        assert values(url, "torch_cuda_allocator_reserved_bytes")
+        fake.fail = False
+        wait_for(lambda: values(url, "allocwatch_gpu_memory_total_bytes"), what="recovery")
+    finally:
+        agent.stop()
+        running.stop()
+
+
+def test_agent_reports_its_own_gpu_where_the_sidecar_sees_none(tmp_path: Path) -> None:
+    # Kubernetes: the sidecar container has no GPU; the training container's agent reads NVML.
+    fake = FakePynvml([("GPU-2222", 40 * GiB, 5 * GiB, {os.getpid(): 2 * GiB})])
+    running = start_sidecar(tmp_path, nvml=False)
+    url = running.sidecar.metrics_url
+    agent = start_agent(running.sidecar.agent_targets[0], interval=0.1,
+                        source=FakeSource({0: ""}), identity={"rank": 1}, nvml=fake,
+                        stop_at_exit=False)
+    try:
+        wait_for(lambda: values(url, "allocwatch_gpu_memory_total_bytes"), what="device series")
+        assert values(url, "allocwatch_gpu_memory_total_bytes") == [40 * GiB]
+        assert values(url, "allocwatch_gpu_memory_used_bytes", gpu_uuid="GPU-2222") == [5 * GiB]
+        assert values(url, "allocwatch_process_gpu_memory_used_bytes", rank="1") == [2 * GiB]
+        # The agent learnt its GPU's UUID from NVML (CUDA device 0 -> the first GPU).
+        assert agent.identity.gpu_uuid == "GPU-2222"
+        assert values(url, "torch_cuda_allocator_reserved_bytes", gpu_uuid="GPU-2222")
+    finally:
+        agent.stop()
+        running.stop()
+
+
+def test_reader_maps_visible_devices_and_survives_process_query_errors() -> None:
+    fake = FakePynvml([("GPU-a", 10, 1, {}), ("GPU-b", 20, 2, {})])
+
+    def refuse(handle: int) -> list:
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    fake.nvmlDeviceGetComputeRunningProcesses = refuse  # type: ignore[method-assign]
+    reader = NvmlReader(fake, cache_seconds=0)
+    assert reader.start()
+    assert [g.uuid for g in reader.read()] == ["GPU-a", "GPU-b"]
+    assert reader.find(index=1).total_bytes == 20  # type: ignore[union-attr]
+    assert reader.find(uuid="GPU-a").index == 0  # type: ignore[union-attr]
+    assert reader.find(uuid="GPU-zzz") is None
