@@ -45,7 +45,7 @@ class AdminConfig(Section):
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
-    command_timeout_seconds: float = setting(30.0, positive=True, reload=True)
+    command_timeout_seconds: float = setting(30.0, positive=True, maximum=3600, reload=True)
 
     def socket_path(self, agents_socket: str) -> str:
         if self.unix_socket is not None:

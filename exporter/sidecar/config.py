@@ -12,10 +12,17 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from exporter.admin.config import AdminConfig
-from exporter.config import ConfigError, FileMode, Port, Section, check_tls_files, setting
+from exporter.config import (
+    ConfigError,
+    FileMode,
+    Port,
+    Section,
+    check_tls_files,
+    parse_yaml,
+    read_settings_file,
+    setting,
+)
 from exporter.policy.config import PolicyConfig
 from exporter.protocol.service import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -36,11 +43,12 @@ class AgentsConfig(Section):
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
-    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, positive=True)
-    hello_timeout_seconds: float = setting(10.0, positive=True)
+    # Above 64 MiB a message is no report; gRPC itself takes no more than 2 GiB.
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, minimum=1024, maximum=64 << 20)
+    hello_timeout_seconds: float = setting(10.0, positive=True, maximum=3600)
     # A disconnected agent's series stay this long, then disappear from /metrics.
-    expiry_seconds: float = setting(60.0, positive=True, reload=True)
-    max_agents: int = setting(1024, positive=True, reload=True)
+    expiry_seconds: float = setting(60.0, positive=True, maximum=7 * 86400, reload=True)
+    max_agents: int = setting(1024, positive=True, maximum=65536, reload=True)
 
     def validate(self, path: str) -> None:
         if not self.unix_socket and self.tcp_port is None:
@@ -60,7 +68,7 @@ class MetricsConfig(Section):
 class NvmlConfig(Section):
     enabled: bool = True
     # NVML figures are cached this long, so that scrapes stay cheap.
-    cache_seconds: float = 1.0
+    cache_seconds: float = setting(1.0, minimum=0, maximum=3600)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +82,7 @@ class ReloadConfig(Section):
     """Watching the file given with --config (exporter.sidecar.reload)."""
 
     enabled: bool = True
-    interval_seconds: float = setting(5.0, positive=True, reload=True)
+    interval_seconds: float = setting(5.0, positive=True, maximum=86400, reload=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,19 +102,21 @@ def parse_config(raw: Any) -> SidecarConfig:
     return SidecarConfig.parse(raw)
 
 
+def config_from_bytes(data: bytes) -> SidecarConfig:
+    """Validated settings from a settings file's bytes (at most exporter.config's
+    MAX_FILE_BYTES); ConfigError for anything that cannot be used, memory exhausted included."""
+    try:
+        return parse_config(parse_yaml(data))
+    except MemoryError:
+        raise ConfigError("the settings exhausted the memory") from None
+
+
 def load_config(path: str | Path | None) -> SidecarConfig:
     """Settings from a YAML file; defaults when path is None."""
     if path is None:
         return parse_config(None)
+    data = read_settings_file(path)
     try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ConfigError(f"cannot read settings file {path}: {err.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    try:
-        return parse_config(raw)
+        return config_from_bytes(data)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
