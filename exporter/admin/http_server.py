@@ -31,7 +31,7 @@ from typing import Any
 from exporter.admin.config import AdminConfig, read_token
 from exporter.admin.service import ENDPOINTS, SELECTOR_FIELDS, AdminError, AdminService, Selector
 from exporter.admin.tls import RenewingTlsContext
-from exporter.config import ConfigError
+from exporter.config import ConfigError, shown
 
 log = logging.getLogger("exporter.admin")
 
@@ -201,7 +201,7 @@ class AdminHttpServer:
                     query = dict(urllib.parse.parse_qsl(url.query))
                     unknown = set(query) - set(SELECTOR_FIELDS)
                     if unknown:
-                        raise AdminError(400, f"unknown query field {sorted(unknown)[0]!r}")
+                        raise AdminError(400, f"unknown query field {shown(sorted(unknown)[0])}")
                     selector = Selector.parse(query)
                     fields["selector"] = selector.describe()
                     return 200, admin.service.list_agents(selector)
@@ -232,6 +232,9 @@ class AdminHttpServer:
                     body = json.loads(raw)
                 except (ValueError, UnicodeDecodeError):
                     raise AdminError(400, "the body is not JSON") from None
+                except RecursionError:
+                    raise AdminError(400, "the body is not JSON this API reads: nested too "
+                                          "deeply") from None
                 if not isinstance(body, dict):
                     raise AdminError(400, "the body must be a JSON object")
                 return body

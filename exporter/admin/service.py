@@ -19,6 +19,7 @@ import asyncio
 import collections
 import dataclasses
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.admin.views import agent_view, result_view
+from exporter.config import shown
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.settings import validate_settings
 from exporter.sidecar.registry import AgentState, Outcome, Registry, send_command
@@ -43,6 +45,21 @@ class AdminError(Exception):
         self.status = status
 
 
+_RANK = re.compile(r"-?[0-9]{1,10}")
+
+
+def _rank(value: Any) -> int | None:
+    """A rank from JSON (an integer) or a query string (its digits); a float is no rank, not
+    even 1.0 (int() would take 0.9 for rank 0)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) and _RANK.fullmatch(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value < 2**31:
+        raise AdminError(400, f"rank: expected an integer, got {shown(value)}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Selector:
     rank: int | None = None
@@ -52,23 +69,13 @@ class Selector:
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> Selector:
-        rank = values.get("rank")
-        if rank is not None and rank != "":
-            if isinstance(rank, bool):
-                raise AdminError(400, f"rank: expected an integer, got {rank!r}")
-            try:
-                rank = int(rank)
-            except (TypeError, ValueError):
-                raise AdminError(400, f"rank: expected an integer, got {rank!r}") from None
-        else:
-            rank = None
         strings = {}
         for name in ("host", "job", "agent"):
             value = values.get(name)
             if value is not None and not isinstance(value, str):
-                raise AdminError(400, f"{name}: expected a string, got {value!r}")
+                raise AdminError(400, f"{name}: expected a string, got {shown(value)}")
             strings[name] = value or None
-        return cls(rank=rank, **strings)
+        return cls(rank=_rank(values.get("rank")), **strings)
 
     def matches(self, state: AgentState) -> bool:
         ident = state.identity
@@ -113,15 +120,17 @@ def build_command(endpoint: _Endpoint, body: Mapping[str, Any]) -> pb.Command:
     if endpoint.command == "reclaim":
         mode = body.get("mode", "gc")
         if mode not in ("gc", "all"):
-            raise AdminError(400, f"mode: must be gc or all, got {mode!r}")
+            raise AdminError(400, f"mode: must be gc or all, got {shown(mode)}")
         return pb.Command(cuda_device=-1, reclaim=pb.Reclaim(
             mode=pb.Reclaim.EMPTY_CACHE if mode == "all" else pb.Reclaim.GARBAGE_COLLECT))
     if endpoint.command == "snapshot":
         frames, max_bytes = body.get("frames", False), body.get("max_bytes", 0)
         if not isinstance(frames, bool):
-            raise AdminError(400, f"frames: expected true or false, got {frames!r}")
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise AdminError(400, f"max_bytes: expected a byte count, got {max_bytes!r}")
+            raise AdminError(400, f"frames: expected true or false, got {shown(frames)}")
+        if (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                or not 0 <= max_bytes <= MAX_SNAPSHOT_BYTES):
+            raise AdminError(400, f"max_bytes: expected a byte count from 0 (the agent's cap) "
+                                  f"to {MAX_SNAPSHOT_BYTES}, got {shown(max_bytes)}")
         return pb.Command(cuda_device=-1, snapshot=pb.Snapshot(include_frames=frames,
                                                                max_bytes=max_bytes))
     return pb.Command(cuda_device=-1, reset_peaks=pb.ResetPeaks())
@@ -147,7 +156,7 @@ class AdminService:
         unknown = set(body) - set(SELECTOR_FIELDS) - endpoint.fields
         if unknown:
             known = sorted(set(SELECTOR_FIELDS) | endpoint.fields)
-            raise AdminError(400, f"unknown field {sorted(unknown)[0]!r} (known: "
+            raise AdminError(400, f"unknown field {shown(sorted(unknown)[0])} (known: "
                                   f"{', '.join(known)})")
         selector = Selector.parse(body)
         command = build_command(endpoint, body)
@@ -184,7 +193,7 @@ class AdminService:
         with self._lock:
             path = self._snapshots.get(name)
         if path is None:
-            raise AdminError(404, f"no snapshot named {name!r} was taken through this sidecar")
+            raise AdminError(404, f"no snapshot named {shown(name)} was taken through this sidecar")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as err:

@@ -5,16 +5,13 @@ metrics, and snapshots come back with their path and bytes."""
 from __future__ import annotations
 
 import gzip
-import http.client
-import json
 import logging
 import pickle
-import socket
 import stat
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.admin import call
 from support.control import connect_agent, metric, start_control_sidecar, two_agents_running
 from support.sidecar import FakeSource, MiB, scrape
 
@@ -25,33 +22,6 @@ ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is no
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "4f1c0a9e7b2d4c6a8e0f1b3d5c7a9e2f"
-
-
-class _Unix(http.client.HTTPConnection):
-    def __init__(self, path: str):
-        super().__init__("localhost", timeout=30)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self._path)
-
-
-def call(address: str, method: str, path: str, body: Any = None,
-         headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    if address.startswith("unix://"):
-        conn: http.client.HTTPConnection = _Unix(address[len("unix://"):])
-    else:
-        conn = http.client.HTTPConnection(address[len("http://"):], timeout=30)
-    data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None
-                                                 else None)
-    conn.request(method, path, body=data, headers=headers or {})
-    response = conn.getresponse()
-    payload = response.read()
-    conn.close()
-    if response.getheader("Content-Type") == "application/json":
-        return response.status, json.loads(payload)
-    return response.status, payload
 
 
 @pytest.fixture
