@@ -2,8 +2,9 @@
 
 Each stream: the agent's Hello (within agents.hello_timeout_seconds, with a compatible protocol
 version, else the stream is refused with a message saying why), the sidecar's Welcome, then
-reports from the agent and commands from the sidecar, concurrently. Bad input ends that one
-stream with a clear status; other agents are not affected.
+reports from the agent and commands from the sidecar, concurrently. Bad input (screened by
+exporter.sidecar.screening) ends that one stream with a clear status; other agents are not
+affected.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from exporter.protocol.service import SERVICE_NAME
 from exporter.protocol.version import PACKAGE_VERSION
 from exporter.sidecar.config import AgentsConfig
 from exporter.sidecar.registry import AgentLimitError, AgentSession, AgentState, Registry
+from exporter.sidecar.screening import message_problem
 
 log = logging.getLogger("exporter.grpc")
 
-MAX_DEVICES_PER_REPORT = 64
-MAX_IDENTITY_STRING = 512
 
 
 class ListenError(RuntimeError):
@@ -36,9 +36,6 @@ class ListenError(RuntimeError):
 
 
 def _identity_problem(identity: pb.Identity) -> str | None:
-    for field, value in identity.ListFields():
-        if isinstance(value, str) and len(value) > MAX_IDENTITY_STRING:
-            return f"identity.{field.name} is longer than {MAX_IDENTITY_STRING} characters"
     if identity.pid <= 0:
         return "identity.pid must be a positive process id"
     if not identity.instance_id:
@@ -86,7 +83,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "protocol_version",
                                f"sidecar {PACKAGE_VERSION}: agent {why}", peer)
             return
-        problem = _identity_problem(hello.identity)
+        problem = message_problem(first) or _identity_problem(hello.identity)
         if problem is not None:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_hello", problem,
                                peer)
@@ -131,14 +128,13 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             if message is aio.EOF:
                 return "agent closed the stream"
             kind = message.WhichOneof("body")
+            problem = message_problem(message)
+            if problem is not None:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                   "bad_report" if kind == "report" else "bad_message", problem,
+                                   state.peer)
             if kind == "report":
-                report = message.report
-                if len(report.devices) > MAX_DEVICES_PER_REPORT:
-                    await self._refuse(
-                        context, grpc.StatusCode.INVALID_ARGUMENT, "bad_report",
-                        f"a report has {len(report.devices)} devices, more than "
-                        f"{MAX_DEVICES_PER_REPORT}", state.peer)
-                self._registry.record_report(state, report)
+                self._registry.record_report(state, message.report)
             elif kind == "command_result":
                 state.last_result = message.command_result
                 if not session.resolve(message.command_result):

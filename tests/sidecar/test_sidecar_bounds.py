@@ -1,0 +1,69 @@
+"""What agents can make the sidecar hold and serve is bounded: the length of every string from
+the wire, the devices of one agent, the departed agents kept, the series exposed. Past a
+bound, the stream is refused or the oldest departed agent goes, and each refusal or drop is
+counted; the agents within the bounds are served as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from support.sidecar import start_sidecar, values
+from support.streams import Stream, device, hello, report
+from support.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    running = start_sidecar(tmp_path, nvml=False)
+    yield running, running.sidecar.metrics_url, running.sidecar.agent_targets[0]
+    running.stop()
+
+
+def _refused(target: str, *messages) -> grpc.RpcError:
+    with Stream(target) as stream:
+        return stream.send(*messages).error()
+
+
+def test_a_long_string_in_a_report_ends_the_stream_and_is_never_served(served) -> None:
+    running, url, target = served
+    err = _refused(target, hello(rank=3), report(1, [device(gpu_uuid="G" * 15_000)]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "report.devices[0].gpu_uuid is longer than 256 characters"
+    assert values(url, "torch_cuda_allocator_reserved_bytes", rank="3") == []
+    assert values(url, "allocwatch_stream_errors_total", reason="bad_report") == [1.0]
+
+
+@pytest.mark.parametrize("field, length", [("host", 300), ("gpu_uuid", 257),
+                                           ("training_job", 10_000)])
+def test_a_long_string_in_a_hello_is_refused(served, field: str, length: int) -> None:
+    running, url, target = served
+    err = _refused(target, hello(**{field: "x" * length}))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == f"hello.identity.{field} is longer than 256 characters"
+
+
+def test_a_long_string_in_a_command_result_ends_the_stream(served) -> None:
+    running, url, target = served
+    from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+
+    result = pb.AgentMessage(command_result=pb.CommandResult(command_id=1,
+                                                             snapshot_path="/" * 5000))
+    err = _refused(target, hello(), result)
+    assert err.details() == "command_result.snapshot_path is longer than 4096 characters"
+
+
+def test_more_devices_than_one_process_has_end_the_stream(served) -> None:
+    running, url, target = served
+    devices = [device(cuda_device=i, gpu_uuid=f"GPU-{i}") for i in range(17)]
+    err = _refused(target, hello(rank=4), report(1, devices))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "a report has 17 devices, more than 16"
+    assert values(url, "torch_cuda_allocator_reserved_bytes", rank="4") == []
+    with Stream(target) as stream:  # sixteen are served
+        stream.send(hello(rank=5), report(1, devices[:16]))
+        wait_for(lambda: len(values(url, "torch_cuda_allocator_reserved_bytes",
+                                    rank="5")) == 16, what="16 devices")
