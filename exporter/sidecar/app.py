@@ -24,6 +24,7 @@ from exporter.policy.engine import PolicyEngine
 from exporter.policy.runner import PolicyRunner
 from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.version import PACKAGE_VERSION
+from exporter.sidecar.bounds_collector import BoundsCollector
 from exporter.sidecar.collectors import (
     AgentsCollector,
     AllocatorCollector,
@@ -46,7 +47,8 @@ class Sidecar:
                  config_path: str | Path | None = None):
         self.config = config
         self.config_path = config_path
-        self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents)
+        self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents,
+                                 config.agents.max_departed_agents)
         self.nvml: NvmlReader | None = None
         if config.nvml.enabled:
             self.nvml = NvmlReader(nvml_module, cache_seconds=config.nvml.cache_seconds)
@@ -63,7 +65,8 @@ class Sidecar:
         # One collector per source; the admin API's joins them once it listens.
         self.metrics_registry = CollectorRegistry(auto_describe=False)
         for collector in (AllocatorCollector(self.registry), GpuCollector(self.registry, self.nvml),
-                          AgentsCollector(self.registry), SidecarCollector(self.watcher),
+                          AgentsCollector(self.registry), BoundsCollector(self.registry),
+                          SidecarCollector(self.watcher),
                           PolicyCollector(self.policy)):
             self.metrics_registry.register(collector)
         # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
@@ -142,6 +145,7 @@ class Sidecar:
                           extra={"reason": str(err)})
         self.registry.expiry_seconds = effective.agents.expiry_seconds
         self.registry.max_agents = effective.agents.max_agents
+        self.registry.max_departed = effective.agents.max_departed_agents
         logging.getLogger().setLevel(effective.logging.level.upper())
         if self.watcher is not None:
             self.watcher.interval_seconds = effective.reload.interval_seconds

@@ -49,6 +49,8 @@ class AgentsConfig(Section):
     # A disconnected agent's series stay this long, then disappear from /metrics.
     expiry_seconds: float = setting(60.0, positive=True, maximum=7 * 86400, reload=True)
     max_agents: int = setting(1024, positive=True, maximum=65536, reload=True)
+    # Departed agents kept until their expiry; past this many, the oldest go first.
+    max_departed_agents: int = setting(256, minimum=0, maximum=65536, reload=True)
 
     def validate(self, path: str) -> None:
         if not self.unix_socket and self.tcp_port is None:

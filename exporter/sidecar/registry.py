@@ -9,6 +9,7 @@ figures without copying them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -122,15 +123,28 @@ async def send_command(session: AgentSession | None, command: pb.Command,
         return "disconnected"
 
 
+@dataclasses.dataclass(frozen=True)
+class BoundCounters:
+    """What the registry refused or dropped to stay within its bounds."""
+
+    departed_dropped: int
+
+
 class Registry:
-    def __init__(self, expiry_seconds: float, max_agents: int):
+    """The agents by key: connected ones, and departed ones until they expire or, past
+    `max_departed`, until newer departures push them out (oldest first, counted)."""
+
+    def __init__(self, expiry_seconds: float, max_agents: int, max_departed: int = 256):
         self.expiry_seconds = expiry_seconds
         self.max_agents = max_agents
+        self.max_departed = max_departed
         self._lock = threading.Lock()
         self._agents: dict[str, AgentState] = {}
+        self._departed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.reports_received_total = 0
         self.commands_total: Counter[tuple[str, str]] = Counter()
         self.stream_errors_total: Counter[str] = Counter()
+        self.departed_dropped_total = 0
         self.ever_connected = False
         # When the last connected agent left (monotonic); None while any is connected.
         self.all_gone_since: float | None = None
@@ -150,6 +164,7 @@ class Registry:
                 raise AgentLimitError(
                     f"the sidecar already serves {connected} agents (agents.max_agents)")
             state = AgentState(key=key, identity=identity, protocol=protocol, peer=peer)
+            self._departed.pop(key, None)
             if old is not None:
                 # The same agent instance reconnecting (its previous stream broke): keep its report.
                 state.last_report, state.last_report_time = old.last_report, old.last_report_time
@@ -178,6 +193,8 @@ class Registry:
             if self._agents.get(state.key) is state:
                 state.connected = False
                 state.disconnected_monotonic = time.monotonic()
+                self._departed[state.key] = None
+                self._drop_departed_locked(self.max_departed)
             if not any(a.connected for a in self._agents.values()):
                 self.all_gone_since = time.monotonic()
             if state.session is not None:
@@ -193,11 +210,24 @@ class Registry:
             self.stream_errors_total[reason] += 1
 
     def _expire_locked(self, now: float) -> None:
-        for key, state in list(self._agents.items()):
-            gone = state.disconnected_monotonic
-            if not state.connected and gone is not None and now - gone >= self.expiry_seconds:
-                del self._agents[key]
-                log.info("agent expired", extra={"agent": key})
+        for key in list(self._departed):  # in order of departure: stop at the first kept
+            gone = self._agents[key].disconnected_monotonic
+            if gone is not None and now - gone < self.expiry_seconds:
+                break
+            del self._agents[key], self._departed[key]
+            log.info("agent expired", extra={"agent": key})
+
+    def _drop_departed_locked(self, keep: int) -> int:
+        """Forget departed agents, oldest first, until `keep` remain; how many went."""
+        dropped = 0
+        while len(self._departed) > keep:
+            key, _ = self._departed.popitem(last=False)
+            del self._agents[key]
+            dropped += 1
+            log.info("departed agent dropped before its expiry (agents.max_departed_agents)",
+                     extra={"agent": key})
+        self.departed_dropped_total += dropped
+        return dropped
 
     def agents(self) -> list[AgentState]:
         """Current agents (connected, or departed but not yet expired), oldest first."""
@@ -208,6 +238,10 @@ class Registry:
     def get(self, key: str) -> AgentState | None:
         with self._lock:
             return self._agents.get(key)
+
+    def bound_counters(self) -> BoundCounters:
+        with self._lock:
+            return BoundCounters(departed_dropped=self.departed_dropped_total)
 
     def counters(self) -> tuple[int, dict[tuple[str, str], int], dict[str, int]]:
         with self._lock:

@@ -67,3 +67,22 @@ def test_more_devices_than_one_process_has_end_the_stream(served) -> None:
         stream.send(hello(rank=5), report(1, devices[:16]))
         wait_for(lambda: len(values(url, "torch_cuda_allocator_reserved_bytes",
                                     rank="5")) == 16, what="16 devices")
+
+
+def test_departed_agents_are_kept_within_a_bound_the_oldest_dropped_first(served) -> None:
+    running, url, target = served
+    registry = running.sidecar.registry
+    kept = running.sidecar.config.agents.max_departed_agents
+    cycles = kept + 44
+    for rank in range(cycles):  # connect, report, leave
+        with Stream(target) as stream:
+            assert stream.send(hello(rank=rank)).answer().HasField("welcome")
+            stream.send(report(1, [device(gpu_uuid=f"GPU-{rank}")]))
+            wait_for(lambda rank=rank: any(a.identity.rank == rank and a.last_report is not None
+                                           for a in registry.agents()),
+                     what=f"rank {rank}'s report")
+        wait_for(lambda: not any(a.connected for a in registry.agents()), what="departure")
+    departed = sorted(a.identity.rank for a in registry.agents())
+    assert departed == list(range(cycles - kept, cycles))  # the newest stay
+    assert values(url, "allocwatch_departed_agents_dropped_total") == [44.0]
+    assert len(values(url, "torch_cuda_allocator_reserved_bytes")) == kept

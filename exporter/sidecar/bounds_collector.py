@@ -1,0 +1,27 @@
+"""The sidecar's bounds at work: what it refused or dropped to keep what agents make it hold and
+serve within its limits (exporter.sidecar.screening, the registry's bounds)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from exporter.sidecar.registry import Registry
+
+
+class BoundsCollector(Collector):
+    """allocwatch_departed_agents_dropped_total."""
+
+    def __init__(self, registry: Registry):
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._registry.bound_counters()
+        departed = CounterMetricFamily(
+            "allocwatch_departed_agents_dropped",
+            "Departed agents forgotten before their expiry, oldest first, to keep within "
+            "agents.max_departed_agents")
+        departed.add_metric([], counts.departed_dropped)
+        yield departed
