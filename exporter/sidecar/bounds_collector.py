@@ -12,7 +12,7 @@ from exporter.sidecar.registry import Registry
 
 
 class BoundsCollector(Collector):
-    """allocwatch_departed_agents_dropped_total."""
+    """allocwatch_departed_agents_dropped_total, allocwatch_agents_refused_total{reason}."""
 
     def __init__(self, registry: Registry):
         self._registry = registry
@@ -25,3 +25,8 @@ class BoundsCollector(Collector):
             "agents.max_departed_agents")
         departed.add_metric([], counts.departed_dropped)
         yield departed
+        refused = CounterMetricFamily("allocwatch_agents_refused",
+                                      "Agents' hellos refused, by reason", labels=["reason"])
+        for reason, count in sorted(counts.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused

@@ -24,11 +24,21 @@ from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
 from exporter.protocol.service import SERVICE_NAME
 from exporter.protocol.version import PACKAGE_VERSION
 from exporter.sidecar.config import AgentsConfig
-from exporter.sidecar.registry import AgentLimitError, AgentSession, AgentState, Registry
+from exporter.sidecar.registry import (
+    AgentRefusedError,
+    AgentSession,
+    AgentState,
+    IdentityInUseError,
+    Registry,
+)
 from exporter.sidecar.screening import message_problem
 
 log = logging.getLogger("exporter.grpc")
 
+
+
+_REFUSAL_CODES: dict[type[AgentRefusedError], grpc.StatusCode] = {
+    IdentityInUseError: grpc.StatusCode.ALREADY_EXISTS}
 
 
 class ListenError(RuntimeError):
@@ -49,8 +59,11 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self._config = config
 
     async def _refuse(self, context: aio.ServicerContext, code: grpc.StatusCode, reason: str,
-                      message: str, peer: str) -> None:
-        self._registry.count_stream_error(reason)
+                      message: str, peer: str, counted: bool = False) -> None:
+        """End the stream with `code`; counted as a stream error unless the refusal was
+        counted where it was decided (`counted`)."""
+        if not counted:
+            self._registry.count_stream_error(reason)
         log.warning("agent stream refused", extra={"peer": peer, "reason": reason,
                                                    "detail": message})
         await context.abort(code, message)
@@ -91,9 +104,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         protocol = format_version(hello.protocol_version)
         try:
             state = self._registry.connect(hello.identity, protocol, peer)
-        except AgentLimitError as err:
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_many_agents",
-                               str(err), peer)
+        except AgentRefusedError as err:
+            code = _REFUSAL_CODES.get(type(err), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await self._refuse(context, code, err.reason, str(err), peer, counted=True)
             return
         session = AgentSession(asyncio.get_running_loop(), self._registry, state.key)
         state.session = session

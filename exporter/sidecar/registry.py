@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hmac
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import Counter
@@ -22,8 +24,20 @@ from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 log = logging.getLogger("exporter.registry")
 
 
-class AgentLimitError(Exception):
-    pass
+class AgentRefusedError(Exception):
+    """A hello the registry turns down; `reason` labels allocwatch_agents_refused_total."""
+
+    reason = "refused"
+
+
+class AgentLimitError(AgentRefusedError):
+    reason = "too_many_agents"
+
+
+class IdentityInUseError(AgentRefusedError):
+    """A hello for an agent instance that is connected: never a takeover of its stream."""
+
+    reason = "identity_in_use"
 
 
 class AgentGoneError(Exception):
@@ -128,6 +142,7 @@ class BoundCounters:
     """What the registry refused or dropped to stay within its bounds."""
 
     departed_dropped: int
+    refused: dict[str, int]  # hellos turned down, by reason
 
 
 class Registry:
@@ -145,36 +160,54 @@ class Registry:
         self.commands_total: Counter[tuple[str, str]] = Counter()
         self.stream_errors_total: Counter[str] = Counter()
         self.departed_dropped_total = 0
+        self.refused_total: Counter[str] = Counter()
+        self._key_secret = secrets.token_bytes(16)
         self.ever_connected = False
         # When the last connected agent left (monotonic); None while any is connected.
         self.all_gone_since: float | None = None
 
-    @staticmethod
-    def key_for(identity: pb.Identity) -> str:
+    def key_for(self, identity: pb.Identity) -> str:
+        """host/pid/rank/tag, the tag a keyed digest of the instance id: what the key shows
+        (on `/`, in logs) tells nothing of the instance id, so that no hello can be made to
+        match another agent's key."""
         rank = f"rank{identity.rank}" if identity.rank >= 0 else "norank"
-        return f"{identity.host}/{identity.pid}/{rank}/{identity.instance_id[:8]}"
+        tag = hmac.new(self._key_secret, identity.instance_id.encode(), "sha256").hexdigest()
+        return f"{identity.host}/{identity.pid}/{rank}/{tag[:8]}"
 
     def connect(self, identity: pb.Identity, protocol: str, peer: str) -> AgentState:
+        """The state of a newly connected agent; AgentRefusedError (counted) when it cannot be
+        served. A hello for a departed agent's instance resumes its figures (its stream broke
+        and it reconnected); one for a connected agent's instance is refused."""
         key = self.key_for(identity)
         with self._lock:
-            self._expire_locked(time.monotonic())
-            old = self._agents.get(key)
-            connected = sum(1 for a in self._agents.values() if a.connected)
-            if old is None and connected >= self.max_agents:
-                raise AgentLimitError(
-                    f"the sidecar already serves {connected} agents (agents.max_agents)")
-            state = AgentState(key=key, identity=identity, protocol=protocol, peer=peer)
-            self._departed.pop(key, None)
-            if old is not None:
-                # The same agent instance reconnecting (its previous stream broke): keep its report.
-                state.last_report, state.last_report_time = old.last_report, old.last_report_time
-                state.reports_received = old.reports_received
-                if old.session is not None:
-                    old.session.close()
+            try:
+                state = self._admit_locked(key, identity, protocol, peer)
+            except AgentRefusedError as err:
+                self.refused_total[err.reason] += 1
+                raise
             self._agents[key] = state
             self.ever_connected = True
             self.all_gone_since = None
             return state
+
+    def _admit_locked(self, key: str, identity: pb.Identity, protocol: str, peer: str
+                      ) -> AgentState:
+        self._expire_locked(time.monotonic())
+        old = self._agents.get(key)
+        if old is not None and old.connected:
+            raise IdentityInUseError(f"agent {key} is connected already: a second stream for "
+                                     "one agent instance is refused")
+        connected = sum(1 for a in self._agents.values() if a.connected)
+        if old is None and connected >= self.max_agents:
+            raise AgentLimitError(
+                f"the sidecar already serves {connected} agents (agents.max_agents)")
+        state = AgentState(key=key, identity=identity, protocol=protocol, peer=peer)
+        self._departed.pop(key, None)
+        if old is not None and old.identity.instance_id == identity.instance_id:
+            # The same agent instance reconnecting (its previous stream broke): keep its report.
+            state.last_report, state.last_report_time = old.last_report, old.last_report_time
+            state.reports_received = old.reports_received
+        return state
 
     def record_report(self, state: AgentState, report: pb.Report) -> bool:
         """Store a report; False (ignored) when it is older than the one already held."""
@@ -241,7 +274,8 @@ class Registry:
 
     def bound_counters(self) -> BoundCounters:
         with self._lock:
-            return BoundCounters(departed_dropped=self.departed_dropped_total)
+            return BoundCounters(departed_dropped=self.departed_dropped_total,
+                                 refused=dict(self.refused_total))
 
     def counters(self) -> tuple[int, dict[tuple[str, str], int], dict[str, int]]:
         with self._lock:
