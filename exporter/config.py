@@ -33,6 +33,8 @@ S = TypeVar("S", bound="Section")
 
 MAX_FILE_BYTES = 1 << 20
 _SHOWN_CHARACTERS = 80
+MAX_TOKEN_BYTES = 4096
+MIN_TOKEN_BYTES = 16
 
 
 class ConfigError(ValueError):
@@ -281,3 +283,28 @@ def check_tls_files(section: Any, path: str) -> None:
         file = getattr(section, name)
         if file and not os.access(file, os.R_OK):
             raise ConfigError(f"{path}.{name}: cannot read {shown(file)}")
+
+
+def read_token(section: Any, path: str) -> bytes | None:
+    """The bearer token a section's `token_file` / `token_env` name (file first), stripped;
+    None if neither is set. ConfigError when set but unreadable, empty, or too short to resist
+    guessing."""
+    if section.token_file:
+        try:
+            raw = Path(section.token_file).read_bytes()[:MAX_TOKEN_BYTES + 1]
+        except OSError as err:
+            raise ConfigError(f"{path}.token_file: cannot read {shown(section.token_file)}: "
+                              f"{err.strerror}") from None
+        where = f"{path}.token_file"
+    elif section.token_env:
+        raw = os.environb.get(section.token_env.encode(), b"")
+        where = f"{path}.token_env (${section.token_env})"
+    else:
+        return None
+    token = raw.strip()
+    if len(token) > MAX_TOKEN_BYTES:
+        raise ConfigError(f"{where}: the token is longer than {MAX_TOKEN_BYTES} bytes")
+    if len(token) < MIN_TOKEN_BYTES:
+        raise ConfigError(f"{where}: the token is empty or shorter than {MIN_TOKEN_BYTES} "
+                          "bytes (generate one: openssl rand -hex 32)")
+    return token

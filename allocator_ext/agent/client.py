@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from allocator_ext.agent import convert
+from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.commands import execute
 from allocator_ext.agent.oom_snapshots import OomSnapshots
@@ -46,9 +47,11 @@ class Agent:
         backoff: Backoff | None = None,
         protocol_version: pb.ProtocolVersion | None = None,
         tls: TlsSettings | None = None,
+        token: AgentToken | None = None,
     ):
         self.target = target
         self.tls = tls if tls is not None and not target.startswith("unix:") else None
+        self.token = token if not target.startswith("unix:") else None
         self.source = source
         self.identity = identity
         self.interval = interval
@@ -214,7 +217,8 @@ class Agent:
             channel_cm = grpc.insecure_channel(self.target, options=options)
         with channel_cm as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
-            call = stub.Connect(self._requests(hello, stream_done))
+            call = stub.Connect(self._requests(hello, stream_done),
+                                metadata=self.token.metadata() if self.token else None)
             with self._call_lock:
                 self._call = call
             try:

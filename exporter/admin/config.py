@@ -17,14 +17,11 @@ logging the settings cannot leak it.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 from exporter.admin.tls import server_tls_context
 from exporter.config import ConfigError, FileMode, Port, Section, check_tls_files, setting
-
-MAX_TOKEN_BYTES = 4096
-MIN_TOKEN_BYTES = 16
+from exporter.config import read_token as read_secret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,22 +76,4 @@ class AdminConfig(Section):
 def read_token(config: AdminConfig) -> bytes | None:
     """The configured token (file first, then environment), stripped; None if none configured.
     ConfigError when configured but unreadable, empty, or too short to resist guessing."""
-    if config.token_file:
-        try:
-            raw = Path(config.token_file).read_bytes()[:MAX_TOKEN_BYTES + 1]
-        except OSError as err:
-            raise ConfigError(f"admin.token_file: cannot read {config.token_file}: "
-                              f"{err.strerror}") from None
-        where = "admin.token_file"
-    elif config.token_env:
-        raw = os.environb.get(config.token_env.encode(), b"")
-        where = f"admin.token_env (${config.token_env})"
-    else:
-        return None
-    token = raw.strip()
-    if len(token) > MAX_TOKEN_BYTES:
-        raise ConfigError(f"{where}: the token is longer than {MAX_TOKEN_BYTES} bytes")
-    if len(token) < MIN_TOKEN_BYTES:
-        raise ConfigError(f"{where}: the token is empty or shorter than {MIN_TOKEN_BYTES} "
-                          "bytes (generate one: openssl rand -hex 32)")
-    return token
+    return read_secret(config, "admin")

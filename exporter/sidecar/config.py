@@ -9,6 +9,7 @@ docs/sidecar.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from exporter.config import (
     check_tls_files,
     parse_yaml,
     read_settings_file,
+    read_token,
     setting,
 )
 from exporter.policy.config import PolicyConfig
@@ -43,6 +45,12 @@ class AgentsConfig(Section):
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
+    # On TCP (which any local user reaches, loopback included), agents present this bearer
+    # token, unless mutual TLS identifies them. A token file that does not exist is created at
+    # start with a fresh token, readable as the socket is (put it on the directory shared with
+    # the training container); token_env names an environment variable holding it instead.
+    token_file: str = ""
+    token_env: str = ""
     # Above 64 MiB a message is no report; gRPC itself takes no more than 2 GiB.
     max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, minimum=1024, maximum=64 << 20)
     hello_timeout_seconds: float = setting(10.0, positive=True, maximum=3600)
@@ -57,6 +65,17 @@ class AgentsConfig(Section):
             raise ConfigError(f"{path}: no listener: set {path}.unix_socket or {path}.tcp_port "
                               "(or both)")
         check_tls_files(self, path)
+        if self.token_file and self.token_env:
+            raise ConfigError(f"{path}: give token_file or token_env, not both")
+        if self.tcp_port is None:
+            return
+        if not (self.token_file or self.token_env or self.tls_client_ca_file):
+            raise ConfigError(
+                f"{path}.tcp_port: agents on TCP must authenticate: set {path}.token_file (a "
+                "file on the directory shared with the training container, created if absent) "
+                f"or {path}.tls_client_ca_file (mutual TLS)")
+        if self.token_env or os.path.exists(self.token_file):
+            read_token(self, path)  # refuse now, not at the first hello
 
 
 @dataclasses.dataclass(frozen=True)

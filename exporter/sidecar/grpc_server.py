@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
+import secrets
 from pathlib import Path
 
 import grpc
 from grpc import aio
 
+from exporter.config import ConfigError, read_token
 from exporter.protocol.handshake import format_version, incompatibility, local_version
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
@@ -53,10 +56,54 @@ def _identity_problem(identity: pb.Identity) -> str | None:
     return None
 
 
+def _over_tcp(peer: str) -> bool:
+    return peer.startswith(("ipv4:", "ipv6:"))
+
+
+def agent_token(config: AgentsConfig) -> bytes | None:
+    """The token agents on TCP must present, or None (no TCP listener, or mutual TLS alone).
+    A token file that does not exist is created with a fresh token, readable by those the
+    socket's mode admits and writable by nobody."""
+    if config.tcp_port is None or not (config.token_file or config.token_env):
+        return None
+    if config.token_file and not os.path.lexists(config.token_file):
+        _create_token_file(Path(config.token_file), config.socket_mode & 0o444)
+    try:
+        return read_token(config, "agents")
+    except ConfigError as err:  # replaced or emptied since the settings were checked
+        raise ListenError(str(err)) from None
+
+
+def _create_token_file(path: Path, mode: int) -> None:
+    try:
+        path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return  # another sidecar of the pod made it first: read theirs
+    except OSError as err:
+        raise ListenError(f"cannot create the agents' token file {path}: {err.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+        os.fchmod(f.fileno(), mode)
+    log.info("agents' token file created", extra={"path": str(path), "mode": oct(mode)})
+
+
 class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, registry: Registry, config: AgentsConfig):
+    def __init__(self, registry: Registry, config: AgentsConfig, token: bytes | None = None):
         self._registry = registry
         self._config = config
+        self._token = token
+
+    def _authenticated(self, context: aio.ServicerContext) -> bool:
+        """Whether a stream may go on: any on the Unix socket (its mode guards it); on TCP,
+        one presenting the token where one is required (compared in constant time)."""
+        if self._token is None or not _over_tcp(context.peer() or ""):
+            return True
+        header = dict(context.invocation_metadata() or ()).get("authorization", "")
+        presented = b""
+        if isinstance(header, str) and header[:7].lower() == "bearer ":
+            presented = header[7:].strip().encode("utf-8", "replace")
+        return hmac.compare_digest(presented, self._token)
 
     async def _refuse(self, context: aio.ServicerContext, code: grpc.StatusCode, reason: str,
                       message: str, peer: str, counted: bool = False) -> None:
@@ -70,6 +117,14 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def Connect(self, request_iterator, context: aio.ServicerContext):  # noqa: N802
         peer = context.peer() or "unknown"
+        if not self._authenticated(context):
+            self._registry.count_refused("unauthenticated")
+            await self._refuse(
+                context, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                "missing or wrong agent token: on TCP an agent presents the token of "
+                "agents.token_file (ALLOCWATCH_TOKEN_FILE) or agents.token_env "
+                "(ALLOCWATCH_TOKEN)", peer, counted=True)
+            return
         try:
             first = await asyncio.wait_for(context.read(), self._config.hello_timeout_seconds)
         except asyncio.TimeoutError:
@@ -182,7 +237,8 @@ async def start_grpc_server(registry: Registry, config: AgentsConfig
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ])
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(registry, config), server)
+    service = AgentService(registry, config, agent_token(config))
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(service, server)
     health = _add_health_service(server)
     targets = []
     if config.unix_socket:

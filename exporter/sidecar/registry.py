@@ -238,6 +238,11 @@ class Registry:
         with self._lock:
             self.commands_total[(command, result)] += 1
 
+    def count_refused(self, reason: str) -> None:
+        """A hello refused before it reached the registry (e.g. unauthenticated)."""
+        with self._lock:
+            self.refused_total[reason] += 1
+
     def count_stream_error(self, reason: str) -> None:
         with self._lock:
             self.stream_errors_total[reason] += 1

@@ -29,6 +29,7 @@ agents:
   unix_socket: /shared/agent.sock
   socket_mode: 0600
   tcp_port: 7070
+  token_file: /shared/agent-token
   expiry_seconds: 5
 metrics: {port: 9100}
 nvml: {enabled: false}

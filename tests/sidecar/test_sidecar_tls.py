@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.pki import make_ca, make_leaf
-from support.sidecar import FakeSource, sidecar_config, values
+from support.sidecar import FakeSource, sidecar_config, tcp_token, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
@@ -54,7 +54,7 @@ def test_an_agent_trusting_the_ca_reports_over_tls(tmp_path: Path, pki, mutual: 
         tls = TlsSettings(str(pki["ca"]), str(pki["client_cert"]) if mutual else "",
                           str(pki["client_key"]) if mutual else "")
         agent = start_agent(target, interval=0.1, source=FakeSource(), nvml=False,
-                            stop_at_exit=False, tls=tls)
+                            stop_at_exit=False, tls=tls, token=tcp_token(tmp_path))
         try:
             wait_for(lambda: reported(running.sidecar.metrics_url), what="a report over TLS")
         finally:
@@ -74,7 +74,7 @@ def test_agents_without_the_right_credentials_get_nothing_through(tmp_path: Path
                                        str(pki["client_key"])),
                "no-client-cert": TlsSettings(str(pki["ca"]))}[case]
         agent = start_agent(target, interval=0.1, source=FakeSource(), nvml=False,
-                            stop_at_exit=False, tls=tls)
+                            stop_at_exit=False, tls=tls, token=tcp_token(tmp_path))
         try:
             time.sleep(1.5)
             assert not agent.connected.is_set()
