@@ -10,7 +10,7 @@ from pathlib import Path
 from allocator_ext.agent.snapshots import DEFAULT_MAX_BYTES, write_snapshot
 from allocator_ext.agent.sources import CommandRefusedNow, Source, UnsupportedCommand
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.settings import MAX_SETTINGS_CHARACTERS
+from exporter.protocol.service import MAX_SETTINGS_CHARACTERS
 
 log = logging.getLogger("allocator_ext.agent")
 Status = pb.CommandResult.Status

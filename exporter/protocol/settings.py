@@ -4,8 +4,7 @@ refused there rather than by every agent."""
 
 from __future__ import annotations
 
-# The longest settings string an agent accepts: every key of the allocator fits many times over.
-MAX_SETTINGS_CHARACTERS = 4096
+from exporter.protocol.service import MAX_SETTINGS_CHARACTERS
 
 
 def validate_settings(text: str) -> str:
