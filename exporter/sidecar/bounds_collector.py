@@ -12,7 +12,8 @@ from exporter.sidecar.registry import Registry
 
 
 class BoundsCollector(Collector):
-    """allocwatch_departed_agents_dropped_total, allocwatch_agents_refused_total{reason}."""
+    """allocwatch_departed_agents_dropped_total, allocwatch_agents_refused_total{reason},
+    allocwatch_figures_dropped_total{reason}."""
 
     def __init__(self, registry: Registry):
         self._registry = registry
@@ -30,3 +31,11 @@ class BoundsCollector(Collector):
         for reason, count in sorted(counts.refused.items()):
             refused.add_metric([reason], count)
         yield refused
+        figures = CounterMetricFamily(
+            "allocwatch_figures_dropped",
+            "Figures from agents never exported, by reason (non_finite, out_of_range, "
+            "inconsistent): the device entry holding one is left out of the report kept",
+            labels=["reason"])
+        for reason, count in sorted(counts.figures_dropped.items()):
+            figures.add_metric([reason], count)
+        yield figures

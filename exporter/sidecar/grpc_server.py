@@ -34,7 +34,7 @@ from exporter.sidecar.registry import (
     IdentityInUseError,
     Registry,
 )
-from exporter.sidecar.screening import message_problem
+from exporter.sidecar.screening import message_problem, screened_report, screened_result
 
 log = logging.getLogger("exporter.grpc")
 
@@ -202,12 +202,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                                    "bad_report" if kind == "report" else "bad_message", problem,
                                    state.peer)
             if kind == "report":
-                self._registry.record_report(state, message.report)
+                report, dropped = screened_report(message.report)
+                self._registry.count_figures_dropped(dropped)
+                self._registry.record_report(state, report)
             elif kind == "command_result":
-                state.last_result = message.command_result
-                if not session.resolve(message.command_result):
+                result, dropped = screened_result(message.command_result)
+                self._registry.count_figures_dropped(dropped)
+                state.last_result = result
+                if not session.resolve(result):
                     log.warning("result for an unknown command", extra={
-                        "agent": state.key, "command_id": message.command_result.command_id})
+                        "agent": state.key, "command_id": result.command_id})
             elif kind == "goodbye":
                 return f"goodbye: {message.goodbye.reason}"
             elif kind == "hello":

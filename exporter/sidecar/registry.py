@@ -143,6 +143,7 @@ class BoundCounters:
 
     departed_dropped: int
     refused: dict[str, int]  # hellos turned down, by reason
+    figures_dropped: dict[str, int]  # implausible figures left out, by reason
 
 
 class Registry:
@@ -161,6 +162,7 @@ class Registry:
         self.stream_errors_total: Counter[str] = Counter()
         self.departed_dropped_total = 0
         self.refused_total: Counter[str] = Counter()
+        self.figures_dropped_total: Counter[str] = Counter()
         self._key_secret = secrets.token_bytes(16)
         self.ever_connected = False
         # When the last connected agent left (monotonic); None while any is connected.
@@ -238,6 +240,12 @@ class Registry:
         with self._lock:
             self.commands_total[(command, result)] += 1
 
+    def count_figures_dropped(self, reasons: list[str]) -> None:
+        """Figures left out of what an agent sent (exporter.sidecar.screening), by reason."""
+        if reasons:
+            with self._lock:
+                self.figures_dropped_total.update(reasons)
+
     def count_refused(self, reason: str) -> None:
         """A hello refused before it reached the registry (e.g. unauthenticated)."""
         with self._lock:
@@ -280,7 +288,8 @@ class Registry:
     def bound_counters(self) -> BoundCounters:
         with self._lock:
             return BoundCounters(departed_dropped=self.departed_dropped_total,
-                                 refused=dict(self.refused_total))
+                                 refused=dict(self.refused_total),
+                                 figures_dropped=dict(self.figures_dropped_total))
 
     def counters(self) -> tuple[int, dict[tuple[str, str], int], dict[str, int]]:
         with self._lock:

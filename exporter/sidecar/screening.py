@@ -3,11 +3,15 @@
 Every string from the wire has a length limit (most become label values, shown in every scrape
 for as long as the agent's series live); a report names at most MAX_DEVICES_PER_REPORT devices.
 A message past these limits ends its stream: it comes from a broken or hostile agent.
+
+Figures no allocator can have (`implausible`) are never kept: the device entry carrying one is
+left out of the report the sidecar stores (`screened_report`), and the reason counted.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
@@ -67,3 +71,71 @@ def message_problem(message: pb.AgentMessage) -> str | None:
         return (f"a report has {len(message.report.devices)} devices, more than "
                 f"{MAX_DEVICES_PER_REPORT}")
     return long_string(message)
+
+
+# A byte count or counter at or above this is a negative number sent as unsigned.
+_UNSIGNED_LIMIT = 1 << 63
+_UINT64 = FieldDescriptor.TYPE_UINT64
+_DOUBLE = FieldDescriptor.TYPE_DOUBLE
+
+
+def _number_problem(message: Message) -> str | None:
+    for field, value in message.ListFields():
+        if field.type == _DOUBLE and not math.isfinite(value):
+            return "non_finite"
+        if field.type == _UINT64 and value >= _UNSIGNED_LIMIT:
+            return "out_of_range"
+        if field.type == _MESSAGE and isinstance(value, Message):
+            found = _number_problem(value)
+            if found is not None:
+                return found
+    return None
+
+
+def implausible(device: pb.DeviceReport) -> str | None:
+    """Why a device entry holds a figure no allocator can have (non_finite, out_of_range,
+    inconsistent), or None."""
+    found = _number_problem(device)
+    if found is not None:
+        return found
+    if not 0.0 <= device.settings.garbage_collection_threshold <= 1.0:
+        return "out_of_range"
+    stats = device.allocator
+    if any(pool.allocated_bytes > pool.reserved_bytes
+           for pool in (stats.all, stats.small_pool, stats.large_pool)):
+        return "inconsistent"
+    memory = device.device_memory
+    if memory.used_bytes > memory.total_bytes or memory.process_used_bytes > memory.total_bytes:
+        return "inconsistent"
+    return None
+
+
+def screened_report(report: pb.Report) -> tuple[pb.Report, list[str]]:
+    """The report as the sidecar keeps it — without the device entries that hold an
+    implausible figure, and with a timestamp that is no time cleared (0: unknown) — and the
+    reasons of what was left out. The report itself when nothing is (the common case: no
+    copy)."""
+    reasons = [implausible(d) for d in report.devices]
+    bad_time = not (math.isfinite(report.timestamp_seconds) and report.timestamp_seconds >= 0)
+    if not bad_time and not any(reasons):
+        return report, []
+    kept = pb.Report()
+    kept.CopyFrom(report)
+    del kept.devices[:]
+    kept.devices.extend(d for d, why in zip(report.devices, reasons, strict=True) if why is None)
+    dropped = [why for why in reasons if why is not None]
+    if bad_time:
+        kept.timestamp_seconds = 0.0
+        dropped.append("non_finite")
+    return kept, dropped
+
+
+def screened_result(result: pb.CommandResult) -> tuple[pb.CommandResult, list[str]]:
+    """A command's result as the admin API and the policy see it: a sync time that is no time
+    cleared (0), and the reason, as for reports."""
+    if math.isfinite(result.sync_seconds) and result.sync_seconds >= 0:
+        return result, []
+    kept = pb.CommandResult()
+    kept.CopyFrom(result)
+    kept.sync_seconds = 0.0
+    return kept, ["non_finite" if not math.isfinite(result.sync_seconds) else "out_of_range"]
