@@ -48,7 +48,7 @@ class Sidecar:
         self.config = config
         self.config_path = config_path
         self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents,
-                                 config.agents.max_departed_agents)
+                                 config.agents.max_departed_agents, config.agents.max_series)
         self.nvml: NvmlReader | None = None
         if config.nvml.enabled:
             self.nvml = NvmlReader(nvml_module, cache_seconds=config.nvml.cache_seconds)
@@ -146,6 +146,7 @@ class Sidecar:
         self.registry.expiry_seconds = effective.agents.expiry_seconds
         self.registry.max_agents = effective.agents.max_agents
         self.registry.max_departed = effective.agents.max_departed_agents
+        self.registry.max_series = effective.agents.max_series
         logging.getLogger().setLevel(effective.logging.level.upper())
         if self.watcher is not None:
             self.watcher.interval_seconds = effective.reload.interval_seconds

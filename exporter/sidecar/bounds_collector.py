@@ -12,7 +12,8 @@ from exporter.sidecar.registry import Registry
 
 
 class BoundsCollector(Collector):
-    """allocwatch_departed_agents_dropped_total, allocwatch_agents_refused_total{reason},
+    """allocwatch_departed_agents_dropped_total, allocwatch_series_dropped_total,
+    allocwatch_agents_refused_total{reason},
     allocwatch_figures_dropped_total{reason}."""
 
     def __init__(self, registry: Registry):
@@ -26,6 +27,12 @@ class BoundsCollector(Collector):
             "agents.max_departed_agents")
         departed.add_metric([], counts.departed_dropped)
         yield departed
+        series = CounterMetricFamily(
+            "allocwatch_series_dropped",
+            "Series left out of /metrics to keep within agents.max_series: departed agents' "
+            "(oldest first), then the devices of a report that did not fit")
+        series.add_metric([], counts.series_dropped)
+        yield series
         refused = CounterMetricFamily("allocwatch_agents_refused",
                                       "Agents' hellos refused, by reason", labels=["reason"])
         for reason, count in sorted(counts.refused.items()):

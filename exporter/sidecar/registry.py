@@ -34,6 +34,10 @@ class AgentLimitError(AgentRefusedError):
     reason = "too_many_agents"
 
 
+class SeriesLimitError(AgentRefusedError):
+    reason = "series_limit"
+
+
 class IdentityInUseError(AgentRefusedError):
     """A hello for an agent instance that is connected: never a takeover of its stream."""
 
@@ -42,6 +46,18 @@ class IdentityInUseError(AgentRefusedError):
 
 class AgentGoneError(Exception):
     pass
+
+
+# What one agent puts in the exposition, for the series bound: the per-device families of the
+# allocator, GPU and info collectors, and the agent's own (last report, drops).
+SERIES_PER_DEVICE = 36
+SERIES_PER_AGENT = 3
+
+
+def series_of(report: pb.Report | None) -> int:
+    """The series an agent with this report shows (one device before it reports: the hello's)."""
+    devices = len(report.devices) if report is not None else 0
+    return SERIES_PER_AGENT + SERIES_PER_DEVICE * max(1, devices)
 
 
 @dataclasses.dataclass
@@ -59,6 +75,7 @@ class AgentState:
     last_result: pb.CommandResult | None = None
     # Commands to this agent: set by the server while a stream is open.
     session: AgentSession | None = None
+    series: int = 0  # what it counts against the series bound (series_of its last report)
 
 
 class AgentSession:
@@ -142,18 +159,27 @@ class BoundCounters:
     """What the registry refused or dropped to stay within its bounds."""
 
     departed_dropped: int
+    series_dropped: int  # of departed agents forgotten early, of devices left out
     refused: dict[str, int]  # hellos turned down, by reason
     figures_dropped: dict[str, int]  # implausible figures left out, by reason
 
 
 class Registry:
     """The agents by key: connected ones, and departed ones until they expire or, past
-    `max_departed`, until newer departures push them out (oldest first, counted)."""
+    `max_departed`, until newer departures push them out (oldest first, counted).
 
-    def __init__(self, expiry_seconds: float, max_agents: int, max_departed: int = 256):
+    The series all agents show stay within `max_series`: a new agent or a report with more
+    devices first takes the room of departed agents (oldest first); where that is not enough,
+    the new agent is refused and a report's extra devices are left out, each counted."""
+
+    def __init__(self, expiry_seconds: float, max_agents: int, max_departed: int = 256,
+                 max_series: int = 50_000):
         self.expiry_seconds = expiry_seconds
         self.max_agents = max_agents
         self.max_departed = max_departed
+        self.max_series = max_series
+        self._series = 0
+        self.series_dropped_total = 0
         self._lock = threading.Lock()
         self._agents: dict[str, AgentState] = {}
         self._departed: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -204,12 +230,44 @@ class Registry:
             raise AgentLimitError(
                 f"the sidecar already serves {connected} agents (agents.max_agents)")
         state = AgentState(key=key, identity=identity, protocol=protocol, peer=peer)
-        self._departed.pop(key, None)
         if old is not None and old.identity.instance_id == identity.instance_id:
             # The same agent instance reconnecting (its previous stream broke): keep its report.
             state.last_report, state.last_report_time = old.last_report, old.last_report_time
             state.reports_received = old.reports_received
+        state.series = series_of(state.last_report)
+        freed = old.series if old is not None else 0
+        if not self._make_room_locked(state.series - freed, spare=key):
+            raise SeriesLimitError(
+                f"the sidecar shows {self._series} series, near agents.max_series "
+                f"({self.max_series}), and no departed agent is left to make room")
+        if old is not None:
+            self._forget_locked(key)
+        self._series += state.series
         return state
+
+    def _make_room_locked(self, extra: int, spare: str = "") -> bool:
+        """Room for `extra` more series, forgetting departed agents (oldest first, never
+        `spare`) as needed; False, forgetting nobody, when even all of them would not do."""
+        if self._series + extra <= self.max_series:
+            return True
+        departed = [k for k in self._departed if k != spare]
+        if self._series + extra - sum(self._agents[k].series for k in departed) > self.max_series:
+            return False
+        for key in departed:
+            if self._series + extra <= self.max_series:
+                break
+            self._drop_for_series_locked(key)
+        return True
+
+    def _drop_for_series_locked(self, key: str) -> None:
+        self.series_dropped_total += self._agents[key].series
+        self._forget_locked(key)
+        log.info("departed agent dropped before its expiry (agents.max_series)",
+                 extra={"agent": key})
+
+    def _forget_locked(self, key: str) -> None:
+        self._series -= self._agents.pop(key).series
+        self._departed.pop(key, None)
 
     def record_report(self, state: AgentState, report: pb.Report) -> bool:
         """Store a report; False (ignored) when it is older than the one already held."""
@@ -219,9 +277,31 @@ class Registry:
             if state.last_report is not None and report.sequence <= state.last_report.sequence:
                 self.stream_errors_total["out_of_order_report"] += 1
                 return False
+            if self._agents.get(state.key) is state:  # not forgotten meanwhile
+                report = self._fit_locked(state, report)
             state.last_report = report
             state.last_report_time = time.time()
             return True
+
+    def _fit_locked(self, state: AgentState, report: pb.Report) -> pb.Report:
+        """The report as the series bound lets it be kept (its devices that fit), its series
+        counted on the agent."""
+        wanted = series_of(report)
+        if not self._make_room_locked(wanted - state.series, spare=state.key):
+            for key in [k for k in self._departed if k != state.key]:  # all the room there is
+                self._drop_for_series_locked(key)
+            room = self.max_series - (self._series - state.series) - SERIES_PER_AGENT
+            fits = max(0, room // SERIES_PER_DEVICE)
+            self.series_dropped_total += (len(report.devices) - fits) * SERIES_PER_DEVICE
+            log.warning("report devices left out (agents.max_series)", extra={
+                "agent": state.key, "devices": len(report.devices), "kept": fits})
+            kept = pb.Report()
+            kept.CopyFrom(report)
+            del kept.devices[fits:]
+            report, wanted = kept, series_of(kept)
+        self._series += wanted - state.series
+        state.series = wanted
+        return report
 
     def disconnect(self, state: AgentState) -> None:
         with self._lock:
@@ -260,15 +340,15 @@ class Registry:
             gone = self._agents[key].disconnected_monotonic
             if gone is not None and now - gone < self.expiry_seconds:
                 break
-            del self._agents[key], self._departed[key]
+            self._forget_locked(key)
             log.info("agent expired", extra={"agent": key})
 
     def _drop_departed_locked(self, keep: int) -> int:
         """Forget departed agents, oldest first, until `keep` remain; how many went."""
         dropped = 0
         while len(self._departed) > keep:
-            key, _ = self._departed.popitem(last=False)
-            del self._agents[key]
+            key = next(iter(self._departed))
+            self._forget_locked(key)
             dropped += 1
             log.info("departed agent dropped before its expiry (agents.max_departed_agents)",
                      extra={"agent": key})
@@ -285,9 +365,15 @@ class Registry:
         with self._lock:
             return self._agents.get(key)
 
+    def series(self) -> int:
+        """The series the agents held count against agents.max_series."""
+        with self._lock:
+            return self._series
+
     def bound_counters(self) -> BoundCounters:
         with self._lock:
             return BoundCounters(departed_dropped=self.departed_dropped_total,
+                                 series_dropped=self.series_dropped_total,
                                  refused=dict(self.refused_total),
                                  figures_dropped=dict(self.figures_dropped_total))
 

@@ -5,13 +5,16 @@ counted; the agents within the bounds are served as before."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import grpc
 import pytest
-from support.sidecar import start_sidecar, values
+from support.sidecar import sidecar_config, start_sidecar, values
 from support.streams import Stream, device, hello, report
 from support.waiting import wait_for
+
+from exporter.sidecar.app import SidecarThread
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,3 +89,50 @@ def test_departed_agents_are_kept_within_a_bound_the_oldest_dropped_first(served
     assert departed == list(range(cycles - kept, cycles))  # the newest stay
     assert values(url, "allocwatch_departed_agents_dropped_total") == [44.0]
     assert len(values(url, "torch_cuda_allocator_reserved_bytes")) == kept
+
+
+def test_past_the_series_bound_departed_agents_go_first_then_new_agents_are_refused(
+        tmp_path: Path) -> None:
+    from exporter.sidecar.registry import SERIES_PER_AGENT, SERIES_PER_DEVICE
+
+    one, two = SERIES_PER_AGENT + SERIES_PER_DEVICE, SERIES_PER_AGENT + 2 * SERIES_PER_DEVICE
+    config = sidecar_config(tmp_path, nvml=False)
+    bound = 2 * two + one + 5  # two agents of two devices and one of one fit, no more
+    config = dataclasses.replace(config, agents=dataclasses.replace(config.agents,
+                                                                    max_series=bound))
+    running = SidecarThread(config).start()
+    url, target = running.sidecar.metrics_url, running.sidecar.agent_targets[0]
+    registry = running.sidecar.registry
+    two_devices = [device(0, "GPU-a"), device(1, "GPU-b")]
+    try:
+        for rank in (0, 1):  # two agents come and go: departed, their series kept
+            with Stream(target) as stream:
+                stream.send(hello(rank=rank), report(1, two_devices))
+                wait_for(lambda rank=rank: len(values(
+                    url, "torch_cuda_allocator_reserved_bytes", rank=str(rank))) == 2,
+                    what=f"rank {rank}")
+        wait_for(lambda: not any(a.connected for a in registry.agents()), what="departures")
+        live = [Stream(target) for _ in range(3)]
+        live[0].send(hello(rank=2), report(1, two_devices))  # room made: rank 0 goes
+        wait_for(lambda: len(values(url, "torch_cuda_allocator_reserved_bytes",
+                                    rank="2")) == 2, what="rank 2")
+        assert sorted(a.identity.rank for a in registry.agents()) == [1, 2]
+        assert values(url, "allocwatch_series_dropped_total") == [float(two)]
+        live[1].send(hello(rank=3), report(1, two_devices))  # rank 1 goes
+        wait_for(lambda: len(values(url, "torch_cuda_allocator_reserved_bytes",
+                                    rank="3")) == 2, what="rank 3")
+        assert sorted(a.identity.rank for a in registry.agents()) == [2, 3]
+        live[2].send(hello(rank=4), report(1, [device(0, "GPU-c")]))
+        wait_for(lambda: values(url, "torch_cuda_allocator_reserved_bytes", rank="4"),
+                 what="rank 4")
+        with Stream(target) as refused:  # nothing departed is left to make room
+            err = refused.send(hello(rank=5)).error()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "agents.max_series" in err.details()
+        assert values(url, "allocwatch_agents_refused_total", reason="series_limit") == [1.0]
+        assert sorted(a.identity.rank for a in registry.agents()) == [2, 3, 4]
+        assert registry.series() <= bound
+        for stream in live:
+            stream.close()
+    finally:
+        running.stop()
