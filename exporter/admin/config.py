@@ -9,6 +9,7 @@
       tls_cert_file: /etc/allocwatch/tls/tls.crt      # HTTPS on the TCP port (optional)
       tls_key_file: /etc/allocwatch/tls/tls.key
       tls_client_ca_file: /etc/allocwatch/tls/ca.crt # and client certificates (optional)
+      snapshot_dir: /run/allocwatch/snapshots        # default: snapshots/ beside the socket
 
 The token itself never enters the settings object (only where to read it), so printing or
 logging the settings cannot leak it.
@@ -43,11 +44,21 @@ class AdminConfig(Section):
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
     command_timeout_seconds: float = setting(30.0, positive=True, maximum=3600, reload=True)
+    # Where agents write snapshots, and the only place GET /v1/snapshots/NAME reads from.
+    # None: snapshots/ beside agents.unix_socket (the agents' default); "": none served.
+    snapshot_dir: str | None = None
 
     def socket_path(self, agents_socket: str) -> str:
-        if self.unix_socket is not None:
-            return self.unix_socket
-        return str(Path(agents_socket).parent / "admin.sock") if agents_socket else ""
+        return self._beside(self.unix_socket, agents_socket, "admin.sock")
+
+    def snapshot_path(self, agents_socket: str) -> str:
+        return self._beside(self.snapshot_dir, agents_socket, "snapshots")
+
+    @staticmethod
+    def _beside(given: str | None, agents_socket: str, name: str) -> str:
+        if given is not None:
+            return given
+        return str(Path(agents_socket).parent / name) if agents_socket else ""
 
     def validate(self, path: str) -> None:
         if self.socket_mode & 0o007:

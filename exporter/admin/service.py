@@ -5,7 +5,7 @@ them).
     POST /v1/settings     {"settings": "...", selectors}
     POST /v1/reclaim      {"mode": "gc"|"all", selectors}
     POST /v1/snapshot     {"frames": false, selectors}   -> path, bytes, download URL
-    GET  /v1/snapshots/NAME                         the snapshot file's bytes
+    GET  /v1/snapshots/NAME                         a file of the snapshot directory, by name
     POST /v1/reset-peaks  {selectors}
 
 A bad request (unknown field, invalid settings, no agent selected) is refused with a message and
@@ -16,24 +16,19 @@ own thread, so waiting for agents never holds up the gRPC server.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import os
 import re
-import stat
-import threading
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+from exporter.admin.snapshots import MAX_SNAPSHOT_BYTES, SnapshotUnavailable, open_snapshot
 from exporter.admin.views import agent_view, result_view
 from exporter.config import shown
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.settings import validate_settings
 from exporter.sidecar.registry import AgentState, Outcome, Registry, send_command
 
-MAX_SNAPSHOT_BYTES = 256 << 20
-SNAPSHOTS_KEPT = 64
 SELECTOR_FIELDS = ("rank", "host", "job", "agent")
 
 
@@ -140,12 +135,11 @@ class AdminService:
     """What the endpoints do, independent of HTTP."""
 
     def __init__(self, registry: Registry, loop: asyncio.AbstractEventLoop,
-                 timeout: Callable[[], float]):
+                 timeout: Callable[[], float], snapshot_dir: str = ""):
         self.registry = registry
         self.loop = loop
         self.timeout = timeout
-        self._snapshots: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self.snapshot_dir = snapshot_dir
 
     def list_agents(self, selector: Selector) -> dict[str, Any]:
         agents = [agent_view(a) for a in self.registry.agents() if selector.matches(a)]
@@ -180,28 +174,16 @@ class AdminService:
         return list(zip(targets, outcomes, strict=True))
 
     def _result_view(self, state: AgentState, outcome: Outcome) -> dict[str, Any]:
-        if not isinstance(outcome, str) and outcome.snapshot_path:
-            # Only files an agent reported through this API are ever served.
-            with self._lock:
-                self._snapshots[Path(outcome.snapshot_path).name] = outcome.snapshot_path
-                while len(self._snapshots) > SNAPSHOTS_KEPT:
-                    self._snapshots.popitem(last=False)
         return result_view(state, outcome)
 
     def snapshot_bytes(self, name: str) -> bytes:
-        """A snapshot an agent reported through this API (no other file is ever served)."""
-        with self._lock:
-            path = self._snapshots.get(name)
-        if path is None:
-            raise AdminError(404, f"no snapshot named {shown(name)} was taken through this sidecar")
+        """The snapshot file `name` of the snapshot directory (exporter.admin.snapshots: no
+        other file is ever served)."""
+        if not self.snapshot_dir:
+            raise AdminError(404, "this sidecar has no snapshot directory (admin.snapshot_dir)")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as err:
-            raise AdminError(409, f"cannot read {path}: {err.strerror} (the sidecar needs read "
-                                  "access to the agents' snapshot directory)") from None
+            fd, size = open_snapshot(self.snapshot_dir, name)
+        except SnapshotUnavailable as err:
+            raise AdminError(err.status, str(err)) from None
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SNAPSHOT_BYTES:
-                raise AdminError(409, f"{path} is not a regular file of at most "
-                                      f"{MAX_SNAPSHOT_BYTES} bytes")
-            return f.read(MAX_SNAPSHOT_BYTES)
+            return f.read(size)

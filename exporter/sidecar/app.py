@@ -127,7 +127,8 @@ class Sidecar:
             return
         service = AdminService(
             self.registry, asyncio.get_running_loop(),
-            timeout=lambda: self.config.admin.command_timeout_seconds)
+            timeout=lambda: self.config.admin.command_timeout_seconds,
+            snapshot_dir=admin.snapshot_path(self.config.agents.unix_socket))
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
         self.admin.start()
         self.metrics_registry.register(AdminCollector(self.admin))

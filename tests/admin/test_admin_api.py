@@ -199,6 +199,6 @@ def test_snapshot_returns_path_and_bytes(two_agents) -> None:
     status, answer = call(address, "POST", "/v1/snapshot", {"rank": 0, "frames": True})
     data = call(address, "GET", answer["results"][0]["snapshot"]["download"])[1]
     assert pickle.loads(gzip.decompress(data))["segments"][0]["frames"]
-    # Only files an agent reported are served.
+    # Only files of the snapshot directory are served (tests/admin/test_snapshot_confinement.py).
     assert call(address, "GET", "/v1/snapshots/passwd")[0] == 404
-    assert call(address, "GET", "/v1/snapshots/..%2F..%2Fetc%2Fpasswd")[0] == 404
+    assert call(address, "GET", "/v1/snapshots/..%2F..%2Fetc%2Fpasswd")[0] == 400
