@@ -94,9 +94,10 @@ class Section:
     """Base of every section of the settings file."""
 
     @classmethod
-    def parse(cls: type[S], raw: Any, path: str = "") -> S:
-        """The section from its parsed YAML (None: every default); ConfigError naming the field
-        on bad input."""
+    def parse(cls: type[S], raw: Any, path: str = "", base: S | None = None) -> S:
+        """The section from its parsed YAML (None: every default), the fields it leaves out
+        taken from `base` where given (a nested section's own defaults), else the class's;
+        ConfigError naming the field on bad input."""
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
@@ -114,7 +115,7 @@ class Section:
                                   f"{', '.join(sorted(fields))})")
             values[field.name] = _check(field, _convert(value, hints[field.name], field, where),
                                         where)
-        section = cls(**values)
+        section = dataclasses.replace(base, **values) if base is not None else cls(**values)
         section.validate(path)
         return section
 
@@ -163,8 +164,14 @@ def _convert(value: Any, hint: Any, field: dataclasses.Field, path: str) -> Any:
             raise ConfigError(f"{path}: expected a string, got {described(value)}")
         return value
     if isinstance(hint, type) and issubclass(hint, Section):
-        return hint.parse(value, path)
+        return hint.parse(value, path, base=_default(field))
     raise ConfigError(f"{path}: unsupported setting type {hint!r}")  # a bug in a section
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None if field.default is dataclasses.MISSING else field.default
 
 
 def finite_number(value: Any, path: str) -> float:

@@ -24,6 +24,7 @@ from exporter.policy.engine import PolicyEngine
 from exporter.policy.runner import PolicyRunner
 from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.version import PACKAGE_VERSION
+from exporter.sidecar.bounded_http import HttpCollector
 from exporter.sidecar.bounds_collector import BoundsCollector
 from exporter.sidecar.collectors import (
     AgentsCollector,
@@ -69,6 +70,8 @@ class Sidecar:
                           SidecarCollector(self.watcher),
                           PolicyCollector(self.policy)):
             self.metrics_registry.register(collector)
+        self.http_collector = HttpCollector()  # each listener joins it once it listens
+        self.metrics_registry.register(self.http_collector)
         # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
         ProcessCollector(registry=self.metrics_registry)
         self.grpc_server: aio.Server | None = None
@@ -93,19 +96,21 @@ class Sidecar:
             await asyncio.to_thread(self.nvml.start)
         self.http = MetricsHttpServer(
             self.config.metrics.address, self.config.metrics.port, self.metrics_registry,
-            self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy)
-        self.http.start()
+            self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy,
+            limits=self.config.metrics.limits)
+        await self.http.start()
+        self.http_collector.servers.append(self.http.http)
         try:
             self.grpc_server, self.agent_targets = await start_grpc_server(
                 self.registry, self.config.agents)
         except Exception:
-            self.http.stop()
+            await self.http.stop()
             raise
         try:
             self._start_admin()
         except Exception:
             await self.grpc_server.stop(0)
-            self.http.stop()
+            await self.http.stop()
             raise
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self.policy_runner.run()))
@@ -174,7 +179,7 @@ class Sidecar:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
         if self.http is not None:
-            self.http.stop()
+            await self.http.stop()
         if self.nvml is not None:
             self.nvml.close()
         log.info("sidecar stopped")

@@ -27,6 +27,7 @@ from exporter.config import (
 )
 from exporter.policy.config import PolicyConfig
 from exporter.protocol.service import DEFAULT_MAX_MESSAGE_BYTES
+from exporter.sidecar.bounded_http import HttpLimits
 
 DEFAULT_UNIX_SOCKET = "/run/allocwatch/agent.sock"
 
@@ -86,6 +87,8 @@ class MetricsConfig(Section):
     # Prometheus and the kubelet reach the endpoint from outside the pod: all interfaces.
     address: str = "0.0.0.0"
     port: Port = 9464
+    # Connections, deadlines and sizes (exporter.sidecar.bounded_http); a GET has no body.
+    limits: HttpLimits = setting(default_factory=lambda: HttpLimits(max_body_bytes=0))
 
 
 @dataclasses.dataclass(frozen=True)
