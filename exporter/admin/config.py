@@ -21,8 +21,17 @@ import dataclasses
 from pathlib import Path
 
 from exporter.admin.tls import server_tls_context
-from exporter.config import ConfigError, FileMode, Port, Section, check_tls_files, setting
+from exporter.config import (
+    ConfigError,
+    FileMode,
+    Port,
+    Section,
+    check_tls_files,
+    setting,
+    shown,
+)
 from exporter.config import read_token as read_secret
+from exporter.sidecar.bounded_http import HttpLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +53,10 @@ class AdminConfig(Section):
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
     command_timeout_seconds: float = setting(30.0, positive=True, maximum=3600, reload=True)
+    # Connections, deadlines and sizes of both listeners (exporter.sidecar.bounded_http). A
+    # request's deadline covers waiting for the agents: it must exceed command_timeout_seconds.
+    limits: HttpLimits = setting(default_factory=lambda: HttpLimits(
+        max_connections=32, request_timeout_seconds=60.0))
     # Where agents write snapshots, and the only place GET /v1/snapshots/NAME reads from.
     # None: snapshots/ beside agents.unix_socket (the agents' default); "": none served.
     snapshot_dir: str | None = None
@@ -64,6 +77,12 @@ class AdminConfig(Section):
         if self.socket_mode & 0o007:
             raise ConfigError(f"{path}.socket_mode: {oct(self.socket_mode)} lets every user of "
                               "the machine steer training; use 0600 or 0660")
+        if self.limits.request_timeout_seconds <= self.command_timeout_seconds:
+            raise ConfigError(f"{path}.limits.request_timeout_seconds: "
+                              f"{shown(self.limits.request_timeout_seconds)} must exceed "
+                              f"{path}.command_timeout_seconds "
+                              f"({shown(self.command_timeout_seconds)}): a command request "
+                              "waits that long for the agents")
         if self.token_file and self.token_env:
             raise ConfigError(f"{path}: give token_file or token_env, not both")
         if self.enabled and self.tcp_port is not None:

@@ -9,15 +9,14 @@ them).
     POST /v1/reset-peaks  {selectors}
 
 A bad request (unknown field, invalid settings, no agent selected) is refused with a message and
-sends nothing. Commands are handed to the sidecar's event loop and awaited from the request's
-own thread, so waiting for agents never holds up the gRPC server.
+sends nothing: `CommandRequest.parse` validates it whole before anything is sent. Commands are
+awaited on the sidecar's event loop, so waiting for agents never holds up the gRPC server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -131,13 +130,31 @@ def build_command(endpoint: _Endpoint, body: Mapping[str, Any]) -> pb.Command:
     return pb.Command(cuda_device=-1, reset_peaks=pb.ResetPeaks())
 
 
+@dataclasses.dataclass(frozen=True)
+class CommandRequest:
+    """A command endpoint's request, validated: nothing is sent before this exists."""
+
+    endpoint: _Endpoint
+    selector: Selector
+    command: pb.Command
+
+    @classmethod
+    def parse(cls, path: str, body: Mapping[str, Any]) -> CommandRequest:
+        """AdminError (400) naming the first bad field."""
+        endpoint = ENDPOINTS[path]
+        unknown = set(body) - set(SELECTOR_FIELDS) - endpoint.fields
+        if unknown:
+            known = sorted(set(SELECTOR_FIELDS) | endpoint.fields)
+            raise AdminError(400, f"unknown field {shown(sorted(unknown)[0])} (known: "
+                                  f"{', '.join(known)})")
+        return cls(endpoint, Selector.parse(body), build_command(endpoint, body))
+
+
 class AdminService:
     """What the endpoints do, independent of HTTP."""
 
-    def __init__(self, registry: Registry, loop: asyncio.AbstractEventLoop,
-                 timeout: Callable[[], float], snapshot_dir: str = ""):
+    def __init__(self, registry: Registry, timeout: Callable[[], float], snapshot_dir: str = ""):
         self.registry = registry
-        self.loop = loop
         self.timeout = timeout
         self.snapshot_dir = snapshot_dir
 
@@ -145,25 +162,17 @@ class AdminService:
         agents = [agent_view(a) for a in self.registry.agents() if selector.matches(a)]
         return {"agents": agents}
 
-    def run(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        endpoint = ENDPOINTS[path]
-        unknown = set(body) - set(SELECTOR_FIELDS) - endpoint.fields
-        if unknown:
-            known = sorted(set(SELECTOR_FIELDS) | endpoint.fields)
-            raise AdminError(400, f"unknown field {shown(sorted(unknown)[0])} (known: "
-                                  f"{', '.join(known)})")
-        selector = Selector.parse(body)
-        command = build_command(endpoint, body)
+    async def run(self, request: CommandRequest) -> dict[str, Any]:
+        """Send a validated request's command to the agents it selects (on the event loop:
+        waiting for them holds up nothing else) and gather their results."""
+        selector, command = request.selector, request.command
         targets = [a for a in self.registry.agents()
                    if a.connected and a.session is not None and selector.matches(a)]
         if not targets:
             raise AdminError(404, f"no connected agent matches {selector.describe() or 'any'}")
-        timeout = self.timeout()
-        future = asyncio.run_coroutine_threadsafe(self._dispatch(targets, command, timeout),
-                                                  self.loop)
-        outcomes = future.result(timeout + 5.0)
+        outcomes = await self._dispatch(targets, command, self.timeout())
         results = [self._result_view(state, outcome) for state, outcome in outcomes]
-        return {"command": endpoint.command, "selector": selector.describe(),
+        return {"command": request.endpoint.command, "selector": selector.describe(),
                 "selected": len(targets), "ok": all(r["status"] == "ok" for r in results),
                 "results": results}
 
@@ -176,14 +185,12 @@ class AdminService:
     def _result_view(self, state: AgentState, outcome: Outcome) -> dict[str, Any]:
         return result_view(state, outcome)
 
-    def snapshot_bytes(self, name: str) -> bytes:
-        """The snapshot file `name` of the snapshot directory (exporter.admin.snapshots: no
-        other file is ever served)."""
+    def open_snapshot(self, name: str) -> tuple[int, int]:
+        """(descriptor, size) of the snapshot file `name` of the snapshot directory
+        (exporter.admin.snapshots: no other file is ever served); the caller closes it."""
         if not self.snapshot_dir:
             raise AdminError(404, "this sidecar has no snapshot directory (admin.snapshot_dir)")
         try:
-            fd, size = open_snapshot(self.snapshot_dir, name)
+            return open_snapshot(self.snapshot_dir, name)
         except SnapshotUnavailable as err:
             raise AdminError(err.status, str(err)) from None
-        with os.fdopen(fd, "rb") as f:
-            return f.read(size)

@@ -1,5 +1,6 @@
 """HTTPS for the admin API's TCP listener: the token then never crosses a network in clear, and
-with a client CA, clients must also present a certificate signed by it (mutual TLS)."""
+with a client CA, clients must also present a certificate signed by it (mutual TLS). The
+handshake runs on the event loop (asyncio's TLS), bounded by the listener's idle deadline."""
 
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ class RenewingTlsContext:
             return tuple(os.stat(f).st_mtime for f in self._files if f)
         except OSError:
             return ()
+
+    def listening_context(self) -> ssl.SSLContext:
+        """The context to listen with: each handshake switches to `context()` (from the SNI
+        callback, which OpenSSL calls for every ClientHello, with or without a server name),
+        so renewed files serve the next connection, no restart."""
+        listening = server_tls_context(*self._files)
+
+        def current(ssl_object: ssl.SSLObject, server_name: str | None,
+                    _: ssl.SSLContext) -> None:
+            ssl_object.context = self.context()
+
+        listening.sni_callback = current  # type: ignore[assignment]
+        return listening
 
     def context(self) -> ssl.SSLContext:
         with self._lock:

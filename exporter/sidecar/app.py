@@ -107,9 +107,11 @@ class Sidecar:
             await self.http.stop()
             raise
         try:
-            self._start_admin()
+            await self._start_admin()
         except Exception:
             await self.grpc_server.stop(0)
+            if self.admin is not None:
+                await self.admin.stop()
             await self.http.stop()
             raise
         self._tasks.append(asyncio.create_task(self._housekeeping()))
@@ -125,17 +127,17 @@ class Sidecar:
             "policy_rules": [r.name for r in policy.rules], "policy_dry_run": policy.dry_run,
             "watching": str(self.config_path) if self.watcher else None})
 
-    def _start_admin(self) -> None:
+    async def _start_admin(self) -> None:
         admin = self.config.admin
         if not admin.enabled:
             log.info("admin API disabled by settings (admin.enabled: false)")
             return
         service = AdminService(
-            self.registry, asyncio.get_running_loop(),
-            timeout=lambda: self.config.admin.command_timeout_seconds,
+            self.registry, timeout=lambda: self.config.admin.command_timeout_seconds,
             snapshot_dir=admin.snapshot_path(self.config.agents.unix_socket))
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
-        self.admin.start()
+        await self.admin.start()
+        self.http_collector.servers.append(self.admin.http)
         self.metrics_registry.register(AdminCollector(self.admin))
 
     def apply_config(self, new: SidecarConfig) -> list[str]:
@@ -175,7 +177,7 @@ class Sidecar:
         for task in self._tasks:
             task.cancel()
         if self.admin is not None:
-            await asyncio.to_thread(self.admin.stop)
+            await self.admin.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
         if self.http is not None:
