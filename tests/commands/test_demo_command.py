@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,14 @@ def test_demo_prints_address_and_live_summary() -> None:
 def test_sim_workload_drives_the_allocator_until_stopped() -> None:
     allocator = ae.Allocator(ae.SimDevice(capacity=0))
     stop = threading.Event()
-    timer = threading.Timer(1.0, stop.set)
-    timer.start()
+
+    def stop_once_it_allocated() -> None:
+        # Stopped by what the workload did, not by a clock: a loaded machine only makes it wait.
+        while allocator.stats()["allocation.all.allocated"] <= 100:
+            time.sleep(0.01)
+        stop.set()
+
+    threading.Thread(target=stop_once_it_allocated, daemon=True).start()
     passes = run_sim_workload(allocator, stop, pace_seconds=0.0)
     stats = allocator.stats()
     assert passes >= 1

@@ -4,7 +4,6 @@ are — installs allocwatch at start-up, before the user's code, without code ch
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,12 +38,12 @@ def test_grandchildren_install_too_as_torchrun_workers_do() -> None:
 
 def test_under_torchrun_the_workers_install_and_the_launcher_does_not(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
+    # torchrun as `python -m torch.distributed.run` of this interpreter: the `torchrun` script on
+    # PATH may belong to another Python (a virtual environment has none of its own).
     script = tmp_path / "worker.py"
     script.write_text(CHILD)
-    out = allocwatch_run("--", torchrun, "--standalone", "--nproc-per-node", "2", str(script))
+    out = allocwatch_run("--", sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", "2", str(script))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("torch-loaded") == 2                       # both workers
     assert out.stderr.count("keeping PyTorch's CUDA allocator") == 2   # not the launcher
