@@ -17,4 +17,17 @@ const char* trace_action_name(TraceAction a) {
   return "unknown";
 }
 
+bool trace_action_from_name(const std::string& name, TraceAction* action) {
+  for (TraceAction a : {TraceAction::alloc, TraceAction::free_requested,
+                        TraceAction::free_completed, TraceAction::segment_alloc,
+                        TraceAction::segment_free, TraceAction::segment_map,
+                        TraceAction::segment_unmap, TraceAction::snapshot, TraceAction::oom}) {
+    if (name == trace_action_name(a)) {
+      *action = a;
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace allocwatch
