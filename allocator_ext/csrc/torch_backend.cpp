@@ -120,6 +120,16 @@ class CoreTorchBackend final : public TorchBackend {
     return SegmentSpan{};
   }
 
+  std::pair<int, std::size_t> block_of(const void* ptr) override {
+    auto allocators = all();
+    for (std::size_t d = 0; d < allocators.size(); ++d) {
+      if (!allocators[d]) continue;
+      const std::size_t size = allocators[d]->block_size(const_cast<void*>(ptr));
+      if (size > 0) return {static_cast<int>(d), size};
+    }
+    return {-1, 0};
+  }
+
   void begin_allocate_to_pool(int device, MempoolId pool, std::function<bool(StreamId)> filter,
                               Failure* failure) override {
     guarded(failure, [&] { hot(device).begin_allocate_to_pool(pool, std::move(filter)); });

@@ -79,6 +79,8 @@ class TorchBackend {
   virtual std::size_t largest_free_block(int device) = 0;
   // The allocation of an allocated block at `ptr`, on whichever device has it (size 0: none).
   virtual SegmentSpan segment_of(const void* ptr) = 0;
+  // The device and size of the allocated block at `ptr` (device -1: none), for the profiler.
+  virtual std::pair<int, std::size_t> block_of(const void* ptr) = 0;
 
   // --- private pools: CUDA graphs and torch.cuda.MemPool ---
   virtual void begin_allocate_to_pool(int device, MempoolId pool,
