@@ -36,16 +36,27 @@ namespace allocwatch::torch_shim {
 
 namespace {
 
-std::mutex g_mutex;
+// Never destroyed: tensors held by static objects (cuBLAS workspaces, CUDA graphs) are freed
+// while the process exits, after static destructors have run, and still reach their allocator.
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<CachingAllocator>> allocators;
+  std::vector<std::function<void(int, const TraceEntry&)>> observers;
+};
+Registry& registry() {
+  static Registry* r = new Registry();
+  return *r;
+}
+std::mutex& g_mutex = registry().mutex;
+std::vector<std::shared_ptr<CachingAllocator>>& g_allocators = registry().allocators;
+std::vector<std::function<void(int, const TraceEntry&)>>& g_observers = registry().observers;
 AllocatorConfig g_config = AllocatorConfig::allocwatch();
-std::vector<std::shared_ptr<CachingAllocator>> g_allocators;
 // What every allocator gets when it is made (set_history, add_trace_observer, ...).
 struct History {
   bool enabled = false;
   std::size_t max_entries = 1;
   std::uint32_t skipped = 0;
 } g_history;
-std::vector<std::function<void(int, const TraceEntry&)>> g_observers;
 double g_default_fraction = -1.0;  // none
 
 // The hot path (every tensor's malloc and free) reads the device's allocator from here without

@@ -44,9 +44,11 @@
 #include "torch_backend.h"
 
 // --- Differences between releases -------------------------------------------------------------
-// A function a release may lack is declared below without `override`: where the release has it,
-// it is overridden; where not, it is an unused extra. Pure virtual functions need no such care:
-// a missing one leaves the class abstract, and the build fails saying which.
+// A function a release may lack, or declares otherwise, is declared below without `override`
+// (several times where its parameters changed): where the release has it, it is overridden;
+// where not, it is an unused extra. The build's log says which are overridden
+// (-Wsuggest-override). A pure virtual function left out would leave the class abstract, and
+// the build would fail saying which.
 // A type a release may lack is found by name lookup: inside torch's namespace the release's own
 // type wins, outside it only this stand-in exists.
 struct OomRejectionObserver {};  // torch < 2.13 has none: then attachOomRejectionObserver is ours
@@ -378,12 +380,12 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     check(failure);
   }
 
-  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) {
     return g_core->pool_use_count(device, pool_id(mempool_id));
   }
 
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
-                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+                          std::shared_ptr<cca::CUDAAllocator> allocator) {
     TORCH_CHECK(allocator == nullptr || allocator.get() == this,
                 "allocwatch's allocator does not serve a torch.cuda.MemPool with an allocator "
                 "of its own (", allocator ? allocator->name() : std::string(),
@@ -396,16 +398,16 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
 
   // Out of memory elsewhere, PyTorch may take such a pool's free blocks; allocwatch keeps a
   // pool's memory to the pool (docs/torch.md).
-  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool) override {}
+  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool) {}
 
-  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) {
     shim::Failure failure;
     g_core->set_pool_no_split(device, pool_id(mempool_id), &failure);
     check(failure);
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
-                                const std::unordered_set<void*>& expected) override {
+                                const std::unordered_set<void*>& expected) {
     std::vector<std::uintptr_t> pointers;
     pointers.reserve(expected.size());
     for (void* p : expected) pointers.push_back(reinterpret_cast<std::uintptr_t>(p));
@@ -509,11 +511,11 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   }
 
   // --- memory history --------------------------------------------------------------------------
-  bool isHistoryEnabled() override { return history_enabled_.load(); }
+  bool isHistoryEnabled() { return history_enabled_.load(); }
 
   void recordHistory(bool enabled, CreateContextFn context_recorder,
                      std::size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
-                     const std::vector<std::string>& skip_actions) override {
+                     const std::vector<std::string>& skip_actions) /* torch >= 2.10 */ {
     TORCH_CHECK(when == RecordContext::NEVER || context_recorder != nullptr,
                 "recording stacks needs a context recorder");
     std::uint32_t skipped = 0;
@@ -534,13 +536,19 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     }
   }
 
+  void recordHistory(bool enabled, CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, RecordContext when,
+                     bool clearHistory) /* earlier releases */ {
+    recordHistory(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory, {});
+  }
+
   std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) /* torch >= 2.13 */ {
     std::lock_guard<std::mutex> lock(stacks_mutex_);
     auto it = stacks_.find(const_cast<void*>(ptr));
     return it == stacks_.end() ? nullptr : it->second;
   }
 
-  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {
     if (!history_enabled_.load()) return;
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
@@ -551,25 +559,25 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     annotations_.push_back(std::move(annotation));
   }
 
-  void pushCompileContext(std::string& md) override {
+  void pushCompileContext(std::string& md) {
     std::lock_guard<std::mutex> lock(metadata_mutex_);
     compile_contexts_.push_back(md);
     refresh_history_flag_locked();
   }
 
-  void popCompileContext() override {
+  void popCompileContext() {
     std::lock_guard<std::mutex> lock(metadata_mutex_);
     if (!compile_contexts_.empty()) compile_contexts_.pop_back();
     refresh_history_flag_locked();
   }
 
-  void setUserMetadata(const std::string& metadata) override {
+  void setUserMetadata(const std::string& metadata) {
     std::lock_guard<std::mutex> lock(metadata_mutex_);
     user_metadata_ = metadata;
     refresh_history_flag_locked();
   }
 
-  std::string getUserMetadata() override {
+  std::string getUserMetadata() {
     std::lock_guard<std::mutex> lock(metadata_mutex_);
     return user_metadata_;
   }
@@ -979,10 +987,19 @@ __attribute__((visibility("default"))) int allocwatch_native_install(const char*
     cca::CUDAAllocator* current = cca::allocator.load();
     TORCH_CHECK(current == nullptr || !current->initialized(),
                 "CUDA is already initialised: the allocator can only be changed before");
-    g_allocator = new AllocwatchAllocator();
+    auto* ours = new AllocwatchAllocator();
+    // What PyTorch's BackendStaticInitializer does for its own: the allocator c10 hands out
+    // for CUDA (torch.empty, torch.accelerator.*) and the one CUDACachingAllocator's functions
+    // call (torch.cuda.memory.*, cuDNN, NCCL, CUDA graphs).
+    c10::SetAllocator(c10::DeviceType::CUDA, ours, /*priority=*/0);
+    if (c10::GetAllocator(c10::DeviceType::CUDA) != ours) {
+      delete ours;
+      TORCH_CHECK(false, "PyTorch keeps another CUDA allocator registered with a higher "
+                  "priority: allocwatch's was not installed");
+    }
+    g_allocator = ours;
     register_settings_hook();
     cca::allocator.store(g_allocator);
-    c10::SetAllocator(c10::DeviceType::CUDA, g_allocator, /*priority=*/0);
     return 0;
   } catch (const std::exception& e) {
     copy_message(e.what(), error, capacity);
