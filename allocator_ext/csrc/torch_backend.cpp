@@ -203,6 +203,33 @@ class CoreTorchBackend final : public TorchBackend {
     return out;
   }
 
+  IpcExport export_ipc(const void* ptr, Failure* failure) override {
+    return guarded(failure, [&] {
+      for (auto& a : all()) {
+        if (a && a->block_size(const_cast<void*>(ptr)) > 0) return a->export_ipc(ptr);
+      }
+      throw std::invalid_argument("allocwatch: no allocator handed out this pointer");
+    });
+  }
+
+  std::uintptr_t import_ipc(int device, const std::vector<std::pair<int, std::size_t>>& pieces,
+                            Failure* failure) override {
+    return guarded(failure, [&] {
+      std::vector<Device::Imported> imported;
+      for (const auto& [fd, size] : pieces) imported.push_back(Device::Imported{fd, size});
+      return hot(device).device().import_physical(imported);
+    });
+  }
+
+  void close_ipc(int device, std::uintptr_t base) override {
+    if (auto a = existing(device)) {
+      try {
+        a->device().release_import(base);
+      } catch (...) {  // at exit the driver may be gone with the memory
+      }
+    }
+  }
+
   void configure(const std::string& settings,
                  std::vector<std::pair<std::string, std::string>>* others,
                  Failure* failure) override {

@@ -106,6 +106,16 @@ class TorchBackend {
   virtual std::vector<SegmentInfo> snapshot(int device) = 0;
   virtual std::vector<int> devices() = 0;  // those with an allocator
 
+  // --- CUDA IPC of expandable segments (ordinary segments use cudaIpc handles) ---
+  // The allocated block at `ptr` as another process can map it.
+  virtual IpcExport export_ipc(const void* ptr, Failure* failure) = 0;
+  // Maps on `device` what another process exported (file descriptors this process took over;
+  // the caller closes them afterwards) and returns where; close_ipc unmaps it.
+  virtual std::uintptr_t import_ipc(int device,
+                                    const std::vector<std::pair<int, std::size_t>>& pieces,
+                                    Failure* failure) = 0;
+  virtual void close_ipc(int device, std::uintptr_t base) = 0;
+
   // --- settings ---
   // A PyTorch settings string: the keys this allocator knows change, only those (a bad one
   // changes nothing and fails as invalid_argument); `others` gets the rest (config.h,

@@ -54,6 +54,14 @@ class OutOfMemoryError : public std::runtime_error {
   std::string advice;
 };
 
+// A block of an expandable segment as another process can map it (export_ipc): the physical
+// allocations under it as file descriptors (the device's, valid while they are mapped here),
+// with their sizes, back to back; the block starts `offset` bytes into the first.
+struct IpcExport {
+  std::size_t offset = 0;
+  std::vector<std::pair<int, std::size_t>> pieces;
+};
+
 // The allocation a block belongs to (segment_of): size 0 when none.
 struct SegmentSpan {
   std::uintptr_t base = 0;
@@ -145,6 +153,9 @@ class CachingAllocator {
   // The allocation `ptr` (an allocated block's address) belongs to: for an ordinary segment
   // the whole segment, for an expandable one the block itself (pools.cpp).
   SegmentSpan segment_of(const void* ptr) const;
+  // The allocated block at `ptr`, of an expandable segment, for another process (CUDA IPC);
+  // throws std::invalid_argument for another block, DeviceError where the device cannot share.
+  IpcExport export_ipc(const void* ptr);
 
   // --- history and inspection ---
   void record_history(bool enabled, std::size_t max_entries);

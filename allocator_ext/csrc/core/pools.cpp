@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "allocator.h"
+#include "expandable_segment.h"
 #include "text.h"
 
 namespace allocwatch {
@@ -96,6 +97,24 @@ SegmentSpan CachingAllocator::segment_of(const void* ptr) const {
   std::size_t size = 0;
   for (const Block* b = head; b != nullptr; b = b->next) size += b->size;
   return SegmentSpan{head->ptr, size, false};
+}
+
+IpcExport CachingAllocator::export_ipc(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Block* block = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (block == nullptr || block->expandable == nullptr)
+    throw std::invalid_argument("allocwatch: not an allocated block of an expandable segment");
+  IpcExport out;
+  for (const auto& chunk : block->expandable->chunks_in(Range{block->ptr, block->size})) {
+    if (out.pieces.empty()) out.offset = block->ptr - chunk.ptr;
+    const int fd = device_->export_physical(chunk.handle);
+    if (fd < 0) {
+      throw DeviceError("the device made this memory without a shareable handle (the driver "
+                        "or the container does not permit them)");
+    }
+    out.pieces.emplace_back(fd, chunk.size);
+  }
+  return out;
 }
 
 }  // namespace allocwatch
