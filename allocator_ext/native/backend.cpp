@@ -160,7 +160,8 @@ TorchTrace torch_trace(int device, const allocwatch::TraceEntry& e) {
   TorchTrace t(torch_action(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
                reinterpret_cast<cudaStream_t>(e.stream), MempoolId_t{0, 0},
                c10::getApproximateTime(), c ? c->stack : nullptr,
-               c ? c->compile_context : std::string(), c ? c->user_metadata : std::string());
+               c && !c->compile_context.empty() ? c->compile_context : std::string("N/A"),
+               c ? c->user_metadata : std::string());
   // Snapshots report microseconds since the epoch here (PyTorch converts its clock likewise).
   t.time_.t_ = static_cast<time_t>(e.time_us);
   return t;
@@ -947,15 +948,17 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     SnapshotInfo result{};
     std::lock_guard<std::mutex> stacks_lock(stacks_mutex_);
     for (int device = 0; device < count; ++device) {
-      for (const allocwatch::SegmentInfo& s : g_core->snapshot(device)) {
-        if (one_pool && pool_id(mempool_id) != s.pool_id) continue;
-        result.segments.push_back(torch_segment(device, s));
-      }
+      // The history first: the snapshot records an entry of its own, which (as in PyTorch's)
+      // belongs to the next snapshot's history, not to this one.
       std::vector<TorchTrace> trace;
       if (include_traces)
         for (const allocwatch::TraceEntry& e : g_core->trace(device))
           trace.push_back(torch_trace(device, e));
       result.device_traces.push_back(std::move(trace));
+      for (const allocwatch::SegmentInfo& s : g_core->snapshot(device)) {
+        if (one_pool && pool_id(mempool_id) != s.pool_id) continue;
+        result.segments.push_back(torch_segment(device, s));
+      }
     }
     {
       std::lock_guard<std::mutex> lock(metadata_mutex_);
