@@ -33,8 +33,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "backend.cpp"
 CSRC = HERE.parent / "csrc"
+# Host-only stand-ins for CUDA headers that PyPI's runtime wheel lacks (cuda_include_dirs).
+STAND_INS = HERE / "stand_ins"
 # Everything the back end's translation unit includes from this package.
-SOURCES = (SOURCE, CSRC / "torch_backend.h", *sorted((CSRC / "core").glob("*.h")))
+SOURCES = (SOURCE, CSRC / "torch_backend.h", *sorted((CSRC / "core").glob("*.h")),
+           *sorted(STAND_INS.glob("crt/*.h")))
 LIBRARY_NAME = "allocwatch_native.so"
 FAILED_NAME = "failed.txt"
 LOG_NAME = "build.log"
@@ -128,13 +131,11 @@ def cuda_include_dirs(cuda_version: str) -> list[str]:
     include = matching[0]
     dirs = [str(include)]
     if not (include / "crt" / "host_config.h").is_file():
+        # CUDA 13 ships crt/ apart (nvidia-cuda-crt, which torch does not depend on): NVIDIA's
+        # where installed, else allocwatch's host-only stand-ins, so that torch's own
+        # dependencies are enough to build.
         crt = [c for c in candidates if (c / "crt" / "host_config.h").is_file()]
-        if not crt:
-            raise BuildError(
-                f"the CUDA runtime headers in {include} lack crt/host_config.h: pip install "
-                f"'nvidia-cuda-crt=={major}.*' (CUDA 13 ships them apart), or set "
-                f"ALLOCWATCH_CUDA_INCLUDE to a CUDA toolkit's include folder")
-        dirs.append(str(crt[0]))
+        dirs.append(str(crt[0]) if crt else str(STAND_INS))
     return dirs
 
 

@@ -30,9 +30,36 @@ enum class TraceAction : std::uint8_t {
   oom,
 };
 
-const char* trace_action_name(TraceAction a);
+// Inline: the native back end, which reaches the core only through TorchBackend, maps the
+// actions PyTorch names (recordHistory's skip_actions) itself.
+inline const char* trace_action_name(TraceAction a) {
+  switch (a) {
+    case TraceAction::alloc: return "alloc";
+    case TraceAction::free_requested: return "free_requested";
+    case TraceAction::free_completed: return "free_completed";
+    case TraceAction::segment_alloc: return "segment_alloc";
+    case TraceAction::segment_free: return "segment_free";
+    case TraceAction::segment_map: return "segment_map";
+    case TraceAction::segment_unmap: return "segment_unmap";
+    case TraceAction::snapshot: return "snapshot";
+    case TraceAction::oom: return "oom";
+  }
+  return "unknown";
+}
+
 // The action named `name` (as trace_action_name spells it); false for an unknown name.
-bool trace_action_from_name(const std::string& name, TraceAction* action);
+inline bool trace_action_from_name(const std::string& name, TraceAction* action) {
+  for (TraceAction a : {TraceAction::alloc, TraceAction::free_requested,
+                        TraceAction::free_completed, TraceAction::segment_alloc,
+                        TraceAction::segment_free, TraceAction::segment_map,
+                        TraceAction::segment_unmap, TraceAction::snapshot, TraceAction::oom}) {
+    if (name == trace_action_name(a)) {
+      *action = a;
+      return true;
+    }
+  }
+  return false;
+}
 
 struct TraceEntry {
   TraceAction action;
