@@ -7,7 +7,6 @@ out="$repo/build/bench"
 mkdir -p "$out"
 core="$repo/allocator_ext/csrc/core"
 "${CXX:-g++}" -std=c++17 -O2 -DNDEBUG -I "$repo/allocator_ext/csrc" \
-  "$repo/bench/native/hotpath.cpp" "$core"/allocator.cpp "$core"/config.cpp "$core"/expandable.cpp \
-  "$core"/expandable_segment.cpp "$core"/inspect.cpp "$core"/reclaim.cpp "$core"/stats.cpp \
-  "$core"/trace.cpp "$repo/allocator_ext/csrc/backends/sim_device.cpp" -lpthread -o "$out/hotpath"
+  "$repo/bench/native/hotpath.cpp" "$core"/*.cpp "$repo/allocator_ext/csrc/backends/sim_device.cpp" \
+  -lpthread -o "$out/hotpath"
 "$out/hotpath" "$@"

@@ -12,6 +12,7 @@
 #include "backends/sim_device.h"
 #include "core/allocator.h"
 #include "core/config.h"
+#include "core/history.h"
 #include "core/sizes.h"
 #include "torch_shim.h"
 
@@ -48,6 +49,25 @@ py::dict config_dict(const AllocatorConfig& c) {
   return d;
 }
 
+// A Python object as the opaque context of trace entries (history.h), for tests of the
+// history: it is released with the GIL held, whichever thread drops the last reference.
+const char kPyTraceContextTag = 0;
+struct PyTraceContext : TraceContext {
+  PyTraceContext() : TraceContext(&kPyTraceContextTag) {}
+  py::object value;
+  ~PyTraceContext() {
+    py::gil_scoped_acquire gil;
+    value = py::object();
+  }
+};
+
+ContextHandle context_from(const py::object& value) {
+  if (value.is_none()) return nullptr;
+  auto context = std::make_shared<PyTraceContext>();
+  context->value = value;
+  return context;
+}
+
 py::dict trace_entry_dict(const TraceEntry& e) {
   py::dict d;
   d["action"] = trace_action_name(e.action);
@@ -58,7 +78,39 @@ py::dict trace_entry_dict(const TraceEntry& e) {
   d["compile_context"] = "N/A";
   d["user_metadata"] = "";
   d["frames"] = py::list();
+  // Only contexts set from Python are shown; others (the native back end's) are opaque here.
+  if (e.context && e.context->owner == &kPyTraceContextTag)
+    d["context"] = static_cast<const PyTraceContext*>(e.context.get())->value;
   return d;
+}
+
+py::list segments_list(const std::vector<SegmentCheckpoint>& segments) {
+  py::list out;
+  for (const SegmentCheckpoint& s : segments) {
+    py::dict seg;
+    seg["address"] = s.address;
+    seg["total_size"] = s.total_size;
+    seg["stream"] = s.stream;
+    seg["is_small"] = s.is_small;
+    seg["is_expandable"] = s.is_expandable;
+    py::list blocks;
+    for (const BlockCheckpoint& b : s.blocks)
+      blocks.append(py::make_tuple(b.ptr, b.size, b.requested_size, b.allocated));
+    seg["blocks"] = blocks;
+    out.append(seg);
+  }
+  return out;
+}
+
+std::uint32_t action_bits(const std::vector<std::string>& names) {
+  std::uint32_t bits = 0;
+  for (const std::string& name : names) {
+    TraceAction a;
+    if (!trace_action_from_name(name, &a))
+      throw std::invalid_argument("allocwatch: unknown trace action " + name);
+    bits |= trace_action_bit(a);
+  }
+  return bits;
 }
 
 // The layout of torch.cuda.memory._snapshot(), which PyTorch's memory viewer reads.
@@ -151,10 +203,26 @@ PYBIND11_MODULE(_core, m) {
       py::arg("text"), py::arg("base") = py::none(),
       "Validates a settings string on top of `base` (allocwatch's defaults when None) and "
       "returns every setting; raises ValueError naming a bad key or value.");
+  m.def(
+      "known_settings",
+      [](const std::string& text) {
+        std::vector<std::pair<std::string, std::string>> others;
+        std::string known = known_settings(text, &others);
+        return py::make_tuple(known, others);
+      },
+      py::arg("text"),
+      "Splits a PyTorch settings string into (the entries this allocator knows, as a settings "
+      "string; the others as (key, value) pairs). Validates nothing.");
   m.attr("NATIVE_CONFIG") = AllocatorConfig::native().to_string();
   m.attr("DEFAULT_CONFIG") = AllocatorConfig::allocwatch().to_string();
 
   py::class_<Device, std::shared_ptr<Device>>(m, "Device");
+
+  py::class_<PoolCheckpoint>(m, "PoolCheckpoint",
+                             "A private pool's layout, as Allocator.checkpoint_pool saved it.")
+      .def_property_readonly("pool_id", [](const PoolCheckpoint& c) { return c.pool; })
+      .def_property_readonly("segments",
+                             [](const PoolCheckpoint& c) { return segments_list(c.segments); });
 
   py::class_<SimDevice, Device, std::shared_ptr<SimDevice>>(m, "SimDevice")
       .def(py::init<std::size_t, int>(), py::arg("capacity") = 0, py::arg("index") = 0,
@@ -183,13 +251,20 @@ PYBIND11_MODULE(_core, m) {
            py::arg("device"), py::arg("config") = py::none(), py::keep_alive<1, 2>())
       .def(
           "malloc",
-          [](CachingAllocator& a, std::size_t size, StreamId stream) {
+          [](CachingAllocator& a, std::size_t size, StreamId stream, const py::object& context) {
+            TraceContextScope scope(context_from(context));
             return reinterpret_cast<std::uintptr_t>(a.malloc(size, stream));
           },
-          py::arg("size"), py::arg("stream") = 0)
+          py::arg("size"), py::arg("stream") = 0, py::arg("context") = py::none(),
+          "A block of `size` bytes; `context` (any object) goes with the trace entries the "
+          "call records.")
       .def(
-          "free", [](CachingAllocator& a, std::uintptr_t ptr) { a.free(reinterpret_cast<void*>(ptr)); },
-          py::arg("ptr"))
+          "free",
+          [](CachingAllocator& a, std::uintptr_t ptr, const py::object& context) {
+            TraceContextScope scope(context_from(context));
+            a.free(reinterpret_cast<void*>(ptr));
+          },
+          py::arg("ptr"), py::arg("context") = py::none())
       .def(
           "record_stream",
           [](CachingAllocator& a, std::uintptr_t ptr, StreamId s) {
@@ -228,6 +303,51 @@ PYBIND11_MODULE(_core, m) {
           py::arg("pool_id"), py::arg("stream"))
       .def("end_allocate_to_pool", &CachingAllocator::end_allocate_to_pool)
       .def("release_pool", &CachingAllocator::release_pool)
+      .def("create_or_incref_pool", &CachingAllocator::create_or_incref_pool,
+           py::arg("pool_id"), py::arg("plain_segments") = false,
+           "Make a private pool (torch.cuda.MemPool's), or share it: its use count + 1.")
+      .def("pool_use_count", &CachingAllocator::pool_use_count, py::arg("pool_id"))
+      .def("set_pool_no_split", &CachingAllocator::set_pool_no_split, py::arg("pool_id"))
+      .def("empty_pool_cache", &CachingAllocator::empty_pool_cache, py::arg("pool_id"),
+           "Release the cached blocks of a pool nothing uses any more; bytes released.")
+      .def("check_pool_live_allocations", &CachingAllocator::check_pool_live_allocations,
+           py::arg("pool_id"), py::arg("expected"))
+      .def("checkpoint_pool", &CachingAllocator::checkpoint_pool, py::arg("pool_id"))
+      .def(
+          "restore_pool",
+          [](CachingAllocator& a, const PoolCheckpoint& checkpoint) {
+            CheckpointRestore r = a.restore_pool(checkpoint);
+            py::dict out;
+            out["freed"] = r.freed;
+            out["allocated"] = r.allocated;
+            return out;
+          },
+          py::arg("checkpoint"))
+      .def(
+          "segment_of",
+          [](CachingAllocator& a, std::uintptr_t ptr) {
+            SegmentSpan s = a.segment_of(reinterpret_cast<const void*>(ptr));
+            return py::make_tuple(s.base, s.size, s.expandable);
+          },
+          py::arg("ptr"), "(base, size, expandable) of the allocation holding an allocated block.")
+      .def("clear_history", &CachingAllocator::clear_history)
+      .def(
+          "set_trace_skipped",
+          [](CachingAllocator& a, const std::vector<std::string>& actions) {
+            a.set_trace_skipped(action_bits(actions));
+          },
+          py::arg("actions"), "Trace actions (their names) left out of the history.")
+      .def(
+          "add_trace_observer",
+          [](CachingAllocator& a, py::function observer) {
+            auto held = std::make_shared<PyTraceContext>();  // released with the GIL held
+            held->value = std::move(observer);
+            a.add_trace_observer([held](const TraceEntry& e) {
+              py::gil_scoped_acquire gil;
+              held->value(trace_entry_dict(e));
+            });
+          },
+          py::arg("observer"), "Called with each trace event's dict, recorded or not.")
       .def("record_history", &CachingAllocator::record_history, py::arg("enabled"),
            py::arg("max_entries") = 100000)
       .def("trace",

@@ -10,7 +10,5 @@ case "$1" in
 esac
 core="$repo/allocator_ext/csrc/core"
 "${CXX:-g++}" -std=c++17 -O1 -g -fno-omit-frame-pointer "${flags[@]}" -I "$repo/allocator_ext/csrc" \
-  "$repo/tests/native/core_stress.cpp" "$core"/allocator.cpp "$core"/config.cpp \
-  "$core"/expandable.cpp "$core"/expandable_segment.cpp "$core"/inspect.cpp "$core"/reclaim.cpp \
-  "$core"/stats.cpp "$core"/trace.cpp "$repo/allocator_ext/csrc/backends/sim_device.cpp" \
+  "$repo/tests/native/core_stress.cpp" "$core"/*.cpp "$repo/allocator_ext/csrc/backends/sim_device.cpp" \
   -lpthread -o "$2"

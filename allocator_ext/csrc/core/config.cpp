@@ -250,6 +250,45 @@ std::string AllocatorConfig::to_string() const {
   return out;
 }
 
+std::string known_settings(const std::string& text,
+                           std::vector<std::pair<std::string, std::string>>* others) {
+  static const char* const kKnown[] = {
+      "native", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+      "expandable_segments", "roundup_power2_divisions", "backend",
+      "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+      "pinned_num_register_threads", "pinned_use_background_threads",
+      "expandable_large_page_mb", "expandable_grow_mb", "expandable_chunk_mb",
+      "reuse_free_pages"};
+  const std::vector<std::string> tokens = lex(text);
+  std::string known;
+  for (std::size_t i = 0; i < tokens.size();) {
+    if (tokens[i] == ",") {
+      ++i;
+      continue;
+    }
+    const std::string key = tokens[i++];
+    std::string entry = key, value;
+    if (i < tokens.size() && tokens[i] == ":") {
+      entry += tokens[i++];
+      int depth = 0;
+      while (i < tokens.size() && (depth > 0 || tokens[i] != ",")) {
+        if (tokens[i] == "[") ++depth;
+        if (tokens[i] == "]") --depth;
+        value += tokens[i++];
+      }
+      entry += value;
+    }
+    const bool is_known = std::any_of(std::begin(kKnown), std::end(kKnown),
+                                      [&](const char* k) { return key == k; });
+    if (is_known) {
+      known += (known.empty() ? "" : ",") + entry;
+    } else if (others != nullptr) {
+      others->emplace_back(key, value);
+    }
+  }
+  return known;
+}
+
 AllocatorConfig apply_config(const AllocatorConfig& base, const std::string& text) {
   AllocatorConfig cfg = base;
   Tokens tok(lex(text));

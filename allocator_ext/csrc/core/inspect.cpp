@@ -83,6 +83,21 @@ void CachingAllocator::record_history(bool enabled, std::size_t max_entries) {
   }
 }
 
+void CachingAllocator::clear_history() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.clear();
+}
+
+void CachingAllocator::set_trace_skipped(std::uint32_t actions) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.set_skipped(actions);
+}
+
+void CachingAllocator::add_trace_observer(TraceObserver observer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.add_observer(std::move(observer));
+}
+
 std::vector<TraceEntry> CachingAllocator::trace() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return trace_.entries();
