@@ -10,8 +10,8 @@
 #   install    pip install --no-build-isolation --no-deps -e . (the core)
 #   build      allocwatch native build: the back end against this torch (its compiler output in
 #              build.log, including which release-dependent functions it overrides)
-#   gputests   tests/torch/test_native_gpu.py (one scenario per feature) and the pluggable
-#              path's scenarios of tests/test_torch_gpu.py
+#   gputests   tests/pytorch/test_native_gpu.py (one scenario per feature) and the pluggable
+#              path's scenarios of tests/pytorch/test_torch_gpu.py
 #   workloads  bench/dropin_workloads.py: timm ResNet-50 with cudnn.benchmark, a Hugging Face
 #              GPT-2 under torch.compile (default and reduce-overhead), Lightning with
 #              DeviceStatsMonitor, torch.multiprocessing with CUDA tensors; each under
@@ -83,7 +83,7 @@ do_build() {
 
 do_gputests() {
   if [ "$(left)" -lt $(( PEER_RESERVE + 60 )) ]; then note "gputests: SKIPPED (time kept for peer)"; return; fi
-  part gputests 150 "$PYTHON" -m pytest -q -rA -p no:cacheprovider tests/torch/test_native_gpu.py
+  part gputests 150 "$PYTHON" -m pytest -q -rA -p no:cacheprovider tests/pytorch/test_native_gpu.py
   cp "$LOGS/gputests.log" "$OUT/gpu_tests.txt"
   note "gputests: $(grep -E '^(PASSED|FAILED|ERROR)' "$LOGS/gputests.log" | sed 's/tests\/[a-z_/]*\.py:://' | cut -c1-80 | tr '\n' ';' | cut -c1-900)"
   note "gputests: $(tail -1 "$LOGS/gputests.log")"

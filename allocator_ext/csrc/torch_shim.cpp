@@ -69,7 +69,7 @@ StreamId stream_id(cudaStream_t s) { return reinterpret_cast<StreamId>(s); }
 
 // The device behind each allocator: the GPU through libcuda, or, with ALLOCWATCH_SHIM_DEVICE=sim
 // (its capacity in ALLOCWATCH_SHIM_SIM_BYTES), the simulated device, so that the entry points
-// PyTorch calls can be exercised on a machine without a GPU (tests/test_torch_shim_abi.py).
+// PyTorch calls can be exercised on a machine without a GPU (tests/pytorch/test_torch_shim_abi.py).
 std::shared_ptr<Device> make_device(int device) {
   const char* kind = std::getenv("ALLOCWATCH_SHIM_DEVICE");
   if (kind != nullptr && std::string(kind) == "sim") {

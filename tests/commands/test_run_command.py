@@ -1,7 +1,7 @@
 """allocwatch run: every Python process it starts — and their children, as torchrun's workers
 are — installs allocwatch when it imports torch, before the user's next line, without code
 changes. Here (no GPU) install() keeps PyTorch's allocator and says why; on a GPU it swaps it
-in. tests/torch/test_startup_hook.py says what start-up leaves alone."""
+in. tests/pytorch/test_startup_hook.py says what start-up leaves alone."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The native back end on a real GPU (marker gpu; skipped without one): each scenario of
-tests/torch/gpu_scenarios.py in a fresh process, since the allocator is installed before CUDA
+tests/pytorch/gpu_scenarios.py in a fresh process, since the allocator is installed before CUDA
 starts. What cannot run here is tested on the simulated device (test_core_history_pools.py) and
 by compiling the back end against this machine's torch (test_native_build.py)."""
 

@@ -1,7 +1,7 @@
 """GPU scenarios for the native back end, one per fresh process (the allocator is installed
-before CUDA starts). Run by tests/torch/test_native_gpu.py:
+before CUDA starts). Run by tests/pytorch/test_native_gpu.py:
 
-    python tests/torch/gpu_scenarios.py NAME      prints "PASS NAME: ..." or raises
+    python tests/pytorch/gpu_scenarios.py NAME      prints "PASS NAME: ..." or raises
 
 Each scenario drives PyTorch's own API, as a training script would, and checks that allocwatch's
 core is the one answering (its figures, through allocator_ext._core, agree with PyTorch's).
