@@ -40,7 +40,7 @@ WORK="$(mktemp -d /tmp/dropin.XXXXXX)"
 LOGS="$WORK/logs"
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
-export ALLOCWATCH_NATIVE_DIR="$WORK/native-cache"   # this run's build, found by every part
+export ALLOCWATCH_NATIVE_DIR="${ALLOCWATCH_NATIVE_DIR:-$WORK/native-cache}"   # one build, found by every part
 SUMMARY="$WORK/summary.txt"
 : > "$SUMMARY"
 
