@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out_file = tmp_path / "soak.json"
-    out = subprocess.run([sys.executable, "bench/gpu_soak.py", "--self-check", "--json",
+    out = subprocess.run([sys.executable, "bench/gpu/gpu_soak.py", "--self-check", "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads(out_file.read_text())
@@ -31,7 +31,7 @@ def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_pat
 
 def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_path: Path) -> None:
     out_file = tmp_path / "agent_cpu.json"
-    out = subprocess.run([sys.executable, "bench/agent_cpu_cost.py", "--seconds", "3",
+    out = subprocess.run([sys.executable, "bench/sidecar/agent_cpu_cost.py", "--seconds", "3",
                           "--interval", "0.5", "--json", str(out_file)], cwd=REPO,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -41,9 +41,10 @@ def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_pa
     assert "agent_cpu_share_of_one_core" in result
 
 
-@pytest.mark.parametrize("script", ["agent_overhead.py", "torch_bench.py", "gpu_soak.py",
-                                    "fragmentation.py", "policy_under_cap.py",
-                                    "agent_cpu_cost.py", "step_lockstep.py", "steady_state.py"])
+@pytest.mark.parametrize("script", ["sidecar/agent_overhead.py", "gpu/torch_bench.py",
+                                    "gpu/gpu_soak.py", "replay/fragmentation.py",
+                                    "gpu/policy_under_cap.py", "sidecar/agent_cpu_cost.py",
+                                    "gpu/step_lockstep.py", "replay/steady_state.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
@@ -53,8 +54,8 @@ def test_bench_scripts_explain_themselves(script: str) -> None:
 def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles(
         tmp_path: Path) -> None:
     out_file = tmp_path / "steady.json"
-    out = subprocess.run([sys.executable, "bench/steady_state.py", "--passes", "3", "--traces",
-                          "tests/data/traces/convnet__default.pickle.gz", "--json",
+    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", "--passes", "3",
+                          "--traces", "tests/data/traces/convnet__default.pickle.gz", "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     passes = json.loads(out_file.read_text())["passes"]["convnet__default.pickle.gz"]
@@ -71,8 +72,8 @@ def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles
 
 
 def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
-    out = subprocess.run([sys.executable, "bench/step_lockstep.py", "--fraction-of-peak", "0.9"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--fraction-of-peak",
+                          "0.9"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr
 
 
@@ -80,7 +81,7 @@ def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path
     # Built with the project's only build requirement, a C++ compiler; the figures themselves
     # count only on the H200 host (docs/benchmarks.md).
     out_file = tmp_path / "hotpath.json"
-    out = subprocess.run(["bash", "bench/run_hotpath.sh", "--rounds", "2", "--json",
+    out = subprocess.run(["bash", "bench/native/run_hotpath.sh", "--rounds", "2", "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "device calls inside the timed loop" not in out.stderr
@@ -93,18 +94,18 @@ def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path
 
 
 def test_core_hot_path_benchmark_refuses_an_unknown_option() -> None:
-    out = subprocess.run(["bash", "bench/run_hotpath.sh", "--round", "2"], cwd=REPO,
+    out = subprocess.run(["bash", "bench/native/run_hotpath.sh", "--round", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "usage: hotpath" in out.stderr
 
 
 def test_hotpath_ratios_compare_batches_of_the_same_round() -> None:
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.append(str(REPO))
     try:
-        from torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
+        from bench.gpu.torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
     finally:
-        sys.path.pop(0)
+        sys.path.remove(str(REPO))
     samples = []
     # The host is twice as slow in round 1: within each round allocwatch takes half the time.
     for rnd, pace in [(0, 1.0), (1, 2.0), (2, 1.0)]:

@@ -1,13 +1,13 @@
 """Step time of allocwatch's allocator against another, two training processes in lockstep.
 
-    python bench/step_lockstep.py [--model transformer|convnet] [--against expandable]
+    python bench/gpu/step_lockstep.py [--model transformer|convnet] [--against expandable]
                                   [--rounds 3] [--steps 40] [--fraction-of-peak F]
                                   [--json FILE]                                    (on a GPU)
 
 Runs of one allocator in separate processes, one after another, differ by 10-25 % on the H200
-hosts (bench/torch_bench.py train): the host and the GPU drift between runs and a process's
+hosts (bench/gpu/torch_bench.py train): the host and the GPU drift between runs and a process's
 placement matters, far more than the effect sought. Here two processes, one per allocator, train
-bench/torch_bench.py's model on the same sequence of random shapes and take turns step by step
+bench/gpu/torch_bench.py's model on the same sequence of random shapes and take turns step by step
 on the same GPU and the same CPU cores: step i of one runs right before or after step i of the
 other (who goes first alternates), each alone on the device, so both see the same drift and the
 same shape. Both first run the whole sequence once untimed (cuBLAS/cuDNN plan selection and
@@ -33,25 +33,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_bench import ALLOCATORS, MODELS, mean_and_stderr  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib.allocators import ALLOCATORS, setup_in_child  # noqa: E402
+from bench.lib.stats import mean_and_stderr  # noqa: E402
+
+TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
 
 
 def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
     """Answers each 'step' line on stdin with one timed step's seconds; 'stats' with the
     memory statistics; both processes see the same shapes (seeded alike)."""
-    import random
-
     if cores:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
-    from torch_bench import _child_setup, timed_step
+    torch = setup_in_child()
+    from allocator_ext import workloads
 
-    torch = _child_setup()
-    torch.backends.cudnn.benchmark = False
-    torch.manual_seed(0)
-    shapes = random.Random(0)
-    model, batch, loss_of = MODELS[model_name](torch, shapes)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    work = workloads.build(model_name, torch.device("cuda"), seed=0)
     # allocwatch's pluggable path reports running out of memory as a plain RuntimeError;
     # any other error is reported as one, not mistaken for out of memory.
     oom = (torch.cuda.OutOfMemoryError, RuntimeError)
@@ -62,9 +59,9 @@ def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
         return f"{'oom' if out_of_memory else 'error'}: {str(e)[:200]!r}"
 
     def untimed_pass() -> None:
-        shapes.seed(1)
+        work.reseed(1)
         for _ in range(steps):
-            timed_step(torch, opt, loss_of, *batch())
+            workloads.timed_step(work, work.draw())
 
     untimed_pass()
     if fraction:
@@ -78,13 +75,13 @@ def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
         except oom as e:
             print(f"{failure(e)} (in the capped untimed pass)", flush=True)
             return
-    shapes.seed(1)
+    work.reseed(1)
     warm = torch.cuda.memory_stats()
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() == "step":
             try:
-                print(timed_step(torch, opt, loss_of, *batch()), flush=True)
+                print(workloads.timed_step(work, work.draw()), flush=True)
             except oom as e:
                 print(failure(e), flush=True)
                 return
@@ -195,7 +192,7 @@ def summarize(rounds: list[dict]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(MODELS), default="transformer")
+    p.add_argument("--model", choices=TRAINED, default="transformer")
     p.add_argument("--against", choices=sorted(set(ALLOCATORS) - {"allocwatch"}),
                    default="expandable", help="the allocator compared with allocwatch's")
     p.add_argument("--rounds", type=int, default=3, help="pairs of fresh processes")
