@@ -76,9 +76,14 @@ class Workload:
         """Starts the sequence of shapes that `seed` gives (the same in every process)."""
         self.rng.seed(seed)
 
-    def draw(self) -> Batch:
-        """The next step's inputs, of shapes drawn from the generator."""
+    def draw(self, largest: bool = False) -> Batch:
+        """The next step's inputs, of shapes drawn from the generator; with `largest`, the
+        largest shapes of every range instead (the generator is not advanced), so that a run
+        can meet its peak before it sizes a memory cap."""
         raise NotImplementedError
+
+    def _pick(self, bounds: tuple[int, int], largest: bool) -> int:
+        return bounds[1] if largest else self.rng.randint(*bounds)
 
     def run(self, batch: Batch) -> None:
         """One step on `batch`."""
@@ -230,9 +235,9 @@ class TokenTraining(Workload):
         self.dims = dims
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
-    def draw(self) -> Batch:
-        batch = self.rng.randint(*self.dims.batch)
-        seq = self.rng.randint(*self.dims.seq)
+    def draw(self, largest: bool = False) -> Batch:
+        batch = self._pick(self.dims.batch, largest)
+        seq = self._pick(self.dims.seq, largest)
         return (torch.randint(0, self.dims.vocab, (batch, seq + 1), device=self.device),)
 
     def run(self, batch: Batch) -> None:
@@ -258,11 +263,11 @@ class Decoding(Workload):
         self.dims = dims
         self.new_tokens = new_tokens
 
-    def draw(self) -> Batch:
-        batch = self.rng.randint(*self.dims.batch)
-        prompt = self.rng.randint(*self.dims.seq)
+    def draw(self, largest: bool = False) -> Batch:
+        batch = self._pick(self.dims.batch, largest)
+        prompt = self._pick(self.dims.seq, largest)
         tokens = torch.randint(0, self.dims.vocab, (batch, prompt), device=self.device)
-        return tokens, self.rng.randint(*self.new_tokens)
+        return tokens, self._pick(self.new_tokens, largest)
 
     @torch.no_grad()
     def run(self, batch: Batch) -> None:
@@ -327,9 +332,9 @@ class ConvTraining(Workload):
         self.batch = (2, 3) if tiny else (8, 64)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
 
-    def draw(self) -> Batch:
-        side = self.rng.choice(self.sides)
-        batch = self.rng.randint(*self.batch)
+    def draw(self, largest: bool = False) -> Batch:
+        side = self.sides[-1] if largest else self.rng.choice(self.sides)
+        batch = self._pick(self.batch, largest)
         images = torch.randn(batch, 3, side, side, device=self.device)
         return images, torch.randint(0, self.classes, (batch,), device=self.device)
 

@@ -77,6 +77,28 @@ def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
     assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr
 
 
+def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: Path) -> None:
+    # The protocol on the CPU (tiny convnet, PyTorch's allocator on both sides): the timed
+    # rounds draw shapes neither process warmed up on, the same in both, a new set each round.
+    pytest.importorskip("torch")
+    out_file = tmp_path / "lockstep.json"
+    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
+                          "--model", "convnet", "--rounds", "2", "--steps", "3",
+                          "--fraction-of-peak", "1.03", "--json", str(out_file)], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (phase,) = json.loads(out_file.read_text())["phases"]
+    assert phase["fraction_of_peak"] == 1.03 and not phase["failures"]
+    rounds = phase["rounds"]
+    assert len(rounds) == 2 and phase["steps_compared"] == 6
+    assert phase["timed_shapes_fresh"] and rounds[0]["shapes"] != rounds[1]["shapes"]
+    for r in rounds:
+        assert set(r["step_device_calls"]) == {"pytorch", "expandable"}
+        assert all(set(c) == {"num_device_alloc", "num_device_free", "num_sync_all_streams"}
+                   for calls in r["step_device_calls"].values() for c in calls)
+    assert phase["median_step_ratio"] > 0
+
+
 def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path) -> None:
     # Built with the project's only build requirement, a C++ compiler; the figures themselves
     # count only on the H200 host (docs/benchmarks.md).

@@ -73,3 +73,18 @@ def test_experts_get_random_token_counts_that_two_processes_draw_alike() -> None
 def test_an_unknown_workload_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown workload 'resnet'; known: transformer"):
         workloads.build("resnet", META)
+
+
+LARGEST = {"transformer": ((16, 1025),), "convnet": ((64, 3, 416, 416), (64,))}
+
+
+@pytest.mark.parametrize("name", sorted(LARGEST))
+def test_the_largest_shapes_are_the_top_of_every_range_and_leave_the_sequence_alone(
+        name: str) -> None:
+    one, two = (workloads.build(name, META, seed=0) for _ in range(2))
+    largest = tuple(tuple(t.shape) for t in one.draw(largest=True))
+    assert largest == LARGEST[name]
+    drawn = _shapes(one, 40)
+    assert drawn == _shapes(two, 40)                # drawing the largest did not advance it
+    assert all(d <= top for shape in drawn for dims, tops in zip(shape, largest, strict=True)
+               for d, top in zip(dims, tops, strict=True))

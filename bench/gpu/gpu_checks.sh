@@ -17,7 +17,8 @@
 #   train        bench/gpu/torch_bench.py train (transformer), then the convnet
 #   steptime     step times against expandable segments, 6 rounds each (mean step time, paired
 #                by round): transformer, then convnet
-#   lockstep     bench/gpu/step_lockstep.py against expandable segments, transformer then convnet:
+#   lockstep     bench/gpu/step_lockstep.py --suite: transformer, moe and convnet against
+#                expandable segments, uncapped and at 1.03 x, on fresh shapes after warm-up:
 #                the two processes take turns step by step (steadier than steptime)
 #   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
 #                expandable segments, both capped at 1.03 x the workload's peak requested bytes
@@ -82,12 +83,9 @@ run_part() {
       part "steptime convnet" "$PYTHON" bench/gpu/torch_bench.py train --model convnet --rounds 6 \
         --steps 30 --allocators expandable,allocwatch --json "$OUT/steptime_convnet.json" ;;
     lockstep)
-      part "lockstep transformer" "$PYTHON" bench/gpu/step_lockstep.py --rounds 4 --steps 40 \
-        --json "$OUT/lockstep_transformer.json"
-      part "lockstep convnet" "$PYTHON" bench/gpu/step_lockstep.py --model convnet --rounds 4 \
-        --steps 40 --json "$OUT/lockstep_convnet.json" ;;
-    caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py --rounds 4 \
-        --steps 40 --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
+      part "lockstep suite" "$PYTHON" bench/gpu/step_lockstep.py --suite "$OUT/lockstep" ;;
+    caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
+        --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     probes)  # never a binary left from an earlier call: the run needs this build
       rm -rf build/native_probes
       part "build device_call_costs" bash bench/native/build_native.sh build/native_probes

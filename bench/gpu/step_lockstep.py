@@ -1,25 +1,40 @@
-"""Step time of allocwatch's allocator against another, two training processes in lockstep.
+"""Step time of allocwatch's allocator against another, two training processes in lockstep, on
+shapes neither has seen.
 
-    python bench/gpu/step_lockstep.py [--model transformer|convnet] [--against expandable]
-                                  [--rounds 3] [--steps 40] [--fraction-of-peak F]
-                                  [--json FILE]                                    (on a GPU)
+    python bench/gpu/step_lockstep.py [--model transformer|moe|convnet] [--against expandable]
+                                      [--rounds 8] [--steps 12] [--fraction-of-peak F]
+                                      [--json FILE]                               (on a GPU)
+    python bench/gpu/step_lockstep.py --suite DIR [--rounds 8] [--steps 12]       (on a GPU)
+        every workload (transformer, moe, convnet), uncapped and then under a 1.03 x memory
+        fraction, against expandable segments: DIR/lockstep_<workload>.json each
 
 Runs of one allocator in separate processes, one after another, differ by 10-25 % on the H200
-hosts (bench/gpu/torch_bench.py train): the host and the GPU drift between runs and a process's
-placement matters, far more than the effect sought. Here two processes, one per allocator, train
-bench/gpu/torch_bench.py's model on the same sequence of random shapes and take turns step by step
-on the same GPU and the same CPU cores: step i of one runs right before or after step i of the
-other (who goes first alternates), each alone on the device, so both see the same drift and the
-same shape. Both first run the whole sequence once untimed (cuBLAS/cuDNN plan selection and
-the allocators' growth are not what is compared). Each round uses fresh processes. With
---fraction-of-peak F, each process then caps itself with set_per_process_memory_fraction at F x
-the peak requested bytes of that pass, empties its cache, and runs the sequence once more
-untimed under the cap before the timed pass; a process that runs out of memory ends the round
-and is reported.
+hosts: the host and the GPU drift between runs, far more than the effect sought. Here two
+processes, one per allocator, train the same allocator_ext.workloads workload and take turns
+step by step on the same GPU and the same CPU cores: step i of one runs right before or after
+step i of the other (who goes first alternates), each alone on the device, so both see the
+same drift and the same shapes.
 
-Reported per round: allocwatch's total step time over the other's; over all rounds, the mean of
-those ratios with its standard error, and the median of the per-step ratios. Also each
-allocator's peak reserved / peak requested.
+Each process first warms up untimed: one step at the workload's largest shapes, then --steps
+steps of the warm-up sequence (cuBLAS/cuDNN plans, the allocators' first growth). Then come
+--rounds timed rounds, each --steps steps of shapes drawn afresh from a seed of its own, the
+same seed in both processes and never the warm-up's: what a training run with random shapes
+sees, where a step's exact shapes rarely come back. With --fraction-of-peak F (and in the
+suite's second half) each process then caps itself with set_per_process_memory_fraction at F x
+the peak requested bytes of its warm-up (which met the largest shapes), empties its cache, warms
+up again under the cap, and times fresh rounds; running out of memory is reported.
+
+Reported per round: allocwatch's total step time over the other's; over all rounds the mean of
+those ratios with its standard error and the median of the per-step ratios (the bar: <= 1.00).
+Per step, each allocator's device calls (its num_device_alloc / num_device_free /
+num_sync_all_streams: for allocwatch its core's counts, maps and unmaps with expandable
+segments; for PyTorch torch.cuda.memory_stats()'s), and the median step ratio over the steps
+where allocwatch made device calls against those where it made none: where page moves cost
+step time, these say so. Also each allocator's peak reserved / peak requested.
+
+--self-check runs the same protocol on the CPU with tiny workloads (two processes under
+PyTorch's allocator, no GPU): it checks the plumbing and that the timed shapes are fresh and
+the same in both processes, not the figures.
 """
 
 from __future__ import annotations
@@ -32,23 +47,60 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
 from bench.lib.allocators import ALLOCATORS, setup_in_child  # noqa: E402
 from bench.lib.stats import mean_and_stderr  # noqa: E402
 
 TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
+SUITE_FRACTION = 1.03
+WARMUP_SEED = 1
+ROUND_SEED = 1000  # round r draws from seed ROUND_SEED + r: never the warm-up's
+CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
-def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
-    """Answers each 'step' line on stdin with one timed step's seconds; 'stats' with the
-    memory statistics; both processes see the same shapes (seeded alike)."""
+# ------------------------------------------------------------------------------- the child
+
+class Counters:
+    """The memory statistics of the allocator serving this process: allocwatch's core where
+    it is installed (reachable through either back end), else PyTorch's."""
+
+    def __init__(self, torch: Any) -> None:
+        import allocator_ext
+
+        self.torch = torch
+        self.core = allocator_ext.allocator(0) if allocator_ext.installed() else None
+
+    def stats(self) -> dict[str, int]:
+        if self.core is not None:
+            return dict(self.core.stats())
+        if self.torch.cuda.is_available():
+            return dict(self.torch.cuda.memory_stats())
+        return {}
+
+    def reset_peak(self) -> None:
+        if self.core is not None:
+            self.core.reset_peak_stats()
+        elif self.torch.cuda.is_available():
+            self.torch.cuda.reset_peak_memory_stats()
+
+
+def shape_of(batch: tuple) -> list:
+    return [list(t.shape) if hasattr(t, "shape") else t for t in batch]
+
+
+def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
+    """Answers one line per command on stdin: 'cap F', 'seed N', 'step', 'stats'."""
     if cores:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     torch = setup_in_child()
     from allocator_ext import workloads
 
-    work = workloads.build(model_name, torch.device("cuda"), seed=0)
+    device = torch.device("cpu" if self_check else "cuda")
+    work = workloads.build(model_name, device, tiny=self_check, seed=0)
+    counters = Counters(torch)
+    warmup_shapes: list = []
     # allocwatch's pluggable path reports running out of memory as a plain RuntimeError;
     # any other error is reported as one, not mistaken for out of memory.
     oom = (torch.cuda.OutOfMemoryError, RuntimeError)
@@ -58,135 +110,234 @@ def child(model_name: str, steps: int, cores: str, fraction: float) -> None:
                          or "out of memory" in str(e).lower())
         return f"{'oom' if out_of_memory else 'error'}: {str(e)[:200]!r}"
 
-    def untimed_pass() -> None:
-        work.reseed(1)
+    def warm_up() -> None:
+        warmup_shapes.clear()
+        workloads.timed_step(work, work.draw(largest=True))
+        work.reseed(WARMUP_SEED)
         for _ in range(steps):
-            workloads.timed_step(work, work.draw())
+            batch = work.draw()
+            warmup_shapes.append(shape_of(batch))
+            workloads.timed_step(work, batch)
 
-    untimed_pass()
-    if fraction:
-        peak = torch.cuda.memory_stats()["requested_bytes.all.peak"]
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(fraction * peak / total)
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            untimed_pass()
-        except oom as e:
-            print(f"{failure(e)} (in the capped untimed pass)", flush=True)
-            return
-    work.reseed(1)
-    warm = torch.cuda.memory_stats()
-    print("ready", flush=True)
+    def answer(value: Any) -> None:
+        print(json.dumps(value), flush=True)
+
+    try:
+        warm_up()
+    except oom as e:
+        print(f"{failure(e)} (in the warm-up)", flush=True)
+        return
+    answer("ready")
     for line in sys.stdin:
-        if line.strip() == "step":
-            try:
-                print(workloads.timed_step(work, work.draw()), flush=True)
-            except oom as e:
-                print(failure(e), flush=True)
-                return
-        elif line.strip() == "stats":
-            s = torch.cuda.memory_stats()
-            # device calls during the timed pass only: what the allocator still does once the
-            # shapes have all been seen
-            timed = {k: s.get(k, 0) - warm.get(k, 0)
-                     for k in ("num_device_alloc", "num_device_free", "num_sync_all_streams")}
-            print(json.dumps({"peak_reserved": s.get("reserved_bytes.all.peak", 0),
-                              "peak_requested": s.get("requested_bytes.all.peak", 0),
-                              "num_alloc_retries": s.get("num_alloc_retries", 0),
-                              "timed_pass": timed}), flush=True)
+        command, *arg = line.split()
+        try:
+            if command == "cap":
+                peak = counters.stats().get("requested_bytes.all.peak", 0)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    total = torch.cuda.get_device_properties(0).total_memory
+                    torch.cuda.set_per_process_memory_fraction(float(arg[0]) * peak / total)
+                counters.reset_peak()
+                warm_up()
+                answer({"capped_at_bytes": int(float(arg[0]) * peak)})
+            elif command == "seed":
+                work.reseed(int(arg[0]))
+                if arg[1:] == ["reset"]:  # the first round of a phase: peaks of the phase
+                    counters.reset_peak()
+                answer("ok")
+            elif command == "step":
+                batch = work.draw()
+                before = counters.stats()
+                seconds = workloads.timed_step(work, batch)
+                after = counters.stats()
+                answer({"s": seconds, "shape": shape_of(batch),
+                        "calls": {k: after.get(k, 0) - before.get(k, 0) for k in CALLS}})
+            elif command == "stats":
+                s = counters.stats()
+                answer({"peak_reserved": s.get("reserved_bytes.all.peak", 0),
+                        "peak_requested": s.get("requested_bytes.all.peak", 0),
+                        "num_alloc_retries": s.get("num_alloc_retries", 0),
+                        "num_ooms": s.get("num_ooms", 0), "warmup_shapes": warmup_shapes})
+        except oom as e:
+            print(failure(e), flush=True)
             return
 
 
-def spawn(allocator: str, model: str, steps: int, cores: str, fraction: float) -> subprocess.Popen:
-    env = dict(os.environ, **ALLOCATORS[allocator])
-    return subprocess.Popen([sys.executable, __file__, "--child", model, str(steps), cores,
-                             str(fraction)],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            bufsize=1)
+# ------------------------------------------------------------------------------ the parent
 
-
-# Longest wait for one answer: the untimed passes (with model set-up and, for the native shim,
-# a build) come first; a step of these models takes well under a second.
+# Longest wait for one answer: the warm-up comes first (model set-up and, for the native shim,
+# a build); a step of these models takes well under a second.
 READY_TIMEOUT_S = 420.0
 STEP_TIMEOUT_S = 120.0
 
 
 class RoundFailed(Exception):
-    """A training process ran out of memory, failed, hung or ended; the round is dropped."""
+    """A training process ran out of memory, failed, hung or ended."""
 
 
-def read_line(proc: subprocess.Popen, name: str, timeout: float) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise RoundFailed(f"the {name} process gave no answer within {timeout:.0f} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RoundFailed(f"the {name} process ended (exit {proc.poll()})")
-    line = line.strip()
-    if line.startswith(("oom", "error")):
-        raise RoundFailed(f"{name}: {line}")
-    return line
+class Trainer:
+    """One training process under one allocator, answering one line per command."""
+
+    def __init__(self, allocator: str, model: str, steps: int, cores: str,
+                 self_check: bool) -> None:
+        self.name = allocator
+        env = dict(os.environ, **ALLOCATORS[allocator])
+        argv = [sys.executable, __file__, "--child", model, str(steps), cores,
+                "1" if self_check else "0"]
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def send(self, what: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(what + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RoundFailed(f"the {self.name} process ended (exit {self.proc.poll()})") from None
+
+    def read(self, timeout: float = STEP_TIMEOUT_S) -> Any:
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                raise RoundFailed(f"the {self.name} process gave no answer within {timeout:.0f} s")
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            raise RoundFailed(f"the {self.name} process ended (exit {self.proc.poll()})")
+        if line.startswith(("oom", "error")):
+            raise RoundFailed(f"{self.name}: {line}")
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise RoundFailed(f"the {self.name} process answered {line[:200]!r}") from None
+
+    def ask(self, what: str, timeout: float = STEP_TIMEOUT_S) -> Any:
+        self.send(what)
+        return self.read(timeout)
+
+    def finish(self) -> None:
+        """Lets the process end (its stdin closed), killing it if it does not within 30 s."""
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
-def ask(proc: subprocess.Popen, name: str, what: str) -> str:
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(what + "\n")
-        proc.stdin.flush()
-    except BrokenPipeError:
-        raise RoundFailed(f"the {name} process ended (exit {proc.poll()})") from None
-    return read_line(proc, name, STEP_TIMEOUT_S)
+def both(trainers: list[Trainer], what: str, timeout: float = STEP_TIMEOUT_S) -> list[Any]:
+    """The same command to both processes at once (they run it side by side, untimed)."""
+    for t in trainers:
+        t.send(what)
+    return [t.read(timeout) for t in trainers]
 
 
-def finish(proc: subprocess.Popen) -> None:
-    """Lets a child end (its stdin closed), killing it if it does not within 30 s."""
-    try:
-        if proc.stdin:
-            proc.stdin.close()
-    except BrokenPipeError:
-        pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def timed_round(r: int, trainers: list[Trainer], steps: int, reset_peak: bool) -> dict:
+    both(trainers, f"seed {ROUND_SEED + r}" + (" reset" if reset_peak else ""))
+    ours, other = trainers
+    got: dict[str, list[dict]] = {t.name: [] for t in trainers}
+    for i in range(steps):
+        for t in (trainers if (i + r) % 2 == 0 else trainers[::-1]):
+            got[t.name].append(t.ask("step"))
+    mine, theirs = got[ours.name], got[other.name]
+    if [s["shape"] for s in mine] != [s["shape"] for s in theirs]:
+        raise RoundFailed(f"round {r}: the two processes drew different shapes")
+    return {"round": r, "seed": ROUND_SEED + r,
+            "ratio": sum(s["s"] for s in mine) / sum(s["s"] for s in theirs),
+            "step_ratios": [a["s"] / b["s"] for a, b in zip(mine, theirs, strict=True)],
+            "step_times_s": {n: [round(s["s"], 6) for s in v] for n, v in got.items()},
+            "step_device_calls": {n: [s["calls"] for s in v] for n, v in got.items()},
+            "shapes": [s["shape"] for s in mine]}
 
 
-def one_round(r: int, model: str, against: str, steps: int, cores: str,
-              fraction: float) -> dict:
-    procs = {a: spawn(a, model, steps, cores, fraction) for a in ("allocwatch", against)}
-    try:
-        for a, proc in procs.items():  # both warm up at once; timing starts when both are ready
-            line = read_line(proc, a, READY_TIMEOUT_S)
-            if line != "ready":
-                raise RoundFailed(f"the {a} process answered {line[:200]!r} instead of ready")
-        times: dict[str, list[float]] = {a: [] for a in procs}
-        for i in range(steps):
-            order = ["allocwatch", against] if (i + r) % 2 == 0 else [against, "allocwatch"]
-            for a in order:
-                times[a].append(float(ask(procs[a], a, "step")))
-        stats = {a: json.loads(ask(procs[a], a, "stats")) for a in procs}
-    finally:
-        for proc in procs.values():
-            finish(proc)
-    ours, other = times["allocwatch"], times[against]
-    return {"round": r, "ratio": sum(ours) / sum(other),
-            "step_ratios": [a / b for a, b in zip(ours, other, strict=True)],
-            "step_times_s": {a: [round(t, 6) for t in ts] for a, ts in times.items()},
-            "reserved_over_requested": {a: s["peak_reserved"] / max(1, s["peak_requested"])
-                                        for a, s in stats.items()},
-            "num_alloc_retries": {a: s["num_alloc_retries"] for a, s in stats.items()},
-            "timed_pass_device_calls": {a: s["timed_pass"] for a, s in stats.items()}}
-
-
-def summarize(rounds: list[dict]) -> dict:
+def summarize(rounds: list[dict], ours: str) -> dict:
+    if not rounds:
+        return {}
     mean, se = mean_and_stderr([r["ratio"] for r in rounds])
-    steps = [x for r in rounds for x in r["step_ratios"]]
-    return {"mean_ratio": mean, "stderr": se,
-            "median_step_ratio": statistics.median(steps), "steps_compared": len(steps)}
+    ratios = [x for r in rounds for x in r["step_ratios"]]
+    moved = [x for r in rounds for x, c in zip(r["step_ratios"], r["step_device_calls"][ours],
+                                               strict=True) if any(c.values())]
+    still = [x for r in rounds for x, c in zip(r["step_ratios"], r["step_device_calls"][ours],
+                                               strict=True) if not any(c.values())]
+    calls = {n: {k: sum(c[k] for r in rounds for c in r["step_device_calls"][n]) for k in CALLS}
+             for n in rounds[0]["step_device_calls"]}
+    return {"mean_ratio": mean, "stderr": se, "median_step_ratio": statistics.median(ratios),
+            "steps_compared": len(ratios), "device_calls_while_timed": calls,
+            "steps_with_device_calls": len(moved),
+            "median_step_ratio_with_device_calls": statistics.median(moved) if moved else None,
+            "median_step_ratio_without_device_calls": statistics.median(still) if still else None}
+
+
+def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int) -> dict:
+    """Timed rounds uncapped (fraction 0) or, after a capped warm-up, under the cap."""
+    phase: dict[str, Any] = {"fraction_of_peak": fraction, "rounds": [], "failures": []}
+    try:
+        if fraction:
+            caps = both(trainers, f"cap {fraction}", READY_TIMEOUT_S)
+            phase["capped_at_bytes"] = {t.name: c["capped_at_bytes"]
+                                        for t, c in zip(trainers, caps, strict=True)}
+        for r in range(rounds):
+            phase["rounds"].append(timed_round(r, trainers, steps, reset_peak=r == 0))
+            rr = phase["rounds"][-1]
+            calls = {n: sum(sum(c.values()) for c in v) for n, v in rr["step_device_calls"].items()}
+            print(f"  round {r}: {trainers[0].name} / {trainers[1].name} total step time "
+                  f"{rr['ratio']:.4f}; device calls while timed {calls}", flush=True)
+        stats = both(trainers, "stats")
+        phase["reserved_over_requested"] = {
+            t.name: s["peak_reserved"] / max(1, s["peak_requested"])
+            for t, s in zip(trainers, stats, strict=True)}
+        phase["num_alloc_retries"] = {t.name: s["num_alloc_retries"]
+                                      for t, s in zip(trainers, stats, strict=True)}
+        warm = stats[0]["warmup_shapes"]
+        phase["timed_shapes_fresh"] = all(r["shapes"] != warm for r in phase["rounds"])
+    except RoundFailed as e:
+        phase["failures"].append(str(e))
+        print(f"  failed: {e}", flush=True)
+    phase.update(summarize(phase["rounds"], trainers[0].name))
+    return phase
+
+
+def run_workload(model: str, ours: str, against: str, fractions: list[float], rounds: int,
+                 steps: int, cores: str, self_check: bool, out: Path | None) -> dict:
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "model": model, "ours": ours,
+                              "against": against, "cores": cores, "steps_per_round": steps,
+                              "phases": []}
+    trainers = [Trainer(a, model, steps, cores, self_check) for a in (ours, against)]
+    try:
+        try:  # both warm up at once; timing starts when both are ready
+            for t in trainers:
+                if t.read(READY_TIMEOUT_S) != "ready":
+                    raise RoundFailed(f"the {t.name} process did not say it was ready")
+        except RoundFailed as e:
+            result["failures"] = [str(e)]
+            print(f"{model}: {e}", flush=True)
+            return result
+        for fraction in fractions:
+            print(f"{model}, " + (f"capped at {fraction} x peak requested" if fraction
+                                  else "uncapped") + ":", flush=True)
+            phase = run_phase(trainers, fraction, rounds, steps)
+            result["phases"].append(phase)
+            if out:  # after every phase, so that a later failure loses nothing measured
+                out.write_text(json.dumps(result, indent=1))
+            if phase.get("mean_ratio") is not None:
+                print(f"{model} {'capped' if fraction else 'uncapped'}: {ours} vs {against} "
+                      f"step time {100 * phase['mean_ratio'] - 100:+.2f} %; median per-step "
+                      f"ratio {phase['median_step_ratio']:.3f} over {phase['steps_compared']} "
+                      f"steps ({phase['steps_with_device_calls']} with device calls by {ours}: "
+                      f"median {phase['median_step_ratio_with_device_calls']}); reserved/"
+                      f"requested " + ", ".join(f"{a} {v:.3f}" for a, v in
+                                               phase["reserved_over_requested"].items()),
+                      flush=True)
+            if phase["failures"]:
+                break
+    finally:
+        for t in trainers:
+            t.finish()
+    return result
 
 
 def main() -> int:
@@ -195,18 +346,22 @@ def main() -> int:
     p.add_argument("--model", choices=TRAINED, default="transformer")
     p.add_argument("--against", choices=sorted(set(ALLOCATORS) - {"allocwatch"}),
                    default="expandable", help="the allocator compared with allocwatch's")
-    p.add_argument("--rounds", type=int, default=3, help="pairs of fresh processes")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per process and round")
+    p.add_argument("--rounds", type=int, default=8, help="timed rounds of fresh shapes")
+    p.add_argument("--steps", type=int, default=12, help="steps per round (and warm-up)")
     p.add_argument("--cores", default="",
                    help="CPU cores both processes run on, e.g. 2,3,4,5 (default: the first "
                         "four this process may use)")
     p.add_argument("--fraction-of-peak", type=float, default=0.0, metavar="F",
-                   help="cap each process at F x its peak requested bytes (e.g. 1.03)")
+                   help="cap each process at F x its warm-up's peak requested bytes (e.g. 1.03)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--suite", metavar="DIR",
+                   help="every workload, uncapped then at 1.03 x: DIR/lockstep_<workload>.json")
+    p.add_argument("--self-check", action="store_true",
+                   help="the protocol on the CPU with tiny workloads (no GPU)")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), args.child[2], float(args.child[3]))
+        child(args.child[0], int(args.child[1]), args.child[2], args.child[3] == "1")
         return 0
     if args.fraction_of_peak and args.fraction_of_peak < 1.0:
         p.error(f"--fraction-of-peak must be at least 1.0 (the workload's own need), got "
@@ -216,46 +371,23 @@ def main() -> int:
     if args.fraction_of_peak and args.against == "cudaMallocAsync":
         p.error("--fraction-of-peak needs requested bytes, which cudaMallocAsync does not count")
     cores = args.cores or ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:4])
-    rounds = []
-    failures = []
-    for r in range(args.rounds):
-        try:
-            rounds.append(one_round(r, args.model, args.against, args.steps, cores,
-                                    args.fraction_of_peak))
-        except RoundFailed as e:
-            failures.append({"round": r, "failure": str(e)})
-            print(f"round {r}: {e}", flush=True)
-            write_json(args, cores, rounds, failures)
-            continue
-        write_json(args, cores, rounds, failures)
-        rr = rounds[-1]
-        print(f"round {r}: allocwatch / {args.against} total step time {rr['ratio']:.4f}; "
-              f"reserved/requested "
-              + ", ".join(f"{a} {v:.3f}" for a, v in rr["reserved_over_requested"].items())
-              + "; device calls while timed "
-              + ", ".join(f"{a} {c}" for a, c in rr["timed_pass_device_calls"].items()),
-              flush=True)
-    summary = summarize(rounds) if rounds else {}
-    if rounds:
-        se = summary["stderr"]
-        print(f"allocwatch vs {args.against} ({args.model}): step time "
-              f"{100 * summary['mean_ratio'] - 100:+.2f} %"
-              + (f" ± {100 * se:.2f} % (standard error over {len(rounds)} rounds)" if se else "")
-              + f"; median per-step ratio {summary['median_step_ratio']:.4f} over "
-                f"{summary['steps_compared']} steps", flush=True)
-    write_json(args, cores, rounds, failures)
-    return 0 if rounds and not failures else 1
+    # On the CPU neither side can install allocwatch: the check compares PyTorch with itself.
+    ours, against = ("pytorch", "expandable") if args.self_check else ("allocwatch", args.against)
+    if args.suite:
+        out_dir = Path(args.suite)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        results = [run_workload(m, ours, against, [0.0, SUITE_FRACTION], args.rounds,
+                                args.steps, cores, args.self_check,
+                                out_dir / f"lockstep_{m}.json") for m in TRAINED]
+    else:
+        fractions = [args.fraction_of_peak]
+        results = [run_workload(args.model, ours, against, fractions, args.rounds, args.steps,
+                                cores, args.self_check, Path(args.json) if args.json else None)]
+    ok = all(not r.get("failures") and r["phases"] and not any(ph["failures"]
+                                                              for ph in r["phases"])
+             for r in results)
+    return 0 if ok else 1
 
-
-def write_json(args: argparse.Namespace, cores: str, rounds: list[dict],
-               failures: list[dict]) -> None:
-    """Written after every round, so that a later failure loses nothing measured."""
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"command": " ".join(sys.argv), "model": args.model, "against": args.against,
-             "cores": cores, "fraction_of_peak": args.fraction_of_peak,
-             **(summarize(rounds) if rounds else {}), "rounds": rounds,
-             "failures": failures}, indent=1))
 
 if __name__ == "__main__":
     sys.exit(main())
