@@ -2,7 +2,7 @@
 // at run time (see cuda_driver.h), so that building needs only a C++ compiler.
 //
 // It works in the device's primary context, the one PyTorch's runtime uses; the constructor
-// retains it (creating it when used standalone, e.g. in bench/device_call_costs) and every call
+// retains it (creating it when used standalone, e.g. in bench/native/device_call_costs) and every call
 // makes it current on the calling thread for its duration.
 //
 // Thread-safety: the core serialises calls under its own lock; the event pool has its own.

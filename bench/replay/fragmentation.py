@@ -1,6 +1,6 @@
 """Fragmentation and device-call cost of allocator settings, replayed on recorded traces.
 
-    python bench/fragmentation.py [--config STR ...] [--traces GLOB ...] [--json FILE]
+    python bench/replay/fragmentation.py [--config STR ...] [--traces GLOB ...] [--json FILE]
 
 For every trace (the project's H200 recordings in tests/data/traces and, where present, the
 shared traces beside the checkout) and every setting (default: allocwatch's defaults, PyTorch's
@@ -25,7 +25,7 @@ from pathlib import Path
 from allocator_ext.replay import load_trace, replay
 from allocator_ext.replay.trace import peak_requested_bytes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = [str(REPO / "tests/data/traces/*.pickle.gz"),
                   str(REPO.parent / "shared/traces/*.pickle.gz")]
 H200_BYTES = 141 << 30  # the fraction-capped replays' device

@@ -1,7 +1,7 @@
 """The agent's own CPU time: an upper bound on what it can take from a training loop.
 
-    python bench/agent_cpu_cost.py [--seconds 30] [--interval 1.0] [--source sim|pytorch|allocwatch]
-                                   [--json FILE]
+    python bench/sidecar/agent_cpu_cost.py [--seconds 30] [--interval 1.0]
+                                           [--source sim|pytorch|allocwatch] [--json FILE]
 
 A process holds 1,000 blocks in use and runs the agent publishing to a real sidecar (its own
 process) for SECONDS; the same process without the agent is the baseline. The blocks come from
@@ -12,7 +12,7 @@ Reported: the agent's CPU seconds per wall-clock second (all its threads: sampli
 serialising, gRPC), and the time one sample takes while holding the GIL (samples spaced as in
 training, beyond the NVML reader's cache) — the part that can delay the training thread.
 Whatever the step time, the agent cannot cost a loop more than its share of one core; this
-bounds the overhead that bench/agent_overhead.py measures on the GPU, where noise hides
+bounds the overhead that bench/sidecar/agent_overhead.py measures on the GPU, where noise hides
 anything this small.
 """
 
@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from _sidecar_process import SidecarProcess
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
 
 MiB = 1 << 20
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session on the H200, run from the repository root in a single call:
-#   OUT=/some/folder bash bench/gpu_session.sh
+#   OUT=/some/folder bash bench/gpu/gpu_session.sh
 # 1. facts about the machine (GPU, driver, torch, CUDA, protobuf/grpcio versions);
-# 2. builds bench/device_call_costs with g++ (no nvcc) and measures the cost of each kind of
+# 2. builds bench/native/device_call_costs with CMake and a C++ compiler (no nvcc) and measures the cost of each kind of
 #    device call -> $OUT/device_costs.json (+ its printed table in device_costs.txt);
 # 3. records PyTorch memory traces of every workload x setting, one fresh process each ->
 #    $OUT/traces.tar.gz (traces/*.pickle.gz + traces/manifest.json) and $OUT/traces_manifest.json;
@@ -11,7 +11,7 @@
 # passed. Everything printed is also in $OUT/session.log. About 6-8 minutes in all.
 # Optional: GPU_SESSION_INSTALL=1 also runs `pip install --no-build-isolation -e .` first.
 set -u -o pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$repo"
 : "${OUT:?set OUT to the folder whose files come back}"
 mkdir -p "$OUT"
@@ -19,7 +19,7 @@ PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 work="$repo/build/gpu_session"
 rm -rf "$work" && mkdir -p "$work"
 
-source "$repo/bench/_parts.sh"
+source "$repo/bench/lib/parts.sh"
 
 facts() {
   nvidia-smi -L
@@ -39,13 +39,13 @@ install_package() {
 }
 
 device_costs() {
-  bash bench/build_native.sh "$work" || return $?
-  timeout 240 "$work/device_call_costs" --json "$OUT/device_costs.json" | tee "$OUT/device_costs.txt"
+  bash bench/native/build_native.sh "$work/native" || return $?
+  timeout 240 "$work/native/device_call_costs" --json "$OUT/device_costs.json" | tee "$OUT/device_costs.txt"
 }
 
 traces() {
   # --budget-s stops starting new recordings in time; each recording has its own timeout.
-  timeout 420 "$PYTHON" bench/record_traces.py --out "$work/traces" --budget-s 280 --timeout-s 120
+  timeout 420 "$PYTHON" bench/replay/record_traces.py --out "$work/traces" --budget-s 280 --timeout-s 120
   local rc=$?
   if [ -d "$work/traces" ]; then
     tar -czf "$OUT/traces.tar.gz" -C "$work" traces && ls -l "$OUT/traces.tar.gz"
@@ -63,7 +63,7 @@ main() {
 
   echo
   echo "=================== summary ==================="
-  "$PYTHON" bench/summarize_gpu_session.py "$OUT/device_costs.json" "$OUT/traces_manifest.json"
+  "$PYTHON" bench/gpu/summarize_gpu_session.py "$OUT/device_costs.json" "$OUT/traces_manifest.json"
   echo
   local failed=0
   parts_summary || failed=1

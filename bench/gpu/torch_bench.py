@@ -1,6 +1,6 @@
 """allocwatch's allocator inside PyTorch on the GPU, beside PyTorch's own allocators.
 
-    python bench/torch_bench.py hotpath [--rounds N] [--json FILE]
+    python bench/gpu/torch_bench.py hotpath [--rounds N] [--json FILE]
         alloc + free pairs through torch's C++ raw_alloc/raw_delete (512 B, 64 KiB, 4 MiB,
         64 MiB, and a mix with 1,000 blocks in use), and torch.empty from Python, under
         PyTorch's allocator and allocwatch's (pluggable path, and native shim); ns per pair.
@@ -9,16 +9,14 @@
         seconds: each ratio to PyTorch's compares batches run moments apart. Reported: per
         pattern the median over rounds of those ratios, and their geometric mean over the
         five C++ patterns.
-    python bench/torch_bench.py train [--model transformer|convnet] [--rounds N] [--steps N]
-                                      [--fraction-of-peak F] [--json FILE]
-        transformer: a language model (8 layers, width 1024, bf16 autocast) trained with random
-        batch size and sequence length; convnet: a residual convolutional net (bf16 autocast,
-        cuDNN benchmark mode off) trained on images of random batch size and resolution.
-        Under PyTorch's default, its expandable segments, cudaMallocAsync and allocwatch, runs
-        interleaved; mean and median step time (steps 6 on) and peak reserved / peak
-        requested; the per-allocator summary compares means, paired by round. With
-        --fraction-of-peak 1.03 every run is capped by set_per_process_memory_fraction at
-        1.03 x the workload's peak requested bytes.
+    python bench/gpu/torch_bench.py train [--model transformer|moe|convnet] [--rounds N]
+                                          [--steps N] [--fraction-of-peak F] [--json FILE]
+        One of allocator_ext.workloads' training workloads (random shapes every step; its
+        docstring says which). Under PyTorch's default, its expandable segments,
+        cudaMallocAsync and allocwatch, runs interleaved; mean and median step time (steps 6
+        on) and peak reserved / peak requested; the per-allocator summary compares means,
+        paired by round. With --fraction-of-peak 1.03 every run is capped by
+        set_per_process_memory_fraction at 1.03 x the workload's peak requested bytes.
 Each measurement runs in a fresh process, since the allocator is chosen before CUDA starts.
 """
 
@@ -31,16 +29,13 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-ALLOCATORS = {
-    "pytorch": {"PYTORCH_CUDA_ALLOC_CONF": ""},
-    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-    "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
-    "allocwatch": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1"},
-    # The same core through the native shim built against this torch (allocator_ext/native/).
-    "allocwatch-native": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
-                          "ALLOCWATCH_NATIVE": "1"},
-}
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib.allocators import ALLOCATORS, setup_in_child  # noqa: E402
+from bench.lib.stats import mean_and_stderr  # noqa: E402
+
+TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
 
 HOTPATH_CPP = r"""
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -63,25 +58,6 @@ double pairs_ns(int64_t size, int64_t n, int64_t live) {
 """
 
 
-def _child_setup():
-    import torch
-
-    installed = False
-    if os.environ.get("ALLOCWATCH_BENCH_INSTALL") == "1":
-        import allocator_ext
-
-        assert allocator_ext.install(), "allocwatch did not install"
-        if os.environ.get("ALLOCWATCH_NATIVE") == "1":
-            assert allocator_ext.torch_integration.native(), "the native shim did not install"
-        installed = True
-    target = os.environ.get("ALLOCWATCH_BENCH_AGENT")
-    if target:  # bench/agent_overhead.py: the same loop with the agent publishing every second
-        from allocator_ext.agent import start_agent
-
-        start_agent(target, interval=1.0, source="allocwatch" if installed else "pytorch")
-    return torch
-
-
 HOTPATH_PATTERNS = {  # name: (size, blocks held in use); size 0: the mix of sizes
     "512B": (512, 0), "64KiB": (64 << 10, 0), "4MiB": (4 << 20, 0), "64MiB": (64 << 20, 0),
     "mix1000": (0, 1000),
@@ -91,7 +67,7 @@ TORCH_EMPTY = "torch.empty 64KiB (Python)"
 
 def child_hotpath_server() -> None:
     """Runs one batch of a pattern per line read from stdin, printing its ns a pair."""
-    torch = _child_setup()
+    torch = setup_in_child()
     from torch.utils.cpp_extension import load_inline
 
     ext = load_inline("hotpath_ext", cpp_sources=HOTPATH_CPP, functions=["pairs_ns"],
@@ -200,102 +176,21 @@ def compare_hotpath(samples: list[dict], reference: str = "pytorch") -> dict:
     return {"median_ns": medians, "ratio_to_" + reference: ratios, "geomean_ratio": geomean}
 
 
-def _transformer(torch, rng):
-    """A language model; each step a random batch size and sequence length."""
-    import torch.nn as nn
-
-    vocab, width, layers = 32000, 1024, 8
-    layer = nn.TransformerEncoderLayer(width, 16, 4 * width, batch_first=True, norm_first=True)
-    model = nn.Sequential(nn.Embedding(vocab, width), nn.TransformerEncoder(layer, layers),
-                          nn.Linear(width, vocab)).cuda()
-
-    def batch():
-        size, seq = rng.randint(4, 16), rng.choice([128, 256, 384, 512, 768, 1024])
-        x = torch.randint(0, vocab, (size, seq), device="cuda")
-        return x, x
-
-    def loss_of(x, y):
-        return nn.functional.cross_entropy(model(x).float().view(-1, vocab), y.view(-1))
-
-    return model, batch, loss_of
-
-
-def _convnet(torch, rng):
-    """A residual convolutional net; each step a random batch size and image resolution, so
-    activation sizes vary as in detection or multi-resolution training."""
-    import torch.nn as nn
-
-    torch.backends.cudnn.benchmark = False  # its workspace calls bypass the pluggable path
-
-    class Residual(nn.Module):
-        def __init__(self, channels: int):
-            super().__init__()
-            self.body = nn.Sequential(
-                nn.Conv2d(channels, channels, 3, padding=1, bias=False),
-                nn.BatchNorm2d(channels), nn.ReLU(inplace=True),
-                nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels))
-
-        def forward(self, x):
-            return torch.relu(x + self.body(x))
-
-    layers: list = [nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64),
-                    nn.ReLU(inplace=True)]
-    channels = 64
-    for stage, width in enumerate((64, 128, 256, 512)):
-        if stage:
-            layers += [nn.Conv2d(channels, width, 3, stride=2, padding=1, bias=False),
-                       nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
-        layers += [Residual(width), Residual(width)]
-        channels = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 1000)]
-    model = nn.Sequential(*layers).cuda().to(memory_format=torch.channels_last)
-
-    def batch():
-        size, side = rng.randint(16, 64), rng.choice([128, 160, 192, 224, 256, 320, 384])
-        x = torch.randn(size, 3, side, side, device="cuda").to(memory_format=torch.channels_last)
-        return x, torch.randint(0, 1000, (size,), device="cuda")
-
-    def loss_of(x, y):
-        return nn.functional.cross_entropy(model(x).float(), y)
-
-    return model, batch, loss_of
-
-
-MODELS = {"transformer": _transformer, "convnet": _convnet}
-
-
-def timed_step(torch, opt, loss_of, x, y) -> float:
-    """One training step on (x, y), bf16 autocast; seconds from a synchronised start to its
-    synchronised end."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = loss_of(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
                 model_name: str = "transformer") -> dict:
-    torch = _child_setup()
-    import random
+    torch = setup_in_child()
+    from allocator_ext import workloads
 
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    model, batch, loss_of = MODELS[model_name](torch, rng)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    work = workloads.build(model_name, torch.device("cuda"), seed=0)
     if fraction_of_peak and peak_requested:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(fraction_of_peak * peak_requested / total)
     times = []
     oom = None
     for step in range(steps):
-        x, y = batch()
+        batch = work.draw()
         try:
-            times.append(timed_step(torch, opt, loss_of, x, y))
+            times.append(workloads.timed_step(work, batch))
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             oom = f"step {step}: {str(e)[:160]}"
             break
@@ -316,13 +211,6 @@ def child_train(steps: int, fraction_of_peak: float, peak_requested: int,
         "num_device_free": s.get("num_device_free", 0),
         "num_sync_all_streams": s.get("num_sync_all_streams", 0),
     }
-
-
-def mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
-    """The mean and its standard error (None from a single value), for the benches' paired
-    comparisons."""
-    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
-    return statistics.fmean(values), se
 
 
 def compare_step_times(runs: list[dict], ours: str) -> dict:
@@ -357,7 +245,7 @@ def main() -> int:
     p.add_argument("mode", nargs="?", choices=["hotpath", "train"])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--model", choices=sorted(MODELS), default="transformer",
+    p.add_argument("--model", choices=TRAINED, default="transformer",
                    help="the training workload (train mode)")
     p.add_argument("--fraction-of-peak", type=float, default=0.0)
     p.add_argument("--allocators", default="pytorch,expandable,cudaMallocAsync,allocwatch")

@@ -2,10 +2,10 @@
 
 Prints scrape latency (p50, p99, max), reports lost (sent by agents but never received while the
 sidecar was up: must be 0), reports dropped by agents, the sidecar's CPU seconds and RSS at start
-and end. With --duration 600 it is issue 7's 10-minute soak.
+and end. With --duration 600 it is the sidecar's 10-minute soak.
 
-    python bench/sidecar_load.py                       # 64 agents, 10/s, 30 s
-    python bench/sidecar_load.py --duration 600 --json # the soak
+    python bench/sidecar/sidecar_load.py                       # 64 agents, 10/s, 30 s
+    python bench/sidecar/sidecar_load.py --duration 600 --json # the soak
 
 The sidecar runs as its own process (`allocwatch sidecar`), so its CPU time is its own; agents run
 in --workers processes (the real agent code, each with a synthetic source whose counters grow).
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

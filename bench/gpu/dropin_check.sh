@@ -3,7 +3,7 @@
 # 9 minutes on one H200, from the repository root:
 #
 #   cp -r ../shared/peer .peer                   # PyTorch's test_cuda.py selection (ignored)
-#   OUT=/some/folder bash bench/dropin_check.sh [PART...]
+#   OUT=/some/folder bash bench/gpu/dropin_check.sh [PART...]
 #
 # Parts (default: all, in this order; each has its own time limit, and a part that fails or
 # times out is reported while the next still runs):
@@ -12,7 +12,7 @@
 #              build.log, including which release-dependent functions it overrides)
 #   gputests   tests/pytorch/test_native_gpu.py (one scenario per feature) and the pluggable
 #              path's scenarios of tests/pytorch/test_torch_gpu.py
-#   workloads  bench/dropin_workloads.py: timm ResNet-50 with cudnn.benchmark, a Hugging Face
+#   workloads  bench/gpu/dropin_workloads.py: timm ResNet-50 with cudnn.benchmark, a Hugging Face
 #              GPT-2 under torch.compile (default and reduce-overhead), Lightning with
 #              DeviceStatsMonitor, torch.multiprocessing with CUDA tensors; each under
 #              `allocwatch run` and under PyTorch's expandable segments
@@ -27,7 +27,7 @@
 # workloads.jsonl, kernel.txt, peer_comparison.txt, peer.tar.gz (the peer run's folder),
 # logs.tar.gz (every part's log).
 set -u -o pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$repo"
 : "${OUT:?set OUT to the folder whose files come back}"
 mkdir -p "$OUT"
@@ -95,10 +95,10 @@ do_workloads() {
   local w
   for w in timm_cudnn hf_reduce_overhead hf_compile lightning multiprocessing; do
     if [ "$(left)" -lt $(( PEER_RESERVE + 40 )) ]; then note "workload $w: SKIPPED (time kept for peer)"; continue; fi
-    part "w_${w}_allocwatch" 80 "$PYTHON" -m exporter.cli run -- "$PYTHON" bench/dropin_workloads.py \
+    part "w_${w}_allocwatch" 80 "$PYTHON" -m exporter.cli run -- "$PYTHON" bench/gpu/dropin_workloads.py \
       "$w" --steps 8 --json "$jsonl"
     part "w_${w}_expandable" 60 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      "$PYTHON" bench/dropin_workloads.py "$w" --steps 8 --json "$jsonl"
+      "$PYTHON" bench/gpu/dropin_workloads.py "$w" --steps 8 --json "$jsonl"
   done
   "$PYTHON" - "$jsonl" <<'EOF' | tee -a "$SUMMARY"
 import json, sys

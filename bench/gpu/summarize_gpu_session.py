@@ -1,5 +1,5 @@
-"""Prints the closing summary of bench/gpu_session.sh: the device call cost table and one line
-per recorded trace. Usage: python bench/summarize_gpu_session.py COSTS.json MANIFEST.json"""
+"""Prints the closing summary of bench/gpu/gpu_session.sh: the device call cost table and one line
+per recorded trace. Usage: python bench/gpu/summarize_gpu_session.py COSTS.json MANIFEST.json"""
 
 from __future__ import annotations
 

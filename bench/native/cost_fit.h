@@ -1,4 +1,4 @@
-// Summaries for bench/device_call_costs: percentiles of repeated timings, and the fit of a
+// Summaries for bench/native/device_call_costs: percentiles of repeated timings, and the fit of a
 // call's cost to fixed_seconds + seconds_per_byte * bytes.
 #pragma once
 

@@ -1,8 +1,8 @@
-"""Remote tuning rescuing a capped training run (issue 5's H200 check).
+"""Remote tuning rescuing a capped training run, on the H200.
 
-    python bench/policy_under_cap.py --fraction-of-peak 1.10 --steps 40 [--json FILE]
+    python bench/gpu/policy_under_cap.py --fraction-of-peak 1.10 --steps 40 [--json FILE]
 
-bench/torch_bench.py's transformer runs under a per-process memory cap of F x its peak requested
+bench/gpu/torch_bench.py's transformer runs under a per-process memory cap of F x its peak requested
 bytes, with PyTorch's default settings, for each source allocator (PyTorch's own, and
 allocwatch's with `native` settings):
   fixed  — no sidecar: with PyTorch's defaults this runs out of memory or retries heavily;
@@ -21,10 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from _sidecar_process import SidecarProcess
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "bench" / "torch_bench.py"
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench" / "gpu" / "torch_bench.py"
 POLICY = """\
 policy:
   interval: 0.5s

@@ -1,8 +1,8 @@
 """The long fault run: a multi-stream training loop under allocwatch's allocator, data checked
 every step, while the sidecar it reports to is killed (SIGKILL) and restarted again and again.
 
-    python bench/gpu_soak.py --minutes 10 --kill-every 60 --json OUT.json     (on a GPU)
-    python bench/gpu_soak.py --self-check                                      (CPU: the plumbing)
+    python bench/gpu/gpu_soak.py --minutes 10 --kill-every 60 --json OUT.json    (on a GPU)
+    python bench/gpu/gpu_soak.py --self-check                            (CPU: the plumbing)
 
 The worker produces a buffer on the main stream, consumes it on a side stream after
 record_stream and frees it while the consumer may still run, then checks the consumer's sum;
@@ -26,9 +26,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _sidecar_process import SidecarProcess
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------- the worker

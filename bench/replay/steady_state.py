@@ -2,7 +2,8 @@
 allocations and frees replayed in passes on one allocator (like the steps of a training run),
 with the calls counted per pass.
 
-    python bench/steady_state.py [--config STR] [--passes 3] [--traces GLOB ...] [--json FILE]
+    python bench/replay/steady_state.py [--config STR] [--passes 3] [--traces GLOB ...]
+                                        [--json FILE]
 
 The first pass grows the cache; later passes show what the setting still asks of the device
 when nothing new happens. Unmaps and stream synchronisations there are what a training step
@@ -28,7 +29,7 @@ from allocator_ext.replay import load_cost_table, load_trace
 from allocator_ext.replay.engine import PENDING_STREAM_BASE, trace_seconds
 from allocator_ext.replay.trace import free_completes_at_once
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = [str(REPO / "tests/data/traces/*__default.pickle.gz"),
                   str(REPO.parent / "shared/traces/*.pickle.gz")]
 SHOWN = ("create", "map_only", "unmap", "release", "stream_synchronize")

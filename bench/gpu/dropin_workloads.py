@@ -3,13 +3,13 @@ the process has (start it under `allocwatch run`, or plain with PYTORCH_CUDA_ALL
 PyTorch's): each workload trains a few steps of a model built from a configuration (no weights
 are downloaded) and prints one JSON line with peak reserved ÷ peak requested.
 
-    python bench/dropin_workloads.py WORKLOAD [--steps N] [--json FILE]
+    python bench/gpu/dropin_workloads.py WORKLOAD [--steps N] [--json FILE]
 
 Workloads: timm_cudnn (timm ResNet-50, cudnn.benchmark = True), hf_compile (a Hugging Face
 GPT-2 under torch.compile, default mode), hf_reduce_overhead (the same under
 mode="reduce-overhead": CUDA graph trees), lightning (a Lightning Trainer with
 DeviceStatsMonitor), multiprocessing (torch.multiprocessing passing CUDA tensors to another
-process and back). Run by bench/dropin_check.sh on the GPU.
+process and back). Run by bench/gpu/dropin_check.sh on the GPU.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""What the agent costs a training loop: bench/torch_bench.py's transformer, under allocwatch's
+"""What the agent costs a training loop: allocator_ext.workloads' transformer, under allocwatch's
 allocator (or PyTorch's with --allocator pytorch), with and without the agent publishing to a
 running sidecar every second.
 
-    python bench/agent_overhead.py --blocks 12 --steps 30 [--allocator allocwatch|pytorch]
+    python bench/sidecar/agent_overhead.py --blocks 12 --steps 30 [--allocator allocwatch|pytorch]
                                    [--model transformer|convnet] [--json FILE]     (on a GPU)
 
 The bar (DESIGN.md): overhead <= 0.5 %. Step times of identical runs in separate processes
@@ -28,34 +28,27 @@ import sys
 import time
 from pathlib import Path
 
-from _sidecar_process import SidecarProcess
-from torch_bench import mean_and_stderr
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
+from bench.lib.stats import mean_and_stderr  # noqa: E402
 
 
 def child(steps: int, blocks: int, target: str, allocator: str, model_name: str) -> dict:
     """One process: warm up, then timed blocks alternating without/with the agent."""
-    import random
-
     import torch
-    from torch_bench import MODELS, timed_step
 
     if allocator == "allocwatch":
         import allocator_ext
 
         assert allocator_ext.install(), "allocwatch did not install"
+    from allocator_ext import workloads
     from allocator_ext.agent import start_agent
 
-    torch.manual_seed(0)
-    shapes = random.Random(0)
-    model, batch, loss_of = MODELS[model_name](torch, shapes)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    work = workloads.build(model_name, torch.device("cuda"), seed=0)
 
     def run_block() -> list[float]:
-        shapes.seed(1)  # every block sees the same batch shapes
-        return [timed_step(torch, opt, loss_of, *batch()) for _ in range(steps)]
+        work.reseed(1)  # every block sees the same batch shapes
+        return [workloads.timed_step(work, work.draw()) for _ in range(steps)]
 
     run_block()  # warm-up: the allocator's cache and cuBLAS/cuDNN plans settle
     out: list[dict] = []
@@ -102,7 +95,7 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=12, help="timed blocks (a multiple of 4)")
     p.add_argument("--steps", type=int, default=30, help="training steps per block")
     p.add_argument("--allocator", choices=["allocwatch", "pytorch"], default="allocwatch")
-    p.add_argument("--model", choices=["transformer", "convnet"], default="transformer")
+    p.add_argument("--model", choices=["transformer", "moe", "convnet"], default="transformer")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--child", metavar="TARGET", help=argparse.SUPPRESS)
     args = p.parse_args()

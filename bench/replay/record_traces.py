@@ -1,7 +1,7 @@
 """Record PyTorch memory traces of varied workloads under varied allocator settings, on a GPU.
 
-    python bench/record_traces.py --out DIR [--only NAME...] [--steps N]
-    python bench/record_traces.py --self-check      # no GPU needed: CPU build of torch is enough
+    python bench/replay/record_traces.py --out DIR [--only NAME...] [--steps N]
+    python bench/replay/record_traces.py --self-check     # no GPU needed: torch's CPU build will do
 
 Writes DIR/<workload>__<setting>.pickle.gz (torch.cuda.memory._snapshot(), no stack frames) and
 DIR/manifest.json. Each trace is recorded in a fresh process, with PYTORCH_CUDA_ALLOC_CONF set
@@ -38,11 +38,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-WORKLOAD_NAMES = ("gpt_varlen", "moe", "convnet", "decode")  # mirrors trace_workloads
+# Trace name -> the allocator_ext.workloads workload recorded under it.
+WORKLOADS = {"gpt_varlen": "transformer", "moe": "moe", "convnet": "convnet", "decode": "decode"}
+WORKLOAD_NAMES = tuple(WORKLOADS)
+# Steps per trace when --steps is not given: enough steps for the shapes to vary widely, few
+# enough that a trace stays under ~300k events (a few MB gzipped) and a run under ~20 s.
+DEFAULT_STEPS = {"gpt_varlen": 40, "moe": 40, "convnet": 40, "decode": 12}
 
 # Setting name -> PYTORCH_CUDA_ALLOC_CONF (None: unset, PyTorch's defaults). Order matters:
 # defaults first, because the gc setting sizes its memory cap from the default run.
@@ -155,7 +156,8 @@ def summarize_trace(snapshot: dict[str, Any]) -> dict[str, Any]:
 def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: float | None,
            max_events: int, save: bool) -> dict[str, Any]:
     import torch  # imported here: the environment was set for this process before it started
-    import trace_workloads
+
+    from allocator_ext import workloads
 
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available to torch in the recording process")
@@ -166,7 +168,7 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
     # Before anything touches the GPU's memory: the trace must start from an empty allocator.
     torch.cuda.memory._record_memory_history(
         enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
-    work = trace_workloads.build(workload, device)
+    work = workloads.build(WORKLOADS[workload], device)
     started = time.perf_counter()
     steps_cap = steps
     steps_run = 0
@@ -290,13 +292,11 @@ def parent_main(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = select_runs(args.only)
     deadline = time.monotonic() + args.budget_s if args.budget_s else None
-    import trace_workloads
-
     results: list[dict[str, Any]] = []
     default_peaks: dict[str, int] = {}
     device_total: int | None = None
     for workload, setting in runs:
-        steps = args.steps or trace_workloads.DEFAULT_STEPS[workload]
+        steps = args.steps or DEFAULT_STEPS[workload]
         name = trace_name(workload, setting)
         if deadline is not None and time.monotonic() > deadline:
             results.append({"workload": workload, "setting": setting, "status": "skipped",
@@ -380,10 +380,11 @@ def self_check() -> None:
     """Checks what can be checked without a GPU: arguments, run selection, environments, the
     trace summary, and every workload built and stepped on the CPU at a tiny size."""
     import torch
-    import trace_workloads
 
-    assert tuple(trace_workloads.WORKLOAD_NAMES) == WORKLOAD_NAMES
-    assert set(trace_workloads.DEFAULT_STEPS) == set(WORKLOAD_NAMES)
+    from allocator_ext import workloads
+
+    assert set(WORKLOADS.values()) <= set(workloads.NAMES)
+    assert set(DEFAULT_STEPS) == set(WORKLOAD_NAMES)
 
     args = parse_args(["--out", "x", "--only", "moe", "gc", "--steps", "3"])
     assert args.out == "x" and args.steps == 3 and args.only == ["moe", "gc"]
@@ -416,10 +417,10 @@ def self_check() -> None:
 
     cpu = torch.device("cpu")
     for name in WORKLOAD_NAMES:
-        work = trace_workloads.build(name, cpu, tiny=True, seed=1)
+        work = workloads.build(WORKLOADS[name], cpu, tiny=True, seed=1)
         for _ in range(2):
             work.step()
-        assert trace_workloads.parameter_count(work) > 0
+        assert work.parameter_count() > 0
     print("record_traces self-check passed")
 
 

@@ -1,6 +1,6 @@
-# Shared by the GPU session scripts (bench/gpu_session.sh, bench/gpu_checks.sh): run parts that
+# Shared by the GPU session scripts (bench/gpu/gpu_session.sh, bench/gpu/gpu_checks.sh): run parts that
 # may fail without stopping the rest, then a summary whose status says whether all passed.
-#   source bench/_parts.sh; part NAME COMMAND...; ...; parts_summary
+#   source bench/lib/parts.sh; part NAME COMMAND...; ...; parts_summary
 declare -a PART_NAMES=() PART_RESULTS=()
 
 # part NAME COMMAND...: runs one part, records its status and time, never stops the session.

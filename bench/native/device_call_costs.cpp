@@ -6,7 +6,7 @@
 // fits fixed_seconds + seconds_per_byte. The JSON it writes (--json FILE) is the cost table
 // that trace replay prices device calls with.
 //
-//   bench/build_native.sh && build/bench/device_call_costs --json device_costs.json
+//   bash bench/native/build_native.sh && build/native/device_call_costs --json device_costs.json
 //
 // Every driver call is checked: CudaDevice throws on any error, and an out-of-memory answer
 // (false) is turned into an error here, since the sizes are chosen to fit.
