@@ -23,10 +23,8 @@ import json
 import sys
 from pathlib import Path
 
-import allocator_ext as ae
-from allocator_ext.replay import load_cost_table, load_trace
-from allocator_ext.replay.engine import PENDING_STREAM_BASE, trace_seconds
-from allocator_ext.replay.trace import free_completes_at_once
+from allocator_ext.replay import Replayer, load_cost_table, load_trace
+from allocator_ext.replay.trace import trace_seconds
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACES = [str(REPO / "tests/data/traces/*__default.pickle.gz"),
@@ -37,39 +35,14 @@ SHOWN = ("create", "map_only", "unmap", "release", "stream_synchronize")
 def passes_of(path: str, config: str | None, passes: int) -> list[dict[str, float]]:
     """Per pass: the calls of each shown kind and `call_share`, all calls priced / active time."""
     trace = load_trace(path)
-    events = trace.events
     active_s = trace_seconds(trace)
     costs = load_cost_table()
-    device = ae.SimDevice(capacity=0)
-    alloc = ae.Allocator(device, config)
-    waiting_stream = PENDING_STREAM_BASE   # one stream of its own per delayed free
+    replayer = Replayer(trace, config)
     out: list[dict[str, float]] = []
     for _ in range(passes):
-        before = device.counters()
-        live: dict[int, int] = {}
-        waits: dict[int, int] = {}
-        for i, e in enumerate(events):
-            if e.action == "alloc":
-                live[e.addr] = alloc.malloc(e.size, e.stream)
-            elif e.action == "free_requested" and e.addr in live:
-                if not free_completes_at_once(events, i):
-                    alloc.record_stream(live[e.addr], waiting_stream)
-                    waits[e.addr] = waiting_stream
-                    waiting_stream += 1
-                alloc.free(live.pop(e.addr))
-            elif e.action == "free_completed" and e.addr in waits:
-                device.complete_stream(waits.pop(e.addr))
-                alloc.process_events()
-        for ptr in live.values():
-            alloc.free(ptr)
-        for waiting in waits.values():
-            device.complete_stream(waiting)
-        alloc.process_events()
-        after = device.counters()
-        delta = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in ("count", "bytes")}
-                 for k, v in after.items()}
-        row: dict[str, float] = {k: delta.get(k, {}).get("count", 0) for k in SHOWN}
-        row["call_share"] = costs.price(delta)[0] / active_s if active_s > 0 else 0.0
+        calls = replayer.run_pass(release=True).device_calls
+        row: dict[str, float] = {k: calls.get(k, {}).get("count", 0) for k in SHOWN}
+        row["call_share"] = costs.price(calls)[0] / active_s if active_s > 0 else 0.0
         out.append(row)
     return out
 

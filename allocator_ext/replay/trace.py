@@ -22,6 +22,9 @@ SEGMENT_ACTIONS = {"segment_alloc", "segment_free", "segment_map", "segment_unma
 KNOWN_ACTIONS = REPLAYED_ACTIONS | SEGMENT_ACTIONS | {"oom", "snapshot", "user_defined"}
 
 MAX_TRACE_BYTES = 2 << 30  # refuse absurd inputs before decompressing them into memory
+# Gaps between events longer than this are idle time (data loading, evaluation, a pause),
+# not allocator-relevant activity.
+ACTIVE_GAP_CAP_US = 100_000
 
 
 class TraceError(ValueError):
@@ -74,6 +77,15 @@ def peak_requested_bytes(trace: Trace) -> int:
         elif e.action == "free_completed":
             current -= live.pop(e.addr, 0)
     return peak
+
+
+def trace_seconds(trace: Trace) -> float:
+    """The trace's active time: gaps between events, each capped (idle time is not work)."""
+    total = 0
+    times = [e.time_us for e in trace.events]
+    for a, b in zip(times, times[1:], strict=False):
+        total += min(max(b - a, 0), ACTIVE_GAP_CAP_US)
+    return total / 1e6
 
 
 def free_completes_at_once(events: list[TraceEvent], i: int) -> bool:
