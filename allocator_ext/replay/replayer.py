@@ -7,12 +7,15 @@ The trace's own allocations and frees drive a fresh allocator, per stream:
 - a ``free_completed`` that comes later is a cross-stream wait (``record_stream``): the block is
   freed pending an event, which completes where the trace says the wait ended;
 - a run of recorded ``segment_free`` that the allocator did not cause (one not followed by the
-  segment allocation it made room for) is the user's ``empty_cache()`` and is replayed as one.
+  segment allocation it made room for) is the user's ``empty_cache()`` and is replayed as one;
+- ``oom`` is the request that failed in the recorded run (its rounded size, on its stream): the
+  replay makes it too. Where the allocator serves it, the program holds it until the first
+  ``free_requested`` after it, where the recorded run began unwinding from the error.
 
 Everything else a replay reports is counted here too: the program's requested bytes, the trace's
-own recorded figures, and the device calls of each pass (a pass is the whole trace; passes
-repeat on the same allocator, as the steps of a long run do, when each frees what it still
-holds at its end).
+own recorded figures, whether each recorded out-of-memory error recurred, and the device calls
+of each pass (a pass is the whole trace; passes repeat on the same allocator, as the steps of
+a long run do, when each frees what it still holds at its end).
 """
 
 from __future__ import annotations
@@ -47,6 +50,23 @@ class RecordedFigures:
     peak_reserved_bytes: int
     num_segment_alloc: int
     num_ooms: int
+
+
+@dataclass
+class RecordedOom:
+    """A request that ran out of memory in the recorded run, and what the replay made of it."""
+
+    event_index: int
+    size: int
+    stream: int
+    device_free: int  # the recorded device's free memory at that moment
+    time_s: float     # since the trace's first event
+    recurred: bool | None = None  # None until the replay reaches it
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"event_index": self.event_index, "size": self.size, "stream": self.stream,
+                "device_free": self.device_free, "time_s": self.time_s,
+                "recurred": self.recurred}
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,8 @@ class Replayer:
 
     def __init__(self, trace: Trace, config: str | None = None, device_memory: int = 0,
                  memory_fraction: float | None = None) -> None:
+        if not trace.events:
+            raise TraceError(f"{trace.path}: the trace holds no events to replay")
         check_starts_empty(trace)
         self.trace = trace
         self.device_memory = device_memory
@@ -171,6 +193,10 @@ class Replayer:
         events = trace.events
         self._events = events
         self._empty_cache_at = _allocator_releases(events)
+        t0 = events[0].time_us if events else 0
+        self.ooms = [RecordedOom(i, e.size, e.stream, e.addr, (e.time_us - t0) / 1e6)
+                     for i, e in enumerate(events) if e.action == "oom"]
+        self._oom_at = {o.event_index: o for o in self.ooms}
 
         self.position = 0           # the next event of the current pass
         self.passes = 0             # passes completed
@@ -184,6 +210,7 @@ class Replayer:
         self._sizes: dict[int, int] = {}    # trace address -> requested size, until completed
         self._waiting: dict[int, int] = {}  # trace address -> replay stream its free waits on
         self._failed: set[int] = set()      # trace addresses whose allocation ran out of memory
+        self._served_ooms: list[tuple[int, int]] = []  # (pointer, size) of recorded OOMs served
         self._next_stream = PENDING_STREAM_BASE
 
     # ------------------------------------------------------------------ stepping
@@ -201,6 +228,7 @@ class Replayer:
         if a == "alloc":
             self._allocate(e.addr, e.size, e.stream)
         elif a == "free_requested":
+            self._release_served_ooms()
             at_once = free_completes_at_once(self._events, i)
             if at_once:
                 consumed = 2
@@ -228,6 +256,8 @@ class Replayer:
                 self.allocator.empty_cache()
                 self.empty_cache_calls += 1
             self.recorded_reserved -= e.size
+        elif a == "oom":
+            self._replay_oom(self._oom_at[i])
         elif a not in KNOWN_ACTIONS:
             self.unknown_actions[a] = self.unknown_actions.get(a, 0) + 1
         self.position = i + consumed
@@ -244,6 +274,23 @@ class Replayer:
         self.requested += size
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
+
+    def _replay_oom(self, oom: RecordedOom) -> None:
+        try:
+            ptr = self.allocator.malloc(oom.size, oom.stream)
+        except ae.OutOfMemoryError:
+            oom.recurred = True
+            return
+        oom.recurred = False
+        self._served_ooms.append((ptr, oom.size))
+        self.requested += oom.size
+        self.peak_requested = max(self.peak_requested, self.requested)
+
+    def _release_served_ooms(self) -> None:
+        for ptr, size in self._served_ooms:
+            self.allocator.free(ptr)
+            self.requested -= size
+        self._served_ooms.clear()
 
     # ------------------------------------------------------------------ passes
 
@@ -282,10 +329,11 @@ class Replayer:
 
     @property
     def holds_memory(self) -> bool:
-        return bool(self._held or self._waiting)
+        return bool(self._held or self._waiting or self._served_ooms)
 
     def release_held(self) -> None:
         """Frees everything the program still holds and completes every waiting free."""
+        self._release_served_ooms()
         for ptr in self._held.values():
             self.allocator.free(ptr)
         for stream in self._waiting.values():
@@ -305,10 +353,12 @@ class Replayer:
         estimate, calls = costs.price(self.device.counters())
         trace_s = trace_seconds(self.trace)
         peak_reserved = stats["reserved_bytes.all.peak"]
+        reached = [o for o in self.ooms if o.recurred is not None]
         return {
             "trace": self.trace.path,
             "config": self.allocator.config_string(),
             "device_memory": self.device_memory,
+            "memory_fraction": self.memory_fraction,
             "peak_requested_bytes": self.peak_requested,
             "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
             "peak_reserved_bytes": peak_reserved,
@@ -326,6 +376,9 @@ class Replayer:
             "events_replayed": self.events_replayed,
             "empty_cache_calls_replayed": self.empty_cache_calls,
             "unknown_actions": dict(self.unknown_actions),
+            "recorded_ooms": [o.as_dict() for o in self.ooms],
+            "recorded_ooms_survived": sum(1 for o in reached if not o.recurred),
+            "recorded_ooms_recurred": sum(1 for o in reached if o.recurred),
             "recorded": {
                 "config": self.trace.recorded_config,
                 "peak_reserved_bytes": self.recorded.peak_reserved_bytes,
