@@ -193,6 +193,8 @@ class Replayer:
         events = trace.events
         self._events = events
         self._empty_cache_at = _allocator_releases(events)
+        self._free_at_once = [e.action == "free_requested" and free_completes_at_once(events, i)
+                              for i, e in enumerate(events)]
         t0 = events[0].time_us if events else 0
         self.ooms = [RecordedOom(i, e.size, e.stream, e.addr, (e.time_us - t0) / 1e6)
                      for i, e in enumerate(events) if e.action == "oom"]
@@ -228,8 +230,9 @@ class Replayer:
         if a == "alloc":
             self._allocate(e.addr, e.size, e.stream)
         elif a == "free_requested":
-            self._release_served_ooms()
-            at_once = free_completes_at_once(self._events, i)
+            if self._served_ooms:
+                self._release_served_ooms()
+            at_once = self._free_at_once[i]
             if at_once:
                 consumed = 2
             if e.addr in self._failed:
