@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import queue
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,29 +112,33 @@ def _replay_in_worker(run: Run, config: str | None) -> list[dict[str, float]]:
     return replay_passes(run, config, _progress.put)
 
 
-def replay_all(runs: list[Run], config: str | None, jobs: int, quiet: bool
-               ) -> dict[str, list[dict[str, float]]]:
-    """Every run's rows, by run name, with a progress bar over all their events."""
+def replay_all(runs: list[Run], config: str | None, jobs: int
+               ) -> Iterator[tuple[str, list[dict[str, float]]]]:
+    """Each run's name and rows, in the order of `runs` as each is done, with a progress bar
+    over all their events on a terminal."""
     total = sum(len(load_trace(r.path).events) * r.passes for r in runs)
     done = [0]
-    with progress_bar(total, "passes", quiet) as bar:
+    with progress_bar(total, "passes", quiet=False) as bar:
         def advance(events: int) -> None:
             done[0] += events
             if bar is not None:
                 bar(done[0])
 
         if jobs <= 1:
-            return {r.name: replay_passes(r, config, advance) for r in runs}
+            for r in runs:
+                yield r.name, replay_passes(r, config, advance)
+            return
         ctx = multiprocessing.get_context("spawn")
         events: Any = ctx.Queue()
         with ctx.Pool(jobs, _init_worker, (events,)) as pool:
-            pending = {r.name: pool.apply_async(_replay_in_worker, (r, config)) for r in runs}
-            while not all(p.ready() for p in pending.values()):
-                try:
-                    advance(events.get(timeout=0.5))
-                except queue.Empty:
-                    pass
-            return {name: p.get() for name, p in pending.items()}
+            pending = [(r.name, pool.apply_async(_replay_in_worker, (r, config))) for r in runs]
+            for name, result in pending:
+                while not result.ready():
+                    try:
+                        advance(events.get(timeout=0.5))
+                    except queue.Empty:
+                        pass
+                yield name, result.get()
 
 
 def _runs(args: argparse.Namespace) -> list[Run]:
@@ -170,17 +175,19 @@ def main() -> int:
     if not runs:
         p.error("no trace matched")
 
-    rows = replay_all(runs, args.config, args.jobs, quiet=False)
-    summaries = {name: summarize(r) for name, r in rows.items()}
     print(f"{'run':36s} {'passes':>6s} {'peak reserved pass 2':>21s} {'last/pass 2':>11s} "
-          f"{'calls after pass 2, mean / max':>31s}  bar")
-    for name, s in summaries.items():
+          f"{'calls after pass 2, mean / max':>31s}  bar", flush=True)
+    rows: dict[str, list[dict[str, float]]] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    for name, run_rows in replay_all(runs, args.config, args.jobs):
+        rows[name] = run_rows
+        s = summaries[name] = summarize(run_rows)
         share = (f"{s['call_share_after_pass_2_mean']:.3%} / "
                  f"{s['call_share_after_pass_2_max']:.3%}")
         print(f"{name[:36]:36s} {s['passes']:6d} "
               f"{s['peak_reserved_after_pass_2'] / 2**30:17.3f} GiB "
               f"{s['peak_reserved_last_over_pass_2']:11.4f} {share:>31s}  "
-              f"{'ok' if s['meets_bar'] else 'MISS'}")
+              f"{'ok' if s['meets_bar'] else 'MISS'}", flush=True)
     met = sum(s["meets_bar"] for s in summaries.values())
     print(f"{met} of {len(summaries)} runs meet the bar (last pass within "
           f"{RESERVED_GROWTH_BAR:.1%} of pass 2's peak reserved, every pass after pass 2 at "
