@@ -7,16 +7,15 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
-import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.capped_run import record_capped_run
 from support.paths import RECORDED_TRACES, REPO
 
-import allocator_ext as ae
 from allocator_ext.replay import Replayer, TraceError, load_cost_table, load_trace, replay
 from allocator_ext.replay.cap import resolve_cap
 from allocator_ext.replay.trace import RECORDING_KEY, parse_snapshot
@@ -167,31 +166,6 @@ def test_replay_refuses_a_device_with_no_events(tmp_path: Path) -> None:
 
 
 # --- a run of allocwatch's own core that ran out of memory, replayed -------------------------
-
-def record_capped_run(total: int = 1 << 30, fraction: float = 0.25) -> tuple[dict, dict]:
-    """A training-like loop on PyTorch's settings under a memory fraction, which skips a step
-    that runs out of memory (as jobs that survive one do): its snapshot, in PyTorch's layout,
-    with the cap kept as allocwatch's recorders keep it, and its final statistics."""
-    allocator = ae.Allocator(ae.SimDevice(capacity=total), "native")
-    allocator.set_memory_fraction(fraction)
-    allocator.record_history(True, 1_000_000)
-    rng = random.Random(3)
-    kept = [allocator.malloc(rng.choice([3, 7, 30]) * MiB) for _ in range(4)]
-    for _step in range(40):
-        live = []
-        try:
-            for _ in range(rng.randint(6, 24)):
-                live.append(allocator.malloc(rng.randint(1, 4000) * 1024))
-            live.append(allocator.malloc(rng.randint(20, 90) * MiB))
-        except ae.OutOfMemoryError:
-            pass
-        for ptr in reversed(live):
-            allocator.free(ptr)
-    assert kept
-    snapshot = allocator.snapshot()
-    snapshot[RECORDING_KEY] = {"memory_fraction": fraction, "device_total_bytes": total}
-    return snapshot, allocator.stats()
-
 
 def test_pytorchs_settings_under_the_recorded_cap_reproduce_every_oom_and_retry(
         tmp_path: Path) -> None:
