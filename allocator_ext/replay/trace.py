@@ -110,13 +110,6 @@ def free_completes_at_once(events: list[TraceEvent], i: int) -> bool:
     return nxt is not None and nxt.action == "free_completed" and nxt.addr == events[i].addr
 
 
-def allocs_and_frees(trace: Trace) -> list[tuple[str, int, int, int]]:
-    """The program's own requests, (action, address, size, stream) for each `alloc` and
-    `free_requested`: what a loop that repeats the trace's pattern replays (the demo)."""
-    return [(e.action, e.addr, e.size, e.stream) for e in trace.events
-            if e.action in ("alloc", "free_requested")]
-
-
 def _read_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
