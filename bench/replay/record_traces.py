@@ -1,6 +1,7 @@
 """Record PyTorch memory traces of varied workloads under varied allocator settings, on a GPU.
 
     python bench/replay/record_traces.py --out DIR [--only NAME...] [--steps N]
+    python bench/replay/record_traces.py --oom --out DIR [--only NAME...]  # runs out of memory
     python bench/replay/record_traces.py --self-check     # no GPU needed: torch's CPU build will do
 
 Writes DIR/<workload>__<setting>.pickle.gz (torch.cuda.memory._snapshot(), no stack frames) and
@@ -15,6 +16,16 @@ stored in the manifest and in the snapshot under "allocwatch_recording") and rou
 (roundup_power2_divisions:4). --only takes workload names, setting names or
 <workload>__<setting> names.
 
+--oom records traces that end in out-of-memory errors, for replay and tune to answer "would
+another setting have avoided it?": for each of gpt_varlen, convnet and moe, a measuring run under
+PyTorch's defaults gives the workload's peak requested bytes; then the default and gc settings
+are recorded under a per-process memory fraction of OOM_CAP x that peak, low enough that
+PyTorch's settings fail where allocwatch's fit. Each run catches torch.cuda.OutOfMemoryError,
+drops the step's gradients and goes on with the next step (as jobs that skip a batch do) until
+it has caught --max-ooms errors or run its steps. Writes DIR/<workload>__<setting>_oom.pickle.gz
+and DIR/oom_manifest.json; the workloads record side by side on the one GPU (about a minute on
+an H200). A recording that did not run out of memory is marked "no_oom" and not used.
+
 The manifest gives, per trace, what torch.cuda.memory_stats() said at the end
 (reserved_bytes.all.peak, num_device_alloc, ...) beside the same figures counted from the trace
 itself, so a reader can see whether num_device_alloc counts like the trace's segment_alloc
@@ -24,6 +35,7 @@ events (with expandable segments PyTorch maps pages instead: segment_map events)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gzip
 import json
@@ -35,6 +47,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +70,14 @@ SETTINGS: dict[str, str | None] = {
 GC_SETTING = "gc"
 GC_HEADROOM = 1.3  # memory cap = this x peak reserved under default settings
 
+# --oom: which recordings, and their cap.
+OOM_WORKLOADS = ("gpt_varlen", "convnet", "moe")
+OOM_SETTINGS = ("default", GC_SETTING)
+OOM_CAP = 1.02     # memory cap = this x peak requested bytes under default settings, uncapped
+OOM_MAX = 3        # out-of-memory errors a recording catches before it stops
+OOM_SUFFIX = "_oom"
+OOM_MANIFEST = "oom_manifest.json"
+
 MAX_ENTRIES = 2_000_000  # ring buffer size: far above any trace here, so it never wraps
 DEFAULT_MAX_EVENTS = 300_000  # keeps a trace file around 2 MB gzipped (about 6 B an event)
 DEFAULT_TIMEOUT_S = 150
@@ -71,8 +92,8 @@ STATS_KEYS = (
 
 # ---- choosing what to record
 
-def trace_name(workload: str, setting: str) -> str:
-    return f"{workload}__{setting}"
+def trace_name(workload: str, setting: str, oom: bool = False) -> str:
+    return f"{workload}__{setting}" + (OOM_SUFFIX if oom else "")
 
 
 def select_runs(only: list[str] | None) -> list[tuple[str, str]]:
@@ -112,6 +133,42 @@ def child_environment(setting: str, base: dict[str, str] | None = None) -> dict[
 
 def gc_memory_fraction(peak_reserved_default: int, device_total: int) -> float:
     return min(1.0, GC_HEADROOM * peak_reserved_default / device_total)
+
+
+def select_oom_runs(only: list[str] | None) -> list[tuple[str, str]]:
+    """The (workload, setting) pairs --oom records, narrowed by --only as select_runs does."""
+    return [(w, s) for w, s in select_runs(only) if w in OOM_WORKLOADS and s in OOM_SETTINGS]
+
+
+def oom_memory_fraction(peak_requested_default: int, device_total: int) -> float:
+    return min(1.0, OOM_CAP * peak_requested_default / device_total)
+
+
+def run_steps(work: Any, steps: int, max_events: int, max_ooms: int,
+              events_so_far: Any, oom_error: type[BaseException]) -> tuple[int, int]:
+    """Steps `work` up to `steps` times; returns (steps run, out-of-memory errors caught).
+
+    Two steps tell how many events a step makes (the first one more: optimizer state, library
+    workspaces): the steps are capped there to keep the trace under `max_events`. With
+    `max_ooms`, a step that runs out of memory is skipped, its gradients dropped, until
+    `max_ooms` errors; without, the error ends the recording as any other would.
+    """
+    steps_cap = steps
+    steps_run = ooms = 0
+    for index in range(steps):
+        try:
+            work.step()
+        except oom_error:
+            if not max_ooms:
+                raise
+            ooms += 1
+            work.optimizer.zero_grad(set_to_none=True)
+        steps_run += 1
+        if index == 1 and steps > 2:
+            steps_cap = min(steps, max(2, int(max_events * 2 / max(events_so_far(), 1))))
+        if steps_run >= steps_cap or (max_ooms and ooms >= max_ooms):
+            break
+    return steps_run, ooms
 
 
 # ---- reading a snapshot
@@ -154,7 +211,7 @@ def summarize_trace(snapshot: dict[str, Any]) -> dict[str, Any]:
 # ---- the recording process (one per trace)
 
 def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: float | None,
-           max_events: int, save: bool) -> dict[str, Any]:
+           max_events: int, save: bool, max_ooms: int = 0) -> dict[str, Any]:
     import torch  # imported here: the environment was set for this process before it started
 
     from allocator_ext import workloads
@@ -170,19 +227,13 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
         enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
     work = workloads.build(WORKLOADS[workload], device)
     started = time.perf_counter()
-    steps_cap = steps
-    steps_run = 0
-    for index in range(steps):
-        work.step()
-        steps_run += 1
-        if index == 1 and steps > 2:
-            # Two steps tell how many events a step makes (the first one more: optimizer
-            # state, library workspaces); cap the steps to keep the file small.
-            torch.cuda.synchronize()
-            so_far = len(trace_events(torch.cuda.memory._snapshot()))
-            steps_cap = min(steps, max(2, int(max_events * 2 / max(so_far, 1))))
-        if steps_run >= steps_cap:
-            break
+
+    def events_so_far() -> int:
+        torch.cuda.synchronize()
+        return len(trace_events(torch.cuda.memory._snapshot()))
+
+    steps_run, ooms = run_steps(work, steps, max_events, max_ooms, events_so_far,
+                                torch.cuda.OutOfMemoryError)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     snapshot = torch.cuda.memory._snapshot()
@@ -196,7 +247,9 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
         "allowed_bytes": int(fraction * total) if fraction is not None else None,
         "steps": steps_run,
     }
-    snapshot["allocwatch_recording"] = recording  # replay needs the cap of the gc traces
+    if max_ooms:
+        recording["ooms_caught"] = ooms
+    snapshot["allocwatch_recording"] = recording  # replay needs the cap of capped traces
     summary = summarize_trace(snapshot)
     result: dict[str, Any] = {
         **recording,
@@ -222,8 +275,11 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
     }
     result["peak_reserved_matches_trace"] = (
         stats.get("reserved_bytes.all.peak") == summary["peak_reserved_bytes"])
+    if max_ooms and not ooms:
+        result["status"] = "no_oom"  # not what was asked for: no file to mistake for one
+        save = False
     if save:
-        path = out_dir / f"{trace_name(workload, setting)}.pickle.gz"
+        path = out_dir / f"{trace_name(workload, setting, bool(max_ooms))}.pickle.gz"
         with gzip.open(path, "wb", compresslevel=6) as f:
             pickle.dump(snapshot, f, protocol=4)
         result["file"] = path.name
@@ -233,11 +289,11 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
 
 def child_main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
-    name = trace_name(args.workload, args.setting)
+    name = trace_name(args.workload, args.setting, bool(args.max_ooms))
     result_path = out_dir / (name + (".measure" if args.no_save else "") + RESULT_SUFFIX)
     try:
         result = record(args.workload, args.setting, args.steps, out_dir, args.memory_fraction,
-                        args.max_events, save=not args.no_save)
+                        args.max_events, save=not args.no_save, max_ooms=args.max_ooms or 0)
     except Exception as error:  # reported to the parent, which carries on with the others
         result = {"workload": args.workload, "setting": args.setting, "status": "failed",
                   "error": f"{type(error).__name__}: {error}"}
@@ -250,9 +306,9 @@ def child_main(args: argparse.Namespace) -> int:
 # ---- the parent: one fresh process per trace, then the manifest
 
 def run_child(workload: str, setting: str, steps: int, out_dir: Path, timeout_s: float,
-              max_events: int, fraction: float | None = None, save: bool = True
-              ) -> dict[str, Any]:
-    name = trace_name(workload, setting)
+              max_events: int, fraction: float | None = None, save: bool = True,
+              max_ooms: int = 0) -> dict[str, Any]:
+    name = trace_name(workload, setting, bool(max_ooms))
     result_path = out_dir / (name + ("" if save else ".measure") + RESULT_SUFFIX)
     result_path.unlink(missing_ok=True)
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(out_dir),
@@ -262,6 +318,8 @@ def run_child(workload: str, setting: str, steps: int, out_dir: Path, timeout_s:
         argv += ["--memory-fraction", repr(fraction)]
     if not save:
         argv.append("--no-save")
+    if max_ooms:
+        argv += ["--max-ooms", str(max_ooms)]
     started = time.perf_counter()
     try:
         proc = subprocess.run(argv, env=child_environment(setting), capture_output=True,
@@ -282,7 +340,7 @@ def run_child(workload: str, setting: str, steps: int, out_dir: Path, timeout_s:
         result.update(status="timeout", error=f"no result within {timeout_s:.0f} s")
     elif returncode != 0 and result.get("status") == "ok":
         result["status"] = "failed"
-    if result["status"] != "ok":
+    if result["status"] not in ("ok", "no_oom"):
         result["stderr_tail"] = stderr[-2000:]
     return result
 
@@ -339,8 +397,56 @@ def parent_main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def one_line(result: dict[str, Any]) -> str:
-    name = trace_name(result["workload"], result["setting"])
+def record_oom_workload(workload: str, settings: list[str], args: argparse.Namespace,
+                        out_dir: Path) -> list[dict[str, Any]]:
+    """--oom for one workload: the measuring run, then each setting under the cap it sizes,
+    side by side."""
+    steps = args.steps or DEFAULT_STEPS[workload]
+    measured = run_child(workload, "default", steps, out_dir, args.timeout_s, args.max_events,
+                         save=False)
+    if measured["status"] != "ok":
+        why = ("no default-settings run to size the memory cap from (measuring run: "
+               f"{measured.get('error', measured['status'])})")
+        return [{"workload": workload, "setting": s, "status": "failed", "error": why}
+                for s in settings]
+    fraction = oom_memory_fraction(measured["stats"]["requested_bytes.all.peak"],
+                                   measured["device_total_bytes"])
+    with ThreadPoolExecutor(len(settings)) as pool:
+        return list(pool.map(lambda s: run_child(
+            workload, s, steps, out_dir, args.timeout_s, args.max_events, fraction=fraction,
+            max_ooms=args.max_ooms), settings))
+
+
+def oom_parent_main(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = select_oom_runs(args.only)
+    by_workload: dict[str, list[str]] = {}
+    for workload, setting in runs:
+        by_workload.setdefault(workload, []).append(setting)
+    # The workloads' caps are a few GiB each: they record at once on one GPU.
+    with ThreadPoolExecutor(max(1, len(by_workload))) as pool:
+        chains = pool.map(lambda item: record_oom_workload(*item, args, out_dir),
+                          by_workload.items())
+        results = [result for chain in chains for result in chain]
+    for result in results:
+        if result["status"] == "no_oom":
+            result["error"] = "the cap did not make this run fail: not an out-of-memory trace"
+        print(one_line(result, oom=True), flush=True)
+    manifest = build_manifest(args, results)
+    manifest["oom_setting"] = {
+        "memory_fraction": f"{OOM_CAP} x the workload's peak requested bytes under default "
+                           "settings, uncapped / device total",
+        "max_ooms": args.max_ooms,
+        "on_oom": "the step is skipped, its gradients dropped, and the next step runs"}
+    (out_dir / OOM_MANIFEST).write_text(json.dumps(manifest, indent=1))
+    ok = [r for r in results if r["status"] == "ok"]
+    print(f"{len(ok)} of {len(results)} out-of-memory traces recorded in {out_dir}")
+    return 0 if len(ok) == len(results) else 1
+
+
+def one_line(result: dict[str, Any], oom: bool = False) -> str:
+    name = trace_name(result["workload"], result["setting"], oom)
     if result["status"] != "ok":
         return f"{name:28s} {result['status']}: {result.get('error', '')}"
     stats, trace = result["stats"], result["trace"]
@@ -421,7 +527,57 @@ def self_check() -> None:
         for _ in range(2):
             work.step()
         assert work.parameter_count() > 0
+    _self_check_oom_mode(torch, workloads)
     print("record_traces self-check passed")
+
+
+class _FailingSteps:
+    """A workload whose chosen steps run out of memory after their backward pass, as a step
+    under a memory cap does on the GPU."""
+
+    def __init__(self, work: Any, failing: set[int], oom_error: type[BaseException]) -> None:
+        self.work, self.failing, self.oom_error = work, failing, oom_error
+        self.optimizer = work.optimizer
+        self.count = 0
+
+    def step(self) -> None:
+        self.count += 1
+        if self.count in self.failing:
+            for p in self.work.model.parameters():
+                p.grad = p.detach().clone()  # gradients of the failed step
+            raise self.oom_error("CUDA out of memory (simulated)")
+        self.work.step()
+
+
+def _self_check_oom_mode(torch: Any, workloads: Any) -> None:
+    args = parse_args(["--oom", "--out", "x", "--only", "convnet"])
+    assert args.oom and args.max_ooms == OOM_MAX
+    assert select_oom_runs(["convnet"]) == [("convnet", "default"), ("convnet", GC_SETTING)]
+    assert len(select_oom_runs(None)) == len(OOM_WORKLOADS) * len(OOM_SETTINGS)
+    assert trace_name("moe", "gc", oom=True) == "moe__gc_oom"
+    assert abs(oom_memory_fraction(10 * 2**30, 100 * 2**30) - OOM_CAP / 10) < 1e-9
+    for refused in (["--oom", "--out", "x", "--only", "decode"], ["--out", "x", "--max-ooms", "2"]):
+        try:
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+                parse_args(refused)
+            raise AssertionError(f"{refused} was accepted")
+        except SystemExit as exit_:
+            assert exit_.code == 2
+
+    work = workloads.build(WORKLOADS["gpt_varlen"], torch.device("cpu"), tiny=True, seed=1)
+    oom = torch.cuda.OutOfMemoryError
+    failing = _FailingSteps(work, {2, 4}, oom)
+    assert run_steps(failing, 6, DEFAULT_MAX_EVENTS, 2, lambda: 10, oom) == (4, 2)
+    assert all(p.grad is None for p in work.model.parameters())  # the failed step's dropped
+    assert run_steps(_FailingSteps(work, {9}, oom), 6, DEFAULT_MAX_EVENTS, 2, lambda: 10,
+                     oom) == (6, 0)
+    # Two steps that make half the event budget each: the recording stops there.
+    assert run_steps(work, 6, 100, 2, lambda: 100, oom) == (2, 0)
+    try:
+        run_steps(_FailingSteps(work, {1}, oom), 6, DEFAULT_MAX_EVENTS, 0, lambda: 10, oom)
+        raise AssertionError("without --oom an out-of-memory error was swallowed")
+    except oom:
+        pass
 
 
 # ---- command line
@@ -440,6 +596,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="skip the remaining traces once this many seconds have passed")
     parser.add_argument("--self-check", action="store_true",
                         help="check without a GPU (CPU build of torch) and exit")
+    parser.add_argument("--oom", action="store_true",
+                        help="record traces that run out of memory under a cap (see above)")
+    parser.add_argument("--max-ooms", type=int,
+                        help=f"with --oom: errors a recording catches before it stops "
+                             f"(default {OOM_MAX})")
     # Internal: the recording process.
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -456,6 +617,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             select_runs(args.only)
         except ValueError as error:
             parser.error(str(error))
+    if args.max_ooms is not None and (args.max_ooms < 1 or not (args.oom or args.child)):
+        parser.error("--max-ooms takes a count of at least 1, with --oom")
+    if args.oom:
+        if not select_oom_runs(args.only):
+            parser.error(f"nothing to record: --oom records {', '.join(OOM_WORKLOADS)} under "
+                         f"{', '.join(OOM_SETTINGS)}")
+        args.max_ooms = args.max_ooms or OOM_MAX
     return args
 
 
@@ -466,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child:
         return child_main(args)
-    return parent_main(args)
+    return oom_parent_main(args) if args.oom else parent_main(args)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,20 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="the snapshot file (.pickle or .pickle.gz)")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="cap the simulated device: a size (80GiB, 1.5G) or a multiple of the "
-                        "trace's peak requested bytes (1.03x); default: no cap")
+                        "trace's peak requested bytes (1.03x); default: the recorded device's "
+                        "total where the trace recorded a memory fraction, else no cap")
     p.add_argument("--memory-fraction", type=float, metavar="F",
-                   help="as torch.cuda.set_per_process_memory_fraction(F) (needed to replay a "
-                        "trace recorded with garbage_collection_threshold)")
+                   help="as torch.cuda.set_per_process_memory_fraction(F); default: the "
+                        "fraction the trace recorded (bench/replay/record_traces.py keeps it in "
+                        "the snapshot), unless --device-memory is given")
 
 
-def device_memory_arg(text: str | None, peak_requested: int) -> int:
-    """A size, or a multiple of the trace's peak requested bytes ("1.03x"); 0 for none."""
+def device_memory_arg(text: str | None, peak_requested: int) -> int | None:
+    """A size, or a multiple of the trace's peak requested bytes ("1.03x"); None if not given."""
     from allocator_ext.replay.sizes import parse_size
 
     if not text:
-        return 0
+        return None
     if text.strip().lower().endswith("x"):
         try:
             factor = float(text.strip()[:-1])

@@ -55,76 +55,75 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- simulated workload
 
-def _trace_events(path: Path) -> list[tuple[str, int, int, int]]:
-    """The example trace's allocations and frees, read with the replay's safe reader."""
-    from allocator_ext.replay.trace import allocs_and_frees, load_trace
+def demo_trace(path: Path | None = EXAMPLE_TRACE) -> Any:
+    """The trace the simulated workload repeats: `path`, read with the replay's safe reader, or
+    the synthetic pattern where that file is absent."""
+    from allocator_ext.replay.trace import load_trace
 
-    return allocs_and_frees(load_trace(path))
+    return load_trace(path) if path is not None and path.exists() else _synthetic_trace()
 
 
-def _synthetic_events(steps: int = 20, seed: int = 0) -> list[tuple[str, int, int, int]]:
+def _synthetic_trace(steps: int = 20, seed: int = 0) -> Any:
     """A training-like pattern: weights kept, activations of a random batch size per step."""
+    from allocator_ext.replay.trace import Trace, TraceEvent
+
     rng = random.Random(seed)
-    events: list[tuple[str, int, int, int]] = []
     addr = iter(range(1, 1 << 40))
+    # One mapping the addresses lie in, so that the trace starts from an empty allocator.
+    events = [TraceEvent("segment_map", 0, 1 << 40, 0, 0)]
+
+    def add(action: str, a: int, size: int) -> None:
+        events.append(TraceEvent(action, a, size, 0, len(events)))
+
     for _ in range(8):  # weights and optimiser state: allocated once, kept
-        events.append(("alloc", next(addr), rng.choice([4, 16, 64]) * MiB, 0))
+        add("alloc", next(addr), rng.choice([4, 16, 64]) * MiB)
     for _ in range(steps):
         tokens = rng.randint(256, 4096)
         live = []
         for _layer in range(12):
             for size in (tokens * 4096, tokens * 16384, rng.randint(1, 2000) * 512):
                 a = next(addr)
-                events.append(("alloc", a, size, 0))
+                add("alloc", a, size)
                 live.append((a, size))
         for a, size in reversed(live):
-            events.append(("free_requested", a, size, 0))
-    return events
+            add("free_requested", a, size)
+            add("free_completed", a, size)
+    return Trace("<synthetic>", events, device=0)
 
 
-def run_sim_workload(allocator: Any, stop_event: threading.Event, *,
-                     trace: Path | None = EXAMPLE_TRACE, pace_seconds: float = 0.02) -> int:
-    """Replay the example trace through `allocator` in a loop until stop_event; passes done.
+def run_sim_workload(replayer: Any, stop_event: threading.Event, *,
+                     pace_seconds: float = 0.02) -> int:
+    """Replays the replayer's trace in passes until stop_event; returns the passes done.
 
     Each pass frees whatever it still holds at its end, so passes repeat the same pattern on an
-    allocator that keeps its cache (like the steps of a training run).
+    allocator that keeps its cache (like the steps of a training run). Once stopped, the pass
+    under way finishes without pauses.
     """
-    events = _trace_events(trace) if trace is not None and trace.exists() else _synthetic_events()
+    chunk = max(1, len(replayer.trace.events) // 100)  # ~100 pauses a pass: figures move
+    steps = [0]
+
+    def pace(_event: Any) -> None:
+        steps[0] += 1
+        if steps[0] % chunk == 0:
+            stop_event.wait(pace_seconds)
+
     passes = 0
-    chunk = max(1, len(events) // 100)  # ~100 pauses a pass: figures move while we watch
     while not stop_event.is_set():
-        live: dict[int, int] = {}
-        for i, (action, addr, size, stream) in enumerate(events):
-            if action == "alloc":
-                try:
-                    live[addr] = allocator.malloc(size, stream)
-                except MemoryError:
-                    pass  # counted by the allocator (num_ooms): the demo carries on
-            else:
-                ptr = live.pop(addr, None)
-                if ptr is not None:
-                    allocator.free(ptr)
-            if i % chunk == 0:
-                allocator.process_events()
-                if stop_event.wait(pace_seconds):
-                    break
-        for ptr in live.values():
-            allocator.free(ptr)
+        replayer.run_pass(release=True, after_step=pace)
         passes += 1
     return passes
 
 
 def _sim_child(target: str, duration: float) -> int:
-    import allocator_ext as ae
     from allocator_ext.agent import start_agent
+    from allocator_ext.replay import Replayer
 
     stop = _stop_event_on_signals(duration)
-    device = ae.SimDevice(capacity=0)
-    allocator = ae.Allocator(device)
-    agent = start_agent(target, interval=0.5, source={0: allocator},
+    replayer = Replayer(demo_trace())  # allocwatch's defaults, on an unlimited simulated device
+    agent = start_agent(target, interval=0.5, source={0: replayer.allocator},
                         identity={"training_job": "allocwatch-demo"}, nvml=False)
     try:
-        run_sim_workload(allocator, stop)
+        run_sim_workload(replayer, stop)
     finally:
         agent.stop()
     return 0

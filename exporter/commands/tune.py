@@ -18,6 +18,12 @@ memory among those that never ran out of memory, saying why. The recommendation 
 allocwatch settings and, where PyTorch's own allocator understands it, as
 PYTORCH_CUDA_ALLOC_CONF.
 
+On a trace that ended in out-of-memory errors, each replay makes the failed requests too (see
+`allocwatch replay --help`), under the cap the trace recorded (or --memory-fraction and
+--device-memory): a candidate under which a recorded error recurs is never recommended, and the
+settings the trace was recorded under are replayed as a candidate of their own. Where every
+candidate runs out of memory, there is no recommendation.
+
   allocwatch tune my_run.pickle.gz
   allocwatch tune my_run.pickle.gz --device-memory 1.03x --plot tune.png
   allocwatch tune my_run.pickle.gz --json"""
@@ -54,56 +60,71 @@ def _plot(ranked, path: str, peak_requested: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from allocator_ext.replay import TraceError, load_trace
+    from allocator_ext.replay.cap import resolve_cap
     from allocator_ext.replay.sizes import format_size
     from allocator_ext.replay.trace import peak_requested_bytes
-    from allocator_ext.replay.tune import CANDIDATES, explain, tune
+    from allocator_ext.replay.tune import candidates_for, explain, recommended, tune
 
     try:
         trace = load_trace(args.trace)
         peak = peak_requested_bytes(trace)
-        device_memory = device_memory_arg(args.device_memory, peak)
+        cap = resolve_cap(trace, device_memory_arg(args.device_memory, peak), args.memory_fraction)
     except (TraceError, ValueError, OSError) as e:
         print(f"allocwatch tune: {e}", file=sys.stderr)
         return 2
+    candidates = candidates_for(trace)
     try:
-        with progress_bar(len(trace.events) * len(CANDIDATES), "tune", args.json) as progress:
-            ranked = tune(trace, device_memory, args.memory_fraction, progress=progress)
+        with progress_bar(len(trace.events) * len(candidates), "tune", args.json) as progress:
+            ranked = tune(trace, cap.device_memory, cap.memory_fraction, candidates, progress)
     except (TraceError, ValueError) as e:
         print(f"allocwatch tune: {e}", file=sys.stderr)
         return 2
-    best = ranked[0]
-    why = explain(best, ranked)
+    best = recommended(ranked)
+    why = explain(ranked[0], ranked)
+    recorded_ooms = len(ranked[0].report["recorded_ooms"])
     if args.plot:
         _plot(ranked, args.plot, peak)
     if args.json:
         print(json.dumps({
-            "trace": args.trace, "device_memory": device_memory, "peak_requested_bytes": peak,
-            "recommended": {"name": best.name, "allocwatch_settings": best.settings,
-                            "pytorch_cuda_alloc_conf": best.pytorch_conf, "why": why},
+            "trace": args.trace, "device_memory": cap.device_memory,
+            "memory_fraction": cap.memory_fraction, "cap": cap.describe(),
+            "cap_from": cap.sources(), "peak_requested_bytes": peak,
+            "recorded_ooms": recorded_ooms,
+            "recommended": None if best is None else {
+                "name": best.name, "allocwatch_settings": best.settings,
+                "pytorch_cuda_alloc_conf": best.pytorch_conf, "why": why},
+            "why": why,
             "candidates": [{"name": c.name, "settings": c.settings,
                             "pytorch_cuda_alloc_conf": c.pytorch_conf, **{
                                 k: c.report[k] for k in (
                                     "peak_reserved_bytes", "reserved_ratio", "num_alloc_retries",
-                                    "num_ooms", "num_device_alloc", "num_device_free",
-                                    "device_call_seconds_estimate", "device_call_share")}}
+                                    "num_ooms", "recorded_ooms_recurred", "num_device_alloc",
+                                    "num_device_free", "device_call_seconds_estimate",
+                                    "device_call_share")}}
                            for c in ranked],
         }, indent=2))
         return 0
-    print(f"trace {args.trace}: peak requested {format_size(peak)}"
-          + (f", device capped at {format_size(device_memory)}" if device_memory else ""))
-    print(f"{'setting':30s} {'peak reserved':>14s} {'ratio':>7s} {'retries':>8s} {'OOMs':>5s} "
-          f"{'dev calls':>10s} {'cost %':>7s}")
+    print(f"trace {args.trace}: peak requested {format_size(peak)}, cap: {cap.describe()}"
+          + (f", {recorded_ooms} recorded out-of-memory error(s)" if recorded_ooms else ""))
+    print(f"{'setting':40s} {'peak reserved':>14s} {'ratio':>7s} {'retries':>8s} {'OOMs':>5s} "
+          + (f"{'recurred':>9s} " if recorded_ooms else "")
+          + f"{'dev calls':>10s} {'cost %':>7s}")
     for c in ranked:
         r = c.report
-        print(f"{c.name:30s} {format_size(r['peak_reserved_bytes']):>14s} "
+        print(f"{c.name:40s} {format_size(r['peak_reserved_bytes']):>14s} "
               f"{r['reserved_ratio']:7.3f} {r['num_alloc_retries']:8d} {r['num_ooms']:5d} "
-              f"{r['num_device_alloc'] + r['num_device_free']:10d} "
+              + (f"{r['recorded_ooms_recurred']:>4d} of {recorded_ooms:<2d} "
+                 if recorded_ooms else "")
+              + f"{r['num_device_alloc'] + r['num_device_free']:10d} "
               f"{100 * r['device_call_share']:7.2f}")
     print()
-    print(f"recommended: {best.name}")
-    print(f"  allocwatch settings:      ALLOCWATCH_ALLOC_CONF={best.settings}")
-    if best.pytorch_conf is not None:
-        print(f"  PyTorch's own allocator:  PYTORCH_CUDA_ALLOC_CONF={best.pytorch_conf}")
+    if best is None:
+        print("recommended: none")
+    else:
+        print(f"recommended: {best.name}")
+        print(f"  allocwatch settings:      ALLOCWATCH_ALLOC_CONF={best.settings}")
+        if best.pytorch_conf is not None:
+            print(f"  PyTorch's own allocator:  PYTORCH_CUDA_ALLOC_CONF={best.pytorch_conf}")
     print(f"  why: {why}")
     if args.plot:
         print(f"plot: {args.plot}")

@@ -135,3 +135,43 @@ def test_order_of_proposals() -> None:
                    large_reserved=180 * MiB)
     assert [s.proposal for s in diagnose("a", split, split, 1.0).steps][:3] == [
         None, EXPANDABLE, MAX_SPLIT]
+
+
+def test_the_snapshot_step_proposes_only_a_setting_under_which_a_recorded_oom_does_not_recur(
+        ) -> None:
+    from support.capped_run import record_capped_run
+
+    from allocator_ext.replay.cap import resolve_cap
+    from allocator_ext.replay.trace import parse_snapshot
+    from allocator_ext.replay.tune import tune
+
+    snapshot, stats = record_capped_run()  # PyTorch's settings ran out of memory under a cap
+    trace = parse_snapshot(snapshot)
+    cap = resolve_cap(trace)
+    ranked = tune(trace, cap.device_memory, cap.memory_fraction,
+                  candidates=[(s, s, True) for s in ("native", f"native,{EXPANDABLE}")])
+    healthy = device(reserved=100 * MiB, allocated=95 * MiB)
+    healthy["settings"]["config_string"] = "native"
+    d = diagnose("a", healthy, healthy, 1.0, ranked)
+    snapshot_step = d.steps[-1]
+    assert f"holds {stats['num_ooms']} out-of-memory error(s)" in snapshot_step.finding
+    assert f"recorded OOMs recurred: {stats['num_ooms']} of" in snapshot_step.finding
+    assert snapshot_step.proposal == d.recommendation == f"native,{EXPANDABLE}"
+
+
+def test_diagnose_refuses_to_replay_a_snapshot_with_no_events(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    running = start_control_sidecar(tmp_path)
+    allocator = ae.Allocator(ae.SimDevice(capacity=0), "native")  # no history recorded
+    agent = connect_agent(running, tmp_path, {0: allocator}, rank=0)
+    (address,) = running.sidecar.admin.addresses()
+    try:
+        allocator.free(allocator.malloc(64 * MiB))
+        time.sleep(0.2)
+        assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+    finally:
+        agent.stop()
+        running.stop()
+    out = capsys.readouterr().out
+    assert "cannot be replayed" in out and "no recorded events for device 0" in out
+    assert "do best" not in out

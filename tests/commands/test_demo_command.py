@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from support.paths import SHARED_TRACES
 
-from exporter.commands.demo import EXAMPLE_TRACE, _synthetic_events, run_sim_workload
+from exporter.commands.demo import EXAMPLE_TRACE, _synthetic_trace, demo_trace, run_sim_workload
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
+Replayer = pytest.importorskip("allocator_ext.replay").Replayer
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -36,18 +37,18 @@ def test_demo_prints_address_and_live_summary() -> None:
 
 
 def test_sim_workload_drives_the_allocator_until_stopped() -> None:
-    allocator = ae.Allocator(ae.SimDevice(capacity=0))
+    replayer = Replayer(demo_trace())
     stop = threading.Event()
 
     def stop_once_it_allocated() -> None:
         # Stopped by what the workload did, not by a clock: a loaded machine only makes it wait.
-        while allocator.stats()["allocation.all.allocated"] <= 100:
+        while replayer.allocator.stats()["allocation.all.allocated"] <= 100:
             time.sleep(0.01)
         stop.set()
 
     threading.Thread(target=stop_once_it_allocated, daemon=True).start()
-    passes = run_sim_workload(allocator, stop, pace_seconds=0.0)
-    stats = allocator.stats()
+    passes = run_sim_workload(replayer, stop, pace_seconds=0.0)
+    stats = replayer.allocator.stats()
     assert passes >= 1
     assert stats["allocation.all.allocated"] > 100
     assert stats["allocated_bytes.all.current"] == 0  # each pass frees what it held
@@ -61,11 +62,11 @@ TRACE = EXAMPLE_TRACE if EXAMPLE_TRACE.exists() else SHARED_TRACE
 @pytest.mark.skipif(not TRACE.exists(), reason="neither the shipped example trace nor "
                     "../shared/traces is present")
 def test_sim_workload_replays_a_recorded_trace() -> None:
-    allocator = ae.Allocator(ae.SimDevice(capacity=0))
+    replayer = Replayer(demo_trace(TRACE))
     stop = threading.Event()
     threading.Timer(3.0, stop.set).start()
-    assert run_sim_workload(allocator, stop, trace=TRACE, pace_seconds=0.0) >= 1
-    stats = allocator.stats()
+    assert run_sim_workload(replayer, stop, pace_seconds=0.0) >= 1
+    stats = replayer.allocator.stats()
     assert stats["allocation.all.allocated"] > 5000  # the trace's ~10k allocations, at least half
     assert stats["num_ooms"] == 0
 
@@ -74,13 +75,11 @@ def test_trace_reader_refuses_classes(tmp_path: Path) -> None:
     import gzip
     import pickle
 
-    from exporter.commands.demo import _trace_events
-
     hostile = tmp_path / "t.pickle.gz"
     with gzip.open(hostile, "wb") as f:
         pickle.dump({"device_traces": [[{"action": "alloc", "x": Path("/")}]]}, f)
     from allocator_ext.replay import TraceError
 
     with pytest.raises(TraceError, match="only plain data"):
-        _trace_events(hostile)
-    assert _synthetic_events(steps=2)
+        demo_trace(hostile)
+    assert Replayer(_synthetic_trace(steps=2)).run_pass(release=True).peak_reserved_bytes > 0

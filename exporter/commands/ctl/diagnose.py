@@ -5,7 +5,8 @@ figures.
 2. expandable_segments                (the fix for fragmentation, where it is not on yet)
 3. max_split_size_mb                  (the older fix, where expandable segments cannot be used)
 4. garbage_collection_threshold       (release old cached blocks before retrying)
-5. the snapshot                       (with --replay: replayed under each candidate, measured)
+5. the snapshot                       (with --replay: replayed under each candidate, measured;
+                                      a recorded out-of-memory error must not recur)
 
 Each step says what it found and which setting it would apply; the first proposal wins unless
 the replay measured a better one. Counters read twice, `--window` seconds apart, also show the
@@ -18,6 +19,7 @@ import argparse
 import dataclasses
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -54,10 +56,11 @@ def _delta(before: dict[str, Any], after: dict[str, Any], name: str) -> int:
 
 
 def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: float,
-             replayed: list[tuple[str, dict[str, Any] | str]] | None = None,
+             replayed: Sequence[Any] | None = None,
              replay_note: str | None = None) -> Diagnosis:
     """`before`/`after`: one device's figures (the admin API's device view) `window` s apart.
-    `replayed`: (settings, replay report or error text) per candidate."""
+    `replayed`: the snapshot's candidates as `allocwatch tune` ranks them, best first
+    (allocator_ext.replay.tune.Candidate), each named by its settings string."""
     counters, settings = after["counters"], after["settings"]
     steps: list[Step] = []
     reserved, allocated = after["reserved_bytes"], after["allocated_bytes"]
@@ -117,36 +120,39 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
         steps.append(Step("garbage_collection_threshold", "off, and no retries call for it"))
 
     recommendation = next((s.proposal for s in steps if s.proposal), None)
-    steps.append(_snapshot_step(replayed, replay_note))
+    in_force = candidates(settings["config_string"])[0]
+    steps.append(_snapshot_step(replayed, in_force, replay_note))
     if steps[-1].proposal:
         recommendation = steps[-1].proposal  # measured on this job's own trace: it wins
     return Diagnosis(agent, after["cuda_device"], steps, _mistakes(before, after, window),
                      recommendation)
 
 
-def _snapshot_step(replayed: list[tuple[str, dict[str, Any] | str]] | None,
-                   note: str | None) -> Step:
-    if replayed is None:
+def _snapshot_step(ranked: Sequence[Any] | None, in_force: str, note: str | None) -> Step:
+    if ranked is None:
         return Step("snapshot", note or "not replayed (add --replay to replay this agent's "
                     "snapshot under each candidate setting)")
-    lines, best = [], None
-    for settings, report in replayed:
-        if isinstance(report, str):
-            lines.append(f"{settings}: {report}")
-            continue
-        lines.append(f"{settings}: peak reserved {human_bytes(report['peak_reserved_bytes'])}, "
-                     f"ratio {report['reserved_ratio']:.3f}, retries "
-                     f"{report['num_alloc_retries']}, OOMs {report['num_ooms']}")
-        if report["num_ooms"] == 0 and (best is None or report["peak_reserved_bytes"]
-                                        < best[1]["peak_reserved_bytes"]):
-            best = (settings, report)
+    from allocator_ext.replay.tune import recommended
+
+    recorded = len(ranked[0].report["recorded_ooms"])
+    lines = []
+    for c in ranked:
+        r = c.report
+        lines.append(f"{c.name}: peak reserved {human_bytes(r['peak_reserved_bytes'])}, "
+                     f"ratio {r['reserved_ratio']:.3f}, retries {r['num_alloc_retries']}, "
+                     f"OOMs {r['num_ooms']}"
+                     + (f" (recorded OOMs recurred: {r['recorded_ooms_recurred']} of {recorded})"
+                        if recorded else ""))
     finding = "replayed: " + "; ".join(lines)
+    if recorded:
+        finding = (f"the snapshot holds {recorded} out-of-memory error(s), which each replay "
+                   "makes again: a candidate under which one recurs is not proposed; " + finding)
+    best = recommended(list(ranked))
     if best is None:
         return Step("snapshot", finding + " — no candidate ran without out-of-memory")
-    first = replayed[0]
-    if best[0] == first[0]:
+    if best.name == in_force:
         return Step("snapshot", finding + " — the settings in force do best")
-    return Step("snapshot", finding + f" — lowest peak reserved: {best[0]}", best[0])
+    return Step("snapshot", finding + f" — lowest peak reserved: {best.name}", best.name)
 
 
 def _mistakes(before: dict[str, Any], after: dict[str, Any], window: float) -> list[str]:
@@ -201,31 +207,38 @@ def candidates(current: str) -> list[str]:
 
 
 def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
-                    ) -> tuple[list[tuple[str, dict[str, Any] | str]] | None, str | None]:
-    from allocator_ext.replay import TraceError, load_trace, replay
+                    ) -> tuple[list[Any] | None, str | None]:
+    """The agent's snapshot replayed under each candidate, ranked as `allocwatch tune` ranks
+    them (or None and why not)."""
+    from allocator_ext.replay import TraceError, load_trace
+    from allocator_ext.replay.cap import resolve_cap
+    from allocator_ext.replay.tune import tune
 
     answer = client.post("/v1/snapshot", {"agent": agent, "frames": False})
     result = answer["results"][0]
     if "snapshot" not in result:
         return None, f"no snapshot: {result['message']}"
     data = client.request("GET", result["snapshot"]["download"])
+    where = f"snapshot {result['snapshot']['path']}"
     with tempfile.TemporaryDirectory(prefix="allocwatch-diagnose-") as tmp:
         path = Path(tmp) / "snapshot.pickle.gz"
         path.write_bytes(data)
         try:
             trace = load_trace(path, device["cuda_device"])
         except TraceError as err:
-            return None, (f"snapshot {result['snapshot']['path']} cannot be replayed: {err} "
-                          "(record the allocator's history from the start of the process)")
+            return None, (f"{where} cannot be replayed: {err} (record the allocator's history "
+                          "from the start of the process)")
+    # The cap the snapshot kept, else the GPU's size where the agent knows it.
+    cap = resolve_cap(trace)
     capacity = (device["device_memory"] or {}).get("total_bytes", 0)
-    replayed: list[tuple[str, dict[str, Any] | str]] = []
-    for settings in candidates(device["settings"]["config_string"]):
-        try:
-            replayed.append((settings, replay(trace, config=settings,
-                                              device_memory=capacity).report))
-        except (TraceError, ValueError) as err:
-            replayed.append((settings, f"not replayable: {err}"))
-    return replayed, None
+    if not cap.device_memory and capacity:
+        cap = resolve_cap(trace, device_memory=capacity)
+    settings = candidates(device["settings"]["config_string"])
+    try:
+        return tune(trace, cap.device_memory, cap.memory_fraction,
+                    candidates=[(s, s, True) for s in settings]), None
+    except (TraceError, ValueError) as err:
+        return None, f"{where} cannot be replayed: {err}"
 
 
 def print_diagnosis(d: Diagnosis, out: TextIO) -> None:
