@@ -1,7 +1,8 @@
 """`allocwatch ctl diagnose`: the usual out-of-memory troubleshooting order, on one agent's live
 figures.
 
-1. retries and reserved ÷ allocated   (is there pressure? is the cache fragmented?)
+1. retries and peak fragmentation    (is there pressure? does the cache strand memory at its
+                                      peak, not merely hold freed blocks between steps?)
 2. expandable_segments                (the fix for fragmentation, where it is not on yet)
 3. max_split_size_mb                  (the older fix, where expandable segments cannot be used)
 4. garbage_collection_threshold       (release old cached blocks before retrying)
@@ -25,8 +26,10 @@ from typing import Any, TextIO
 
 from exporter.commands.ctl.client import AdminClient, CtlError
 from exporter.commands.ctl.output import human_bytes, print_results
+from exporter.protocol.figures import peak_fragmentation_ratio
 
-FRAGMENTED = 1.25            # reserved ÷ allocated above which the cache strands memory
+FRAGMENTED = 0.2             # peak fragmentation from which the cache strands memory (peak
+                             # reserved at least 1.25 × peak allocated)
 SPLIT_SHARE = 0.2            # inactive split bytes ÷ large-pool reserved worth max_split_size_mb
 EMPTY_CACHE_RATE = 0.2       # empty_cache() calls a second that look like "every step"
 PENDING_EVENTS = 100
@@ -49,10 +52,32 @@ class Diagnosis:
     steps: list[Step]
     mistakes: list[str]
     recommendation: str | None
+    # Pressure or fragmentation was found: "nothing to change" would contradict it.
+    trouble: bool = False
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any], name: str) -> int:
     return max(0, after["counters"][name] - before["counters"][name])
+
+
+def peak_fragmentation(before: dict[str, Any], after: dict[str, Any]
+                       ) -> tuple[float, int, int, str]:
+    """(ratio, peak allocated, peak reserved, over what) at its least among the readings of the
+    window: the two report intervals seen and the peaks since the process's last reset. Each
+    overstates what the cache strands when it misses the moment of highest use (an interval
+    without a training step's peak; a reset that predates an empty_cache()), never the reverse,
+    so the least is the closest."""
+    readings = []
+    for device in (before, after):
+        peaks = device["interval_peaks"]
+        where = ("over a report interval" if peaks["window"] == "interval"
+                 else "since the process's last peak reset")
+        readings.append((device["peak_fragmentation_ratio"], peaks["allocated_bytes"],
+                         peaks["reserved_bytes"], where))
+    allocated, reserved = after["peak_allocated_bytes"], after["peak_reserved_bytes"]
+    readings.append((peak_fragmentation_ratio(reserved, allocated), allocated, reserved,
+                     "since the process's last peak reset"))
+    return min(readings, key=lambda r: r[0])
 
 
 def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: float,
@@ -64,7 +89,7 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
     counters, settings = after["counters"], after["settings"]
     steps: list[Step] = []
     reserved, allocated = after["reserved_bytes"], after["allocated_bytes"]
-    ratio = reserved / allocated if allocated else float("inf") if reserved else 1.0
+    ratio, peak_allocated, peak_reserved, where = peak_fragmentation(before, after)
     retries, ooms = counters["alloc_retries"], counters["ooms"]
     new_retries = _delta(before, after, "alloc_retries")
     pressure = retries > 0 or ooms > 0
@@ -72,10 +97,12 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
     verdict = ("memory pressure" if pressure else "no retries") + ", " + (
         "fragmented cache" if fragmented else "compact cache")
     steps.append(Step(
-        "retries and reserved ÷ allocated",
+        "retries and peak fragmentation",
         f"{retries} allocation retries ({new_retries} in the last {window:g} s), {ooms} "
-        f"out-of-memory errors; reserved ÷ allocated = {ratio:.2f} ({human_bytes(reserved)} "
-        f"reserved for {human_bytes(allocated)} allocated): {verdict}"))
+        f"out-of-memory errors; peak fragmentation {ratio:.2f} ({human_bytes(peak_allocated)} "
+        f"allocated at the peak of {human_bytes(peak_reserved)} reserved, {where}; "
+        f"{human_bytes(reserved - allocated)} of {human_bytes(reserved)} cached and unused "
+        f"right now): {verdict}"))
     needs_help = pressure or fragmented
 
     if settings["expandable_segments"]:
@@ -125,7 +152,7 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
     if steps[-1].proposal:
         recommendation = steps[-1].proposal  # measured on this job's own trace: it wins
     return Diagnosis(agent, after["cuda_device"], steps, _mistakes(before, after, window),
-                     recommendation)
+                     recommendation, needs_help)
 
 
 def _snapshot_step(ranked: Sequence[Any] | None, in_force: str, note: str | None) -> Step:
@@ -251,7 +278,14 @@ def print_diagnosis(d: Diagnosis, out: TextIO) -> None:
         print("classic mistakes seen:", file=out)
         for mistake in d.mistakes:
             print(f"  - {mistake}", file=out)
-    print(f"recommendation: {d.recommendation or 'none: nothing to change'}", file=out)
+    if d.recommendation:
+        print(f"recommendation: {d.recommendation}", file=out)
+    elif d.trouble:
+        print("recommendation: none of the settings above; they are in force or do not apply. "
+              "Replay this agent's snapshot under candidates (--replay), or lower what the job "
+              "holds at its peak", file=out)
+    else:
+        print("recommendation: none: nothing to change", file=out)
 
 
 def run_diagnosis(args: argparse.Namespace, client: AdminClient, selector: dict[str, Any],
