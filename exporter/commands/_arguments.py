@@ -1,0 +1,34 @@
+"""Argument types the commands share: each refuses a bad value with a message naming it, so
+argparse prints `allocwatch CMD: error: argument --X: ...` and exits 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def seconds(*, zero_allowed: bool = False) -> Callable[[str], float]:
+    """A finite number of seconds, above 0 (or 0 and above)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+            bound = "0 or more" if zero_allowed else "above 0"
+            raise argparse.ArgumentTypeError(f"{text}: give a number of seconds {bound}")
+        return value
+
+    return parse
+
+
+def tcp_port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value}: a TCP port is 1-65535 (0: any free port)")
+    return value
