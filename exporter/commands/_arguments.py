@@ -32,3 +32,15 @@ def tcp_port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value}: a TCP port is 1-65535 (0: any free port)")
     return value
+
+
+def fraction(text: str) -> float:
+    """A share of the device's memory, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text}: a share of the device's memory, above 0 and at most 1 (0.9: 90 %)")
+    return value

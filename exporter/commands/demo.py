@@ -222,10 +222,13 @@ class Headline:
         reserved, allocated = figures["reserved"], figures["allocated"]
         if reserved:
             self._peak_fragmentation.append(figures["peak_fragmentation"])
-        peak = min(self._peak_fragmentation, default=0.0)
+        # Until the readings span a few seconds (a pass of the workload), the lowest may
+        # still miss the peak of use: say nothing rather than something too high.
+        full = len(self._peak_fragmentation) == self._peak_fragmentation.maxlen
+        peak = f"{min(self._peak_fragmentation):6.1%}" if full else f"{'-':>6s}"
         unused = (reserved - allocated) / reserved if reserved else 0.0
         return (f"[{elapsed:5.1f}s] reserved {reserved / GiB:7.3f} GiB  allocated "
-                f"{allocated / GiB:7.3f} GiB  peak fragmentation {peak:6.1%}  (unused now "
+                f"{allocated / GiB:7.3f} GiB  peak fragmentation {peak}  (unused now "
                 f"{unused:5.1%})  retries {int(figures['retries'])}  OOMs "
                 f"{int(figures['ooms'])}  agents {int(figures['agents'])}  reports "
                 f"{int(figures['reports'])}")

@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
-from exporter.commands._trace_args import add_trace_arguments, device_memory_arg, progress_bar
+from exporter.commands._trace_args import (
+    add_plot_argument,
+    add_trace_arguments,
+    check_plot_target,
+    device_memory_arg,
+    progress_bar,
+)
 
 SHOWN_OOMS = 5  # recorded out-of-memory errors listed one by one in the table
 HELP = "replay a recorded PyTorch memory trace through allocwatch's allocator (no GPU needed)"
@@ -44,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=int,
                    help="which device's trace (default: the first with events)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="write a plot of memory over the trace")
+    add_plot_argument(p, "write a plot of memory over the trace")
     p.add_argument("--costs", metavar="FILE", help="device-call cost table (default: the H200 one)")
     p.set_defaults(func=run)
 
@@ -84,17 +91,32 @@ def human_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def load_costs(path: str) -> Any:
+    """The --costs table; ValueError naming the file and what is wrong with it."""
+    from allocator_ext.replay import load_cost_table
+
+    try:
+        return load_cost_table(path)
+    except OSError as err:
+        raise ValueError(f"--costs {path}: cannot read it: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        what = f"no field {err}" if isinstance(err, KeyError) else str(err)
+        raise ValueError(f"--costs {path}: not a device-call cost table ({what}); "
+                         "allocator_ext/data/device_costs.json shows the layout") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    from allocator_ext.replay import TraceError, load_cost_table, load_trace, replay
+    from allocator_ext.replay import TraceError, load_trace, replay
     from allocator_ext.replay.cap import resolve_cap
     from allocator_ext.replay.trace import peak_requested_bytes
 
     try:
+        check_plot_target(args.plot)
+        costs = load_costs(args.costs) if args.costs else None
         trace = load_trace(args.trace, args.device)
         cap = resolve_cap(trace, device_memory_arg(args.device_memory, peak_requested_bytes(trace)),
                           args.memory_fraction)
-        costs = load_cost_table(args.costs) if args.costs else None
-    except (TraceError, ValueError, OSError) as e:
+    except (TraceError, ValueError) as e:
         print(f"allocwatch replay: {e}", file=sys.stderr)
         return 2
 
@@ -109,16 +131,22 @@ def run(args: argparse.Namespace) -> int:
     result.report["cap"] = cap.describe()
     result.report["cap_from"] = cap.sources()
 
+    # The figures first: a plot that cannot be written loses nothing else.
+    if args.json:
+        print(json.dumps(result.report, indent=2, sort_keys=True), flush=True)
+    else:
+        print(human_report(result.report), flush=True)
     if args.plot:
         from allocator_ext.replay.plot import plot_timeline
 
-        plot_timeline(result.timeline, args.plot,
-                      f"{args.trace} — {result.report['config']}",
-                      result.report["recorded_ooms"])
-    if args.json:
-        print(json.dumps(result.report, indent=2, sort_keys=True))
-    else:
-        print(human_report(result.report))
-        if args.plot:
+        try:
+            plot_timeline(result.timeline, args.plot,
+                          f"{args.trace} — {result.report['config']}",
+                          result.report["recorded_ooms"])
+        except OSError as err:
+            print(f"allocwatch replay: --plot {args.plot}: cannot write it: "
+                  f"{err.strerror or err}", file=sys.stderr)
+            return 1
+        if not args.json:
             print(f"plot               {args.plot}")
     return 0
