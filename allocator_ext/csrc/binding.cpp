@@ -370,13 +370,18 @@ PYBIND11_MODULE(_core, m) {
       .def("create_or_incref_pool", &CachingAllocator::create_or_incref_pool,
            py::arg("pool_id"), py::arg("plain_segments") = false,
            "Make a private pool (torch.cuda.MemPool's), or share it: its use count + 1.")
-      .def("pool_use_count", &CachingAllocator::pool_use_count, py::arg("pool_id"))
-      .def("set_pool_no_split", &CachingAllocator::set_pool_no_split, py::arg("pool_id"))
+      .def("pool_use_count", &CachingAllocator::pool_use_count, py::arg("pool_id"),
+           "How many users share the pool `pool_id`; 0 for a pool that does not exist.")
+      .def("set_pool_no_split", &CachingAllocator::set_pool_no_split, py::arg("pool_id"),
+           "Blocks of the pool `pool_id` are never split (PyTorch's MemPool option).")
       .def("empty_pool_cache", &CachingAllocator::empty_pool_cache, py::arg("pool_id"),
            "Release the cached blocks of a pool nothing uses any more; bytes released.")
       .def("check_pool_live_allocations", &CachingAllocator::check_pool_live_allocations,
-           py::arg("pool_id"), py::arg("expected"))
-      .def("checkpoint_pool", &CachingAllocator::checkpoint_pool, py::arg("pool_id"))
+           py::arg("pool_id"), py::arg("expected"),
+           "Whether the pool's allocated blocks are exactly those at the addresses `expected` "
+           "(CUDA graph trees' check that no tensor of a recorded graph is still alive).")
+      .def("checkpoint_pool", &CachingAllocator::checkpoint_pool, py::arg("pool_id"),
+           "The layout of the private pool `pool_id` (a PoolCheckpoint), for restore_pool.")
       .def(
           "restore_pool",
           [](CachingAllocator& a, const PoolCheckpoint& checkpoint) {
@@ -386,7 +391,9 @@ PYBIND11_MODULE(_core, m) {
             out["allocated"] = r.allocated;
             return out;
           },
-          py::arg("checkpoint"))
+          py::arg("checkpoint"),
+          "Bring a private pool back to a checkpoint's layout; {'freed', 'allocated'}: the "
+          "blocks freed and allocated to get there.")
       .def(
           "segment_of",
           [](CachingAllocator& a, std::uintptr_t ptr) {
@@ -394,7 +401,8 @@ PYBIND11_MODULE(_core, m) {
             return py::make_tuple(s.base, s.size, s.expandable);
           },
           py::arg("ptr"), "(base, size, expandable) of the allocation holding an allocated block.")
-      .def("clear_history", &CachingAllocator::clear_history)
+      .def("clear_history", &CachingAllocator::clear_history,
+           "Drop the recorded events; recording goes on if it was on.")
       .def(
           "set_trace_skipped",
           [](CachingAllocator& a, const std::vector<std::string>& actions) {
