@@ -54,6 +54,8 @@ def _cases(bad_yaml: Path) -> list[tuple[list[str], str]]:
         (["run"], "no command given"),
         (["run", "--config", "bogus:1", "--", "true"], "invalid allocator setting bogus"),
         (["run", "--", "/nonexistent/program"], "cannot run /nonexistent/program"),
+        (["native"], "the following arguments are required: action"),
+        (["native", "bogus"], "argument action: invalid choice: 'bogus'"),
         (["ctl"], "the following arguments are required: COMMAND"),
         (["ctl", "bogus"], "invalid choice: 'bogus'"),
         (["ctl", "--admin", UNREACHABLE, "agents"], "cannot reach the sidecar's admin API at "
