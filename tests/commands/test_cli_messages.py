@@ -97,7 +97,7 @@ def test_tune_table_columns_line_up_whatever_the_names() -> None:
 
 
 def test_tune_chart_shows_small_differences_and_says_what_it_cuts() -> None:
-    fig = chart(RANKED, int(9.5 * GiB), "allocwatch tune: peak reserved by setting")
+    fig = chart(RANKED, RANKED[0], int(9.5 * GiB), "allocwatch tune: peak reserved by setting")
     ax = fig.axes[0]
     assert ax.get_title(loc="left") == "allocwatch tune: peak reserved by setting"
     left, right = ax.get_xlim()
