@@ -1,9 +1,9 @@
 """The sidecar's view of its agents: who is connected, their latest report, their command queue.
 
-Written by the gRPC server (event loop thread), read by the collector (HTTP threads) and the
-landing page: every access goes through one lock, held only to swap references. Reports are
-immutable once stored (the server never mutates a received message), so readers get consistent
-figures without copying them.
+Written by the gRPC server (event loop thread), read by the collectors and the landing page (the
+exposition's worker thread): every access goes through one lock, held only to swap references.
+Reports are immutable once stored (the server never mutates a received message), so readers get
+consistent figures without copying them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from collections import Counter
 
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.sidecar.series import SeriesSlots, labels_of
 
 log = logging.getLogger("exporter.registry")
 
@@ -73,9 +74,11 @@ class AgentState:
     last_report_time: float | None = None  # unix time the sidecar received it
     reports_received: int = 0
     last_result: pb.CommandResult | None = None
+    # 1, or the agent_slot telling it apart from a live agent with the same labels (series.py).
+    series_slot: int = 1
     # Commands to this agent: set by the server while a stream is open.
     session: AgentSession | None = None
-    series: int = 0  # what it counts against the series bound (series_of its last report)
+    series_count: int = 0  # what it counts against agents.max_series (series_of its report)
 
 
 class AgentSession:
@@ -178,7 +181,7 @@ class Registry:
         self.max_agents = max_agents
         self.max_departed = max_departed
         self.max_series = max_series
-        self._series = 0
+        self._series_count = 0
         self.series_dropped_total = 0
         self._lock = threading.Lock()
         self._agents: dict[str, AgentState] = {}
@@ -190,6 +193,7 @@ class Registry:
         self.refused_total: Counter[str] = Counter()
         self.figures_dropped_total: Counter[str] = Counter()
         self._key_secret = secrets.token_bytes(16)
+        self.series = SeriesSlots()
         self.ever_connected = False
         # When the last connected agent left (monotonic); None while any is connected.
         self.all_gone_since: float | None = None
@@ -230,44 +234,50 @@ class Registry:
             raise AgentLimitError(
                 f"the sidecar already serves {connected} agents (agents.max_agents)")
         state = AgentState(key=key, identity=identity, protocol=protocol, peer=peer)
-        if old is not None and old.identity.instance_id == identity.instance_id:
-            # The same agent instance reconnecting (its previous stream broke): keep its report.
+        resumed = old is not None and old.identity.instance_id == identity.instance_id
+        if old is not None and resumed:
+            # The same agent instance reconnecting (its previous stream broke): keep its report
+            # and its series' labels.
             state.last_report, state.last_report_time = old.last_report, old.last_report_time
             state.reports_received = old.reports_received
-        state.series = series_of(state.last_report)
-        freed = old.series if old is not None else 0
-        if not self._make_room_locked(state.series - freed, spare=key):
+            state.series_slot = old.series_slot
+        state.series_count = series_of(state.last_report)
+        freed = old.series_count if old is not None else 0
+        if not self._make_room_locked(state.series_count - freed, spare=key):
             raise SeriesLimitError(
-                f"the sidecar shows {self._series} series, near agents.max_series "
+                f"the sidecar shows {self._series_count} series, near agents.max_series "
                 f"({self.max_series}), and no departed agent is left to make room")
         if old is not None:
-            self._forget_locked(key)
-        self._series += state.series
+            self._forget_locked(key, keep_slot=resumed)
+        self._series_count += state.series_count
         return state
 
     def _make_room_locked(self, extra: int, spare: str = "") -> bool:
         """Room for `extra` more series, forgetting departed agents (oldest first, never
         `spare`) as needed; False, forgetting nobody, when even all of them would not do."""
-        if self._series + extra <= self.max_series:
+        if self._series_count + extra <= self.max_series:
             return True
         departed = [k for k in self._departed if k != spare]
-        if self._series + extra - sum(self._agents[k].series for k in departed) > self.max_series:
+        held = sum(self._agents[k].series_count for k in departed)
+        if self._series_count + extra - held > self.max_series:
             return False
         for key in departed:
-            if self._series + extra <= self.max_series:
+            if self._series_count + extra <= self.max_series:
                 break
             self._drop_for_series_locked(key)
         return True
 
     def _drop_for_series_locked(self, key: str) -> None:
-        self.series_dropped_total += self._agents[key].series
+        self.series_dropped_total += self._agents[key].series_count
         self._forget_locked(key)
         log.info("departed agent dropped before its expiry (agents.max_series)",
                  extra={"agent": key})
 
-    def _forget_locked(self, key: str) -> None:
-        self._series -= self._agents.pop(key).series
+    def _forget_locked(self, key: str, keep_slot: bool = False) -> None:
+        self._series_count -= self._agents.pop(key).series_count
         self._departed.pop(key, None)
+        if not keep_slot:
+            self.series.forget(key)
 
     def record_report(self, state: AgentState, report: pb.Report) -> bool:
         """Store a report; False (ignored) when it is older than the one already held."""
@@ -279,6 +289,9 @@ class Registry:
                 return False
             if self._agents.get(state.key) is state:  # not forgotten meanwhile
                 report = self._fit_locked(state, report)
+                state.series_slot = self.series.place(
+                    state.key, labels_of(state.identity, report),
+                    {key: agent.connected for key, agent in self._agents.items()})
             state.last_report = report
             state.last_report_time = time.time()
             return True
@@ -287,10 +300,11 @@ class Registry:
         """The report as the series bound lets it be kept (its devices that fit), its series
         counted on the agent."""
         wanted = series_of(report)
-        if not self._make_room_locked(wanted - state.series, spare=state.key):
+        if not self._make_room_locked(wanted - state.series_count, spare=state.key):
             for key in [k for k in self._departed if k != state.key]:  # all the room there is
                 self._drop_for_series_locked(key)
-            room = self.max_series - (self._series - state.series) - SERIES_PER_AGENT
+            others = self._series_count - state.series_count
+            room = self.max_series - others - SERIES_PER_AGENT
             fits = max(0, room // SERIES_PER_DEVICE)
             self.series_dropped_total += (len(report.devices) - fits) * SERIES_PER_DEVICE
             log.warning("report devices left out (agents.max_series)", extra={
@@ -299,8 +313,8 @@ class Registry:
             kept.CopyFrom(report)
             del kept.devices[fits:]
             report, wanted = kept, series_of(kept)
-        self._series += wanted - state.series
-        state.series = wanted
+        self._series_count += wanted - state.series_count
+        state.series_count = wanted
         return report
 
     def disconnect(self, state: AgentState) -> None:
@@ -365,10 +379,10 @@ class Registry:
         with self._lock:
             return self._agents.get(key)
 
-    def series(self) -> int:
+    def series_count(self) -> int:
         """The series the agents held count against agents.max_series."""
         with self._lock:
-            return self._series
+            return self._series_count
 
     def bound_counters(self) -> BoundCounters:
         with self._lock:
@@ -376,6 +390,11 @@ class Registry:
                                  series_dropped=self.series_dropped_total,
                                  refused=dict(self.refused_total),
                                  figures_dropped=dict(self.figures_dropped_total))
+
+    def series_collisions(self) -> int:
+        """Agents accepted whose series labels coincided with a live agent's (series.py)."""
+        with self._lock:
+            return self.series.collisions_total
 
     def counters(self) -> tuple[int, dict[tuple[str, str], int], dict[str, int]]:
         with self._lock:

@@ -131,7 +131,7 @@ def test_past_the_series_bound_departed_agents_go_first_then_new_agents_are_refu
         assert "agents.max_series" in err.details()
         assert values(url, "allocwatch_agents_refused_total", reason="series_limit") == [1.0]
         assert sorted(a.identity.rank for a in registry.agents()) == [2, 3, 4]
-        assert registry.series() <= bound
+        assert registry.series_count() <= bound
         for stream in live:
             stream.close()
     finally:
