@@ -14,8 +14,10 @@ Every section and field is listed in docs/sidecar.md.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
+import stat
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -245,11 +247,30 @@ def parse_yaml(text: bytes | str) -> Any:
         raise ConfigError(f"not valid YAML: {err}") from None
 
 
-def read_settings_file(path: str | Path) -> bytes:
-    """A settings file's bytes; ConfigError when unreadable or larger than MAX_FILE_BYTES."""
+def read_regular_file(path: str | Path, limit: int) -> bytes:
+    """At most `limit` + 1 bytes of the regular file at `path` (links followed: a mounted
+    ConfigMap or Secret is one), so that a caller sees a file too large without reading it
+    all; OSError when it cannot be read or is no regular file (a FIFO would hold the reader
+    forever, a device like /dev/zero never end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_settings_file(path: str | Path) -> bytes:
+    """A settings file's bytes; ConfigError when unreadable, no regular file or larger than
+    MAX_FILE_BYTES."""
+    try:
+        data = read_regular_file(path, MAX_FILE_BYTES)
     except OSError as err:
         raise ConfigError(f"cannot read settings file {path}: {err.strerror}") from None
     if len(data) > MAX_FILE_BYTES:
@@ -288,8 +309,13 @@ def check_tls_files(section: Any, path: str) -> None:
                           f"{path}.tls_key_file (the server's own certificate)")
     for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
         file = getattr(section, name)
-        if file and not os.access(file, os.R_OK):
-            raise ConfigError(f"{path}.{name}: cannot read {shown(file)}")
+        if not file:
+            continue
+        try:
+            read_regular_file(file, 0)
+        except OSError as err:
+            raise ConfigError(f"{path}.{name}: cannot read {shown(file)}: {err.strerror}"
+                              ) from None
 
 
 def read_token(section: Any, path: str) -> bytes | None:
@@ -298,7 +324,7 @@ def read_token(section: Any, path: str) -> bytes | None:
     guessing."""
     if section.token_file:
         try:
-            raw = Path(section.token_file).read_bytes()[:MAX_TOKEN_BYTES + 1]
+            raw = read_regular_file(section.token_file, MAX_TOKEN_BYTES)
         except OSError as err:
             raise ConfigError(f"{path}.token_file: cannot read {shown(section.token_file)}: "
                               f"{err.strerror}") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import stat
 import threading
 
 log = logging.getLogger("exporter.admin")
@@ -35,10 +36,15 @@ class RenewingTlsContext:
         self._context = server_tls_context(*self._files)
 
     def _read_stamp(self) -> tuple[float, ...]:
+        """The files' modification times; () while any is missing or no regular file (the
+        reload runs in a handshake, on the event loop: a FIFO there must not hold it)."""
         try:
-            return tuple(os.stat(f).st_mtime for f in self._files if f)
+            found = [os.stat(f) for f in self._files if f]
         except OSError:
             return ()
+        if not all(stat.S_ISREG(st.st_mode) for st in found):
+            return ()
+        return tuple(st.st_mtime for st in found)
 
     def listening_context(self) -> ssl.SSLContext:
         """The context to listen with: each handshake switches to `context()` (from the SNI

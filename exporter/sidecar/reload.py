@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from exporter.config import MAX_FILE_BYTES, ConfigError
+from exporter.config import MAX_FILE_BYTES, ConfigError, read_regular_file
 from exporter.sidecar.config import SidecarConfig, config_from_bytes
 
 log = logging.getLogger("exporter.reload")
@@ -72,7 +72,7 @@ class ConfigWatcher:
         self._lock = threading.Lock()
         self.reloads_total: collections.Counter[str] = collections.Counter()
         try:
-            self.current_hash = content_hash(self.path.read_bytes()[:MAX_FILE_BYTES])
+            self.current_hash = content_hash(read_regular_file(self.path, MAX_FILE_BYTES))
             self.signature = file_signature(self.path)
         except OSError:
             pass
@@ -89,11 +89,10 @@ class ConfigWatcher:
 
     def _read(self) -> bytes | OSError:
         try:
-            with open(self.path, "rb") as f:  # follows the ConfigMap's symlinks
-                st = os.fstat(f.fileno())
-                self.signature = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-                return f.read(MAX_FILE_BYTES + 1)
-        except OSError as err:
+            data = read_regular_file(self.path, MAX_FILE_BYTES)  # follows the symlinks
+            self.signature = file_signature(self.path)
+            return data
+        except OSError as err:  # missing, unreadable, or no regular file (a FIFO)
             return err
 
     def poll(self, data: bytes | OSError | None = None) -> Change | None:

@@ -8,9 +8,11 @@ expands it fails there (and the test with it) without taking the machine's memor
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -166,3 +168,40 @@ def test_a_wrong_value_is_shown_short(tmp_path: Path, value: str, shown: str) ->
     message = str(err.value)
     assert "agents.max_agents: expected an integer" in message and shown in message
     assert len(message) < 300
+
+
+@pytest.mark.parametrize("settings", [
+    "agents: {tcp_port: 0, token_file: FILE}",
+    "admin: {tcp_port: 0, token_file: FILE}",
+    "agents: {tcp_port: 0, tls_cert_file: FILE, tls_key_file: FILE, tls_client_ca_file: FILE}",
+    None,
+], ids=["agents.token_file", "admin.token_file", "agents.tls_cert_file", "the settings file"])
+def test_a_file_that_never_ends_is_refused_at_once(tmp_path: Path, settings: str | None
+                                                   ) -> None:
+    """A FIFO (which no writer ever fills) or a device (/dev/zero) where a file is named:
+    --check-config refuses it at once, naming it, instead of waiting or reading forever."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for endless in (str(fifo), "/dev/zero"):
+        path = tmp_path / "s.yaml"
+        if settings is not None:
+            path.write_text(settings.replace("FILE", endless) + "\n")
+        result = _cli("--config", endless if settings is None else str(path), "--check-config",
+                      timeout=20)
+        assert result.returncode == 2, (endless, result.stderr[-500:])
+        assert "not a regular file" in result.stderr, result.stderr[-500:]
+
+
+def test_a_settings_file_swapped_for_a_fifo_holds_up_no_reload(tmp_path: Path) -> None:
+    from exporter.sidecar.reload import ConfigWatcher
+
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text("nvml: {enabled: false}\n")
+    watcher = ConfigWatcher(path, apply=lambda config: [])
+    path.unlink()
+    os.mkfifo(path)
+    polled = threading.Thread(target=watcher.check, daemon=True)
+    polled.start()
+    polled.join(5)
+    assert not polled.is_alive(), "a poll of the FIFO never returned"
+    assert watcher.counts() == ([("unreadable", 1)], True)
