@@ -59,7 +59,7 @@ def test_a_recorded_oom_recurs_under_the_recorded_cap() -> None:
     assert (r["recorded_ooms_recurred"], r["recorded_ooms_survived"]) == (1, 0)
     [oom] = r["recorded_ooms"]
     assert oom == {"event_index": 2, "size": 40 * MiB, "stream": 0, "device_free": 32 * MiB,
-                   "time_s": 2e-6, "recurred": True}
+                   "time_s": 2e-6, "time_us": 3, "recurred": True}
     assert r["peak_requested_bytes"] == 40 * MiB  # the failed request never counted
 
 
