@@ -229,27 +229,56 @@ def test_the_recorded_settings_are_a_candidate_of_their_own() -> None:
 
 # --- out-of-memory traces recorded on the H200 (bench/replay/record_traces.py --oom) ------------
 
+NO_OOM_TRACES = (f"no out-of-memory traces recorded on a GPU yet ({OOM_MANIFEST} is absent; "
+                 "bench/replay/record_traces.py --oom --out tests/data/traces records them)")
+
+
+def _oom_manifest() -> dict[str, Any] | None:
+    return json.loads(OOM_MANIFEST.read_text()) if OOM_MANIFEST.exists() else None
+
+
 def _oom_traces() -> list[Any]:
-    if not OOM_MANIFEST.exists():
-        return [pytest.param(None, marks=pytest.mark.skip(
-            reason=f"no out-of-memory traces recorded on a GPU yet ({OOM_MANIFEST} is absent; "
-                   "bench/replay/record_traces.py --oom records them)"))]
+    manifest = _oom_manifest()
+    if manifest is None:
+        return [pytest.param(None, marks=pytest.mark.skip(reason=NO_OOM_TRACES))]
     return [pytest.param(t, id=t["file"].split(".")[0])
-            for t in json.loads(OOM_MANIFEST.read_text())["traces"] if t["status"] == "ok"]
+            for t in manifest["traces"] if t["status"] == "ok"]
+
+
+def test_the_oom_manifest_holds_traces_that_ran_out_of_memory() -> None:
+    """Once the manifest is there, the reproduction below runs: it cannot pass by having no
+    trace to run on."""
+    manifest = _oom_manifest()
+    if manifest is None:
+        pytest.skip(NO_OOM_TRACES)
+    ok = [t for t in manifest["traces"] if t["status"] == "ok"]
+    assert ok, f"{OOM_MANIFEST} lists no trace that ran out of memory: {manifest['traces']}"
+    for entry in ok:
+        assert (RECORDED_TRACES / entry["file"]).is_file(), entry["file"]
+        assert entry["stats"]["num_ooms"] > 0 and entry["memory_fraction"] is not None
 
 
 @pytest.mark.parametrize("entry", _oom_traces())
-def test_a_recorded_oom_trace_reproduces_its_ooms_and_retries(entry: dict) -> None:
-    """PyTorch's settings under the cap the trace keeps: the recorded errors, retries and
-    reserved memory, exactly."""
-    trace = load_trace(RECORDED_TRACES / entry["file"])
-    cap = resolve_cap(trace)
-    assert cap.sources() == {"memory_fraction": "recording", "device_memory": "recording"}
-    conf = entry["pytorch_cuda_alloc_conf"]
-    r = replay(trace, config="native" + (f",{conf}" if conf else ""),
-               device_memory=cap.device_memory, memory_fraction=cap.memory_fraction).report
-    assert entry["stats"]["num_ooms"] > 0
-    assert r["num_ooms"] == entry["stats"]["num_ooms"] == r["recorded"]["num_ooms"]
-    assert r["recorded_ooms_recurred"] == r["recorded"]["num_ooms"]
-    assert r["num_alloc_retries"] == entry["stats"]["num_alloc_retries"]
-    assert r["peak_reserved_bytes"] == entry["stats"]["reserved_bytes.all.peak"]
+def test_a_recorded_oom_trace_reproduces_its_ooms_and_retries(
+        entry: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """`allocwatch replay --config native,<the recorded settings> --json`, under the cap the
+    trace keeps: exactly the recorded run's out-of-memory errors, each where it happened, its
+    retries, peak reserved memory and device allocations and frees."""
+    from exporter.cli import main
+
+    path = RECORDED_TRACES / entry["file"]
+    trace = load_trace(path)
+    conf = trace.recorded_config  # the settings as the snapshot itself keeps them
+    assert conf == entry["pytorch_cuda_alloc_conf"]
+    assert main(["replay", str(path), "--config", "native" + (f",{conf}" if conf else ""),
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["cap_from"] == {"memory_fraction": "recording", "device_memory": "recording"}
+    stats = entry["stats"]
+    assert r["num_ooms"] == stats["num_ooms"] == r["recorded"]["num_ooms"] > 0
+    assert r["recorded_ooms_recurred"] == stats["num_ooms"]
+    assert r["recorded_ooms_survived"] == 0
+    assert r["num_alloc_retries"] == stats["num_alloc_retries"]
+    assert r["peak_reserved_bytes"] == stats["reserved_bytes.all.peak"]
+    assert r["num_device_alloc"] == stats["num_device_alloc"]
+    assert r["num_device_free"] == stats["num_device_free"]
