@@ -50,6 +50,7 @@ class RecordedFigures:
     peak_reserved_bytes: int
     num_segment_alloc: int
     num_ooms: int
+    reserved_at_ooms: tuple[int, ...]  # reserved at each out-of-memory error, after the flush
 
 
 @dataclass
@@ -80,7 +81,8 @@ class PassResult:
 
 
 def recorded_figures(trace: Trace) -> RecordedFigures:
-    reserved = peak = segments = ooms = 0
+    reserved = peak = segments = 0
+    at_ooms: list[int] = []
     for e in trace.events:
         if e.action in SEGMENT_GROWS:
             reserved += e.size
@@ -89,8 +91,8 @@ def recorded_figures(trace: Trace) -> RecordedFigures:
         elif e.action in SEGMENT_SHRINKS:
             reserved -= e.size
         elif e.action == "oom":
-            ooms += 1
-    return RecordedFigures(peak, segments, ooms)
+            at_ooms.append(reserved)
+    return RecordedFigures(peak, segments, len(at_ooms), tuple(at_ooms))
 
 
 def check_starts_empty(trace: Trace) -> None:

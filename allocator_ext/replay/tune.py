@@ -115,7 +115,12 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
     survivors = [c for c in ranked if survives(c)]
     lines = []
     recorded_ooms = len(r["recorded_ooms"])
-    if recorded_ooms:
+    if recorded_ooms and not r["device_memory"] and r["memory_fraction"] is None:
+        lines.append(
+            f"The recorded run ran out of memory {recorded_ooms} time(s), but these replays "
+            "had no cap, so no error could recur: the ranking does not say whether another "
+            "setting would have avoided them (the cap line says which cap to give).")
+    elif recorded_ooms:
         recurs = [c.name for c in ranked if c.report["recorded_ooms_recurred"]]
         lines.append(
             f"The recorded run ran out of memory {recorded_ooms} time(s); replayed, the failed "

@@ -182,6 +182,39 @@ def test_pytorchs_settings_under_the_recorded_cap_reproduce_every_oom_and_retry(
     assert r["num_device_free"] == stats["num_device_free"]
 
 
+def test_a_trace_that_keeps_no_cap_says_its_errors_cannot_recur_and_which_cap_to_give(
+        tmp_path: Path) -> None:
+    """PyTorch's own snapshot of a run that filled its device keeps no cap: replayed without
+    one, its errors cannot recur. The report says so, and the cap that reproduces them: what
+    the run had reserved plus the device's free memory at each error."""
+    snapshot, stats = record_capped_run(total=256 * MiB, fraction=None, keep_cap=False)
+    assert stats["num_ooms"] >= 3
+    path = write(snapshot, tmp_path / "full.pickle.gz")
+    out = run_cli("replay", str(path), "--config", "native")
+    assert out.returncode == 0, out.stderr
+    assert (f"cap                none: the trace holds {stats['num_ooms']} out-of-memory "
+            "error(s) but keeps no cap, and without one none can recur: give --device-memory "
+            f"{256 * MiB} (256.00 MiB") in out.stdout
+    out = run_cli("replay", str(path), "--config", "native", "--device-memory", str(256 * MiB),
+                  "--json")
+    r = json.loads(out.stdout)
+    assert r["num_ooms"] == r["recorded_ooms_recurred"] == stats["num_ooms"]
+    assert r["num_alloc_retries"] == stats["num_alloc_retries"]
+    assert r["peak_reserved_bytes"] == stats["reserved_bytes.all.peak"]
+    # tune, likewise: no claim that a candidate avoids what cannot recur.
+    out = run_cli("tune", str(path), "--json")
+    assert "these replays had no cap, so no error could recur" in json.loads(out.stdout)["why"]
+
+
+def test_a_trace_whose_device_had_room_asks_for_the_memory_fraction() -> None:
+    snapshot, _ = record_capped_run(keep_cap=False)  # a fraction of 0.25 failed it
+    cap = resolve_cap(parse_snapshot(snapshot))
+    assert cap.device_memory == 0 and cap.memory_fraction is None
+    assert "a memory fraction was in force: give it with --memory-fraction" in cap.describe()
+    # Given the cap, no note: the errors can recur.
+    assert "none" not in resolve_cap(parse_snapshot(snapshot), 1 << 30, 0.25).describe()
+
+
 def test_tune_recommends_only_settings_under_which_no_recorded_oom_recurs(
         tmp_path: Path) -> None:
     snapshot, stats = record_capped_run()
