@@ -129,3 +129,20 @@ def test_wrap_breaks_after_separators_and_within_a_word_only_when_it_must(
         text: str, width: int, lines: list[str]) -> None:
     assert wrap(text, width).split("\n") == lines
     assert all(len(line) <= width for line in wrap(text, width).split("\n"))
+
+
+@pytest.mark.parametrize("command", ["replay", "tune"])
+@pytest.mark.parametrize("name,why", [
+    ("x.foo", "matplotlib cannot write .foo files"),
+    ("x", "the file's suffix must name its format"),  # matplotlib would write x.png
+])
+def test_a_plot_matplotlib_cannot_write_as_named_is_refused_before_any_replay(
+        command: str, name: str, why: str, tmp_path: Any,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from exporter.cli import main
+
+    assert main([command, str(EXAMPLE), "--plot", str(tmp_path / name)]) == 2
+    captured = capsys.readouterr()
+    assert f"--plot {tmp_path / name}: {why} (.png, .svg, .pdf, …)" in captured.err
+    assert captured.out == ""  # refused before replaying: nothing measured, nothing lost
+    assert list(tmp_path.iterdir()) == []
