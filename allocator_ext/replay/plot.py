@@ -46,7 +46,7 @@ def timeline_figure(timeline: Timeline, title: str,
 
     top = max(max(timeline.reserved, default=0), max(timeline.recorded_reserved, default=0),
               max(timeline.requested, default=0))
-    unit_name, unit = ("GiB", float(1 << 30)) if top >= 1 << 30 else ("MiB", float(1 << 20))
+    unit_name, unit = memory_unit(top)
 
     def scaled(values: list[int]) -> list[float]:
         return [v / unit for v in values]
@@ -88,10 +88,17 @@ def timeline_figure(timeline: Timeline, title: str,
     return fig
 
 
+def memory_unit(top: float) -> tuple[str, float]:
+    """The unit a picture of memory up to `top` bytes reads best in: GiB, else MiB."""
+    return ("GiB", float(1 << 30)) if top >= 1 << 30 else ("MiB", float(1 << 20))
+
+
 def wrap(text: str, width: int) -> str:
-    """`text` in lines of at most `width` characters, broken after spaces, commas and slashes
-    (a settings string or a path has no spaces), and within a word only where it is longer
-    than a line."""
+    """`text` in lines of at most `width` characters, broken where it breaks already and
+    after spaces, commas and slashes (a settings string or a path has no spaces), and within a
+    word only where it is longer than a line."""
+    if "\n" in text:
+        return "\n".join(wrap(line, width) for line in text.split("\n"))
     lines: list[str] = []
     line = ""
     for piece in re.findall(r"[^ ,/]+[ ,/]?|[ ,/]", text):

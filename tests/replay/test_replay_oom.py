@@ -18,6 +18,7 @@ from support.paths import RECORDED_TRACES, REPO
 
 from allocator_ext.replay import Replayer, TraceError, load_cost_table, load_trace, replay
 from allocator_ext.replay.cap import resolve_cap
+from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import RECORDING_KEY, parse_snapshot
 from allocator_ext.replay.tune import RECORDED, candidates_for, recommended, tune
 
@@ -236,6 +237,12 @@ def test_tune_recommends_only_settings_under_which_no_recorded_oom_recurs(
     [chosen] = [c for c in result["candidates"] if c["name"] == result["recommended"]["name"]]
     assert chosen["recorded_ooms_recurred"] == 0 and chosen["num_ooms"] == 0
     assert "only a candidate under which no out-of-memory error recurs" in result["why"]
+    # What PyTorch's defaults reserved stopped short of their failed requests: no "saving".
+    assert f"PyTorch's defaults ran out of memory {stats['num_ooms']} time(s) here." \
+        in result["why"]
+    assert "saves" not in result["why"]
+    assert f"reserves the least at its peak ({format_size(chosen['peak_reserved_bytes'])}, " \
+        in result["why"]
 
 
 def test_tune_says_there_is_no_recommendation_when_every_candidate_fails(
