@@ -207,7 +207,10 @@ def _check(field: dataclasses.Field, value: Any, path: str) -> Any:
 class _SettingsLoader(yaml.SafeLoader):
     """PyYAML's safe loader without aliases (settings need none, and they are how a few hundred
     bytes expand into gigabytes) and without duplicate keys (which would silently keep the
-    last)."""
+    last), and nested no deeper than MAX_NESTING (the settings nest four levels; deeper
+    nesting is only slow to parse)."""
+
+    MAX_NESTING = 32
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -215,7 +218,15 @@ class _SettingsLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(
                 None, None, f"found the alias *{event.anchor}: YAML aliases are refused in a "
                 "settings file", event.start_mark)
-        return super().compose_node(parent, index)
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > self.MAX_NESTING:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {self.MAX_NESTING} levels",
+                    self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen: set[Any] = set()
