@@ -14,10 +14,8 @@ Every section and field is listed in docs/sidecar.md.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import os
-import stat
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -25,6 +23,8 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
+
+from exporter.protocol.files import MAX_TOKEN_BYTES, read_regular_file
 
 # Integers with a range of their own (still plain ints to a type checker):
 Port = Annotated[int, "port"]            # 0-65535, 0 meaning any free port
@@ -35,7 +35,6 @@ S = TypeVar("S", bound="Section")
 
 MAX_FILE_BYTES = 1 << 20
 _SHOWN_CHARACTERS = 80
-MAX_TOKEN_BYTES = 4096
 MIN_TOKEN_BYTES = 16
 
 
@@ -256,25 +255,6 @@ def parse_yaml(text: bytes | str) -> Any:
         raise ConfigError("not valid YAML: parsing it exhausted the memory") from None
     except ValueError as err:  # an integer of more digits than Python converts
         raise ConfigError(f"not valid YAML: {err}") from None
-
-
-def read_regular_file(path: str | Path, limit: int) -> bytes:
-    """At most `limit` + 1 bytes of the regular file at `path` (links followed: a mounted
-    ConfigMap or Secret is one), so that a caller sees a file too large without reading it
-    all; OSError when it cannot be read or is no regular file (a FIFO would hold the reader
-    forever, a device like /dev/zero never end)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        chunks: list[bytes] = []
-        left = limit + 1
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def read_settings_file(path: str | Path) -> bytes:

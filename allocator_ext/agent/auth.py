@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
-MAX_TOKEN_BYTES = 4096
+from exporter.protocol.files import MAX_TOKEN_BYTES, read_regular_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +27,16 @@ class AgentToken:
         return cls(file, value) if file or value else None
 
     def read(self) -> str:
-        """The token now ("" when the file cannot be read yet: the sidecar then refuses the
-        stream, saying why, and the agent retries with its backoff)."""
+        """The token now ("" when the file cannot be read yet, or is no regular file of at most
+        MAX_TOKEN_BYTES: the sidecar then refuses the stream, saying why, and the agent retries
+        with its backoff). Read without blocking and bounded: a FIFO or /dev/zero named here
+        must neither hold the agent's connection thread nor fill the training process's
+        memory."""
         if self.value:
             return self.value.strip()
         try:
-            return Path(self.file).read_bytes()[:MAX_TOKEN_BYTES].decode("ascii").strip()
+            raw = read_regular_file(self.file, MAX_TOKEN_BYTES)
+            return raw.decode("ascii").strip() if len(raw) <= MAX_TOKEN_BYTES else ""
         except (OSError, UnicodeDecodeError):
             return ""
 

@@ -24,7 +24,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from exporter.config import MAX_FILE_BYTES, ConfigError, read_regular_file
+from exporter.config import MAX_FILE_BYTES, ConfigError
+from exporter.protocol.files import read_regular_file
 from exporter.sidecar.config import SidecarConfig, config_from_bytes
 
 log = logging.getLogger("exporter.reload")

@@ -132,3 +132,18 @@ def test_tcp_without_a_way_to_authenticate_is_refused(agents: dict, message: str
     with pytest.raises(ConfigError) as err:
         parse_config({"agents": agents})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "endless device", "too long"])
+def test_a_token_file_that_is_no_token_holds_up_and_fills_nothing_of_the_agent(
+        tmp_path: Path, kind: str) -> None:
+    """The path comes from the environment of the training process: a FIFO there would hold
+    the agent's connection thread for good (and its stop), /dev/zero fill the process's
+    memory. Either reads as no token at once, and the agent keeps retrying."""
+    path = tmp_path / "agent-token"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "too long":
+        path.write_text("a" * 5000)
+    token = AgentToken(file="/dev/zero" if kind == "endless device" else str(path))
+    assert token.read() == "" and token.metadata() == ()
