@@ -216,7 +216,12 @@ class Agent:
         options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0)]
         if self.tls is not None:
-            channel_cm = grpc.secure_channel(self.target, self.tls.credentials(),
+            try:
+                credentials = self.tls.credentials()
+            except OSError as err:
+                self._note_error(f"TLS: cannot read {err}")
+                return
+            channel_cm = grpc.secure_channel(self.target, credentials,
                                              options=options + self.tls.options())
         else:
             channel_cm = grpc.insecure_channel(self.target, options=options)

@@ -5,6 +5,7 @@ trusting another CA gets nothing through. Certificates are made with the openssl
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import time
 from pathlib import Path
@@ -93,3 +94,26 @@ def test_tls_settings_are_checked_and_named(tmp_path: Path, pki) -> None:
                                  "tls_key_file": str(tmp_path / "missing.key")}})
     with pytest.raises(ValueError, match="cannot read the CA file"):
         TlsSettings(str(tmp_path / "nope.crt")).check()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "endless device"])
+def test_a_tls_file_that_is_no_file_holds_up_nothing_of_the_agent(tmp_path: Path, pki,
+                                                                  kind: str) -> None:
+    """ALLOCWATCH_TLS_CA comes from the training process's environment: a FIFO there would
+    hold the agent's connection thread (and its stop) for good, /dev/zero fill the process's
+    memory. The agent names the file, stays unconnected and stops at once."""
+    ca = tmp_path / "ca.pem"
+    if kind == "fifo":
+        os.mkfifo(ca)
+    running = tls_sidecar(tmp_path, pki, mutual=False)
+    try:
+        agent = start_agent(running.sidecar.agent_targets[1], interval=0.1, source=FakeSource(),
+                            nvml=False, stop_at_exit=False, token=tcp_token(tmp_path),
+                            tls=TlsSettings(str(ca) if kind == "fifo" else "/dev/zero"))
+        wait_for(lambda: agent.last_error and "not a regular file" in agent.last_error,
+                 what="the agent naming the file")
+        started = time.monotonic()
+        agent.stop(1.0)
+        assert time.monotonic() - started < 2.0 and not agent.connected.is_set()
+    finally:
+        running.stop()
