@@ -245,16 +245,19 @@ class _SettingsLoader(yaml.SafeLoader):
 def parse_yaml(text: bytes | str) -> Any:
     """The settings file's YAML, parsed; ConfigError for what cannot be used, whatever its
     content: bad YAML, aliases, duplicate keys, nesting too deep, memory exhausted."""
+    # The error is raised after the handler: until then its traceback holds what the parser
+    # built, and a parse that exhausted the memory needs that memory back to say so.
     try:
         return yaml.load(text, Loader=_SettingsLoader)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as err:
-        raise ConfigError(f"not valid YAML: {err}") from None
+        why = str(err)
     except RecursionError:
-        raise ConfigError("not valid YAML: nested too deeply") from None
+        why = "nested too deeply"
     except MemoryError:
-        raise ConfigError("not valid YAML: parsing it exhausted the memory") from None
+        why = "parsing it exhausted the memory"
     except ValueError as err:  # an integer of more digits than Python converts
-        raise ConfigError(f"not valid YAML: {err}") from None
+        why = str(err)
+    raise ConfigError(f"not valid YAML: {why}")
 
 
 def read_settings_file(path: str | Path) -> bytes:

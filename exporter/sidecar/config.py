@@ -135,7 +135,8 @@ def config_from_bytes(data: bytes) -> SidecarConfig:
     try:
         return parse_config(parse_yaml(data))
     except MemoryError:
-        raise ConfigError("the settings exhausted the memory") from None
+        pass  # raised below, once the handler has let go of what was built
+    raise ConfigError("the settings exhausted the memory")
 
 
 def load_config(path: str | Path | None) -> SidecarConfig:

@@ -12,6 +12,7 @@ import os
 import resource
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -115,6 +116,29 @@ def test_deep_nesting_is_refused_at_once(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nested deeper than 32 levels"):
         load_config(path)
     assert time.monotonic() - started < 1.0  # composing all 50,000 levels takes seconds
+
+
+def test_a_file_whose_parse_exhausts_the_memory_is_a_refused_file(tmp_path: Path) -> None:
+    """A file within the size limit can still take more memory than a small container has
+    (PyYAML builds objects for every node): --check-config, in a child whose address space
+    is capped 48 MiB above what it has mapped once it has checked a small file, refuses it by
+    name."""
+    path = tmp_path / "wide.yaml"
+    path.write_text("agents:\n  max_agents: [" + "0, " * 340_000 + "0]\n")
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    child = textwrap.dedent("""\
+        import resource, sys
+        from exporter.cli import main
+        assert main(["sidecar", "--config", sys.argv[2], "--check-config"]) == 0  # imports
+        mapped = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + (48 << 20),) * 2)
+        sys.exit(main(["sidecar", "--config", sys.argv[1], "--check-config"]))
+        """)
+    result = subprocess.run([sys.executable, "-c", child, str(path), str(tmp_path / "empty.yaml")],
+                            capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-800:]
+    assert "exhausted the memory" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("text, key", [
