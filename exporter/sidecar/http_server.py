@@ -33,33 +33,39 @@ log = logging.getLogger("exporter.http")
 class Exposition:
     """/metrics bodies, built on one worker thread.
 
-    A scrape joins the build of its format that is queued and not yet started, else queues a
-    new one: every answer is built after its request arrived (never a stale body), at most one
-    build runs at a time, and N scrapers arriving together cost one build, not N."""
+    A scrape joins the build of its format that is queued or running, else queues a new one:
+    N scrapers arriving together cost one build and wait for one, not N. A joined body may
+    have started building before the request arrived, by less than one build's time: less
+    than the age of the agents' figures it shows (a report interval)."""
 
     def __init__(self, registry: CollectorRegistry):
         self._registry = registry
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="allocwatch-exposition")
-        self._lock = threading.Lock()
-        self._queued: dict[tuple[str, bool], concurrent.futures.Future[bytes]] = {}
+        # Reentrant: a build that ends before its done callback is added runs the callback at
+        # once, on the thread that holds the lock.
+        self._lock = threading.RLock()
+        self._building: dict[tuple[str, bool], concurrent.futures.Future[bytes]] = {}
 
     async def body(self, accept: str, accept_encoding: str) -> tuple[bytes, str, bool]:
         """(body, content type, gzip-compressed)."""
         encoder, content_type = choose_encoder(accept)
         compressed = gzip_accepted(accept_encoding)
         key = (content_type, compressed)
-        with self._lock:  # held across submit: the build cannot start before it is listed
-            future = self._queued.get(key)
+        with self._lock:  # held across submit: the build cannot end before it is listed
+            future = self._building.get(key)
             if future is None:
-                future = self._worker.submit(self._build, key, encoder, compressed)
-                self._queued[key] = future
+                future = self._worker.submit(self._build, encoder, compressed)
+                self._building[key] = future
+                future.add_done_callback(lambda done: self._built(key, done))
         return await asyncio.wrap_future(future), content_type, compressed
 
-    def _build(self, key: tuple[str, bool], encoder: Callable[[CollectorRegistry], bytes],
-               compressed: bool) -> bytes:
-        with self._lock:  # started: scrapes from now on queue a fresh build
-            self._queued.pop(key, None)
+    def _built(self, key: tuple[str, bool], done: concurrent.futures.Future[bytes]) -> None:
+        with self._lock:  # finished: scrapes from now on start a fresh build
+            if self._building.get(key) is done:
+                del self._building[key]
+
+    def _build(self, encoder: Callable[[CollectorRegistry], bytes], compressed: bool) -> bytes:
         body = encoder(self._registry)
         # Speed over size: scrapes are frequent.
         return gzip.compress(body, compresslevel=1) if compressed else body
