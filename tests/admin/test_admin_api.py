@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.admin import call
-from support.control import connect_agent, metric, start_control_sidecar, two_agents_running
+from support.control import connect_agent, metric, start_control_sidecar
 from support.sidecar import FakeSource, MiB, scrape
 
 from exporter.config import ConfigError
@@ -22,12 +22,6 @@ ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is no
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "4f1c0a9e7b2d4c6a8e0f1b3d5c7a9e2f"
-
-
-@pytest.fixture
-def two_agents(tmp_path: Path):
-    with two_agents_running(tmp_path) as running:
-        yield running
 
 
 def test_unix_socket_is_private_and_lists_agents_by_selector(two_agents) -> None:

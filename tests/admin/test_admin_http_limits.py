@@ -16,17 +16,11 @@ from pathlib import Path
 
 import pytest
 from support.admin import call, closed_now, closed_within, exchange, raw_socket
-from support.control import connect_agent, metric, start_control_sidecar, two_agents_running
+from support.control import connect_agent, metric, start_control_sidecar
 from support.sidecar import FakeSource
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "4f1c0a9e7b2d4c6a8e0f1b3d5c7a9e2f"
-
-
-@pytest.fixture
-def two_agents(tmp_path: Path):
-    with two_agents_running(tmp_path) as running:
-        yield running
 
 
 def _post(path: str, headers: str, body: bytes = b"") -> bytes:

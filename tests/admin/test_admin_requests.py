@@ -5,23 +5,15 @@ field, and nothing reaches an agent."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from support.admin import call
-from support.control import metric, two_agents_running
+from support.control import metric
 
 from exporter.config import ConfigError
 from exporter.sidecar.config import parse_config
 
 pytestmark = pytest.mark.timeout(60)
 MAX_SETTINGS_CHARACTERS = 4096  # what an agent accepts
-
-
-@pytest.fixture
-def two_agents(tmp_path: Path):
-    with two_agents_running(tmp_path) as running:
-        yield running
 
 
 @pytest.mark.parametrize("body, message", [

@@ -19,7 +19,7 @@ import pytest
 from support.admin import closed_now, closed_within, exchange, raw_socket
 from support.net import free_port
 from support.sidecar import FakeSource, scrape, values
-from support.waiting import wait_for
+from support.waiting import terminate, wait_for
 
 from allocator_ext.agent import start_agent
 from exporter.sidecar.app import SidecarThread
@@ -55,11 +55,7 @@ def sidecar_process(tmp_path: Path, extra_yaml: str = "") -> Iterator[tuple[str,
                  timeout=30, what="sidecar ready")
         yield url, f"unix://{socket_path}"
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        terminate(process)
         process.communicate()
 
 
