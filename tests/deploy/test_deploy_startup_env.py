@@ -1,0 +1,79 @@
+"""The start-up hook enabled through the environment alone: where a container's command cannot be
+rewritten (the admission policies, the kustomize Component), `ALLOCWATCH_RUN=1` does what
+`allocwatch run --` does. A `.pth` file installed beside the packages puts `allocwatch run`'s
+start-up folder first on the path when, and only when, the variable asks; the hook itself is
+the same one `allocwatch run` uses (allocator_ext/_autostart/sitecustomize.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from support.paths import REPO
+
+PTH = REPO / "allocator_ext" / "_autostart" / "allocwatch_autostart.pth"
+HOOK = REPO / "allocator_ext" / "_autostart" / "sitecustomize.py"
+WHICH_HOOK = (
+    "import sys; m = sys.modules.get('sitecustomize'); "
+    "print(getattr(m, '__file__', None)); "
+    "print(sum(p.endswith('_autostart') for p in sys.path))"
+)
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
+    clean.pop("PYTHONPATH", None)
+    # ALLOCWATCH_ALLOCATOR=0: the hook's own work (torch, the agent) is not what is tested here.
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**clean, "ALLOCWATCH_ALLOCATOR": "0", **env}, timeout=120,
+                          cwd=Path(sysconfig.get_paths()["purelib"]))
+
+
+def test_the_pth_file_is_installed_beside_the_packages() -> None:
+    installed = [Path(p) / PTH.name for p in sys.path if (Path(p) / PTH.name).is_file()]
+    assert installed, f"{PTH.name} is in no site directory: reinstall (pip install -e .)"
+    assert installed[0].read_text() == PTH.read_text()
+    # site executes a .pth line only when it starts with "import" and is one line
+    assert PTH.read_text().startswith("import ") and PTH.read_text().count("\n") == 1
+
+
+def test_without_the_variable_nothing_changes() -> None:
+    out = python(WHICH_HOOK)
+    assert out.returncode == 0, out.stderr
+    hook, on_path = out.stdout.split()
+    assert hook != str(HOOK) and on_path == "0"
+    assert out.stderr == ""
+
+
+def test_the_variable_enables_the_same_hook_as_allocwatch_run() -> None:
+    out = python(WHICH_HOOK, ALLOCWATCH_RUN="1")
+    assert out.returncode == 0, out.stderr
+    hook, on_path = out.stdout.split()
+    assert Path(hook).resolve() == HOOK.resolve() and on_path == "1"
+
+
+def test_under_allocwatch_run_as_well_the_hook_is_on_the_path_once() -> None:
+    out = python(f"import os; os.execv({sys.executable!r}, [{sys.executable!r}, '-m', "
+                 f"'exporter.cli', 'run', '--', {sys.executable!r}, '-c', {WHICH_HOOK!r}])",
+                 ALLOCWATCH_RUN="1")
+    assert out.returncode == 0, out.stderr
+    hook, on_path = out.stdout.split()
+    assert Path(hook).resolve() == HOOK.resolve() and on_path == "1"
+
+
+def test_the_line_cannot_fail_where_the_package_is_not_found() -> None:
+    """A broken or half-removed install must never stop the interpreter or print a line."""
+    code = (
+        "import os, sys\n"
+        "sys.path[:] = [p for p in sys.path if 'site-packages' not in p and p]\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__]\n"
+        "before = list(sys.path)\n"
+        f"exec(open({str(PTH)!r}).read())\n"
+        "print(sys.path == before)\n"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         env={"ALLOCWATCH_RUN": "1", "PATH": os.environ["PATH"]}, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "True" and out.stderr == "", out
