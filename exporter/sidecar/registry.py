@@ -132,6 +132,7 @@ class Registry:
         self.commands_total: Counter[tuple[str, str]] = Counter()
         self.stream_errors_total: Counter[str] = Counter()
         self.ever_connected = False
+        self._started = time.monotonic()
         # When the last connected agent left (monotonic); None while any is connected.
         self.all_gone_since: float | None = None
 
@@ -198,6 +199,11 @@ class Registry:
             if not state.connected and gone is not None and now - gone >= self.expiry_seconds:
                 del self._agents[key]
                 log.info("agent expired", extra={"agent": key})
+
+    def seconds_without_any_agent(self) -> float:
+        """How long the sidecar has waited for its first agent; 0 once one has connected."""
+        with self._lock:
+            return 0.0 if self.ever_connected else time.monotonic() - self._started
 
     def agents(self) -> list[AgentState]:
         """Current agents (connected, or departed but not yet expired), oldest first."""

@@ -68,6 +68,7 @@ SIDECAR_METRICS = frozenset(
         "allocwatch_gpu_memory_used_bytes",
         "allocwatch_process_gpu_memory_used_bytes",
         "allocwatch_agents_connected",
+        "allocwatch_agent_wait_seconds",
         "allocwatch_agent_last_report_timestamp_seconds",
         "allocwatch_reports_received_total",
         "allocwatch_agent_dropped_reports_total",
