@@ -1,8 +1,10 @@
 """Allocator snapshots written by the agent for the sidecar to fetch.
 
 Files are gzip-compressed pickles in the layout of torch.cuda.memory._snapshot(), so PyTorch's
-memory viewer opens them. Stack frames (which hold source paths) are removed unless asked for;
-the files are readable by owner and group only (the pod's containers share the group).
+memory viewer opens them (`gunzip -c F | python -m torch.cuda._memory_viz trace_plot - -o
+F.html`). Stack frames (which hold source paths) are removed unless asked for. Files are
+readable by owner and group only, whatever the process's umask: the sidecar makes the directory
+set-group-ID (exporter/admin/snapshot_dir.py), so they belong to its group whoever writes them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def write_snapshot(directory: Path, snapshot: dict[str, Any], *, rank: int, devi
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), FILE_MODE)  # a umask of 077 must not hide it from the group
         f.write(data)
     os.replace(tmp, path)  # the sidecar never sees a half-written file
     return path, len(data)
