@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from allocator_ext.agent.history import with_starting_state
+
 DEFAULT_MAX_BYTES = 256 << 20
 FILE_MODE = 0o640
 
@@ -32,7 +34,11 @@ def strip_frames(value: Any) -> Any:
 
 def write_snapshot(directory: Path, snapshot: dict[str, Any], *, rank: int, device: int,
                    include_frames: bool, max_bytes: int) -> tuple[Path, int]:
-    """Write the snapshot; returns (path, size). ValueError when larger than max_bytes."""
+    """Write the snapshot; returns (path, size). ValueError when larger than max_bytes.
+
+    A history that began with memory in use is preceded by that state (agent.history), so
+    that the file replays."""
+    snapshot = with_starting_state(snapshot)
     if not include_frames:
         snapshot = strip_frames(snapshot)
     data = gzip.compress(pickle.dumps(snapshot, protocol=4), compresslevel=6)

@@ -58,3 +58,51 @@ def test_pytorch_source_on_the_gpu(tmp_path: Path) -> None:
         agent.stop()
         running.stop()
         del keep
+
+
+def test_record_history_mid_run_with_pytorchs_allocator(tmp_path: Path) -> None:
+    """record_history on PyTorch's allocator, switched on while tensors are live: the snapshot
+    replays (its prologue holds them) and PyTorch's memory viewer reads it."""
+    import gzip
+    import pickle
+    import subprocess
+    import sys
+
+    from allocator_ext.agent.history import PROLOGUE
+    from allocator_ext.replay.engine import replay
+    from allocator_ext.replay.trace import parse_snapshot
+
+    running = start_sidecar(tmp_path)
+    torch.cuda.init()
+    device = torch.device("cuda", 0)
+    weights = [torch.empty(64 * MiB, dtype=torch.uint8, device=device) for _ in range(3)]
+    agent = start_agent(running.sidecar.agent_targets[0], interval=0.1, source="pytorch",
+                        identity={"rank": 0}, snapshot_dir=tmp_path / "snapshots",
+                        stop_at_exit=False)
+    try:
+        wait_for(lambda: running.sidecar.registry.agents(), what="the agent")
+        session = running.sidecar.registry.agents()[0].session
+        on = running.call(session.send(pb.Command(
+            cuda_device=0, record_history=pb.RecordHistory(enabled=True, max_entries=100_000))))
+        assert on.status == pb.CommandResult.OK, on.message
+        for step in range(20):
+            activations = [torch.empty((step + 1) * k * MiB, dtype=torch.uint8, device=device)
+                           for k in (1, 2, 3)]
+            del activations
+        taken = running.call(session.send(pb.Command(cuda_device=0, snapshot=pb.Snapshot())))
+        assert taken.status == pb.CommandResult.OK, taken.message
+        data = pickle.loads(gzip.decompress(Path(taken.snapshot_path).read_bytes()))
+        trace = data["device_traces"][0]
+        assert any(e.get("user_metadata") == PROLOGUE for e in trace)
+        replay(parse_snapshot(data, device=0), config="native")
+        viewer = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot",
+                                 "-", "-o", str(tmp_path / "t.html")],
+                                input=pickle.dumps(data), capture_output=True, timeout=120)
+        assert viewer.returncode == 0, viewer.stderr.decode()
+        off = running.call(session.send(pb.Command(
+            cuda_device=0, record_history=pb.RecordHistory(enabled=False))))
+        assert off.status == pb.CommandResult.OK, off.message
+    finally:
+        agent.stop()
+        running.stop()
+        del weights

@@ -50,6 +50,11 @@ def cmd_reset_peaks(args: argparse.Namespace, client: AdminClient, out: TextIO) 
     return _emit(args, client.post("/v1/reset-peaks", selectors(args)), out)
 
 
+def cmd_record_history(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    body = {"enabled": args.state == "start", "max_entries": args.max_entries, **selectors(args)}
+    return _emit(args, client.post("/v1/record-history", body), out)
+
+
 def cmd_snapshot(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
     answer = client.post("/v1/snapshot", {"frames": args.frames, **selectors(args)})
     status = _emit(args, answer, out)
@@ -77,6 +82,7 @@ COMMANDS = {
     "reclaim": cmd_reclaim,
     "snapshot": cmd_snapshot,
     "reset-peaks": cmd_reset_peaks,
+    "record-history": cmd_record_history,
     "diagnose": cmd_diagnose,
 }
 
