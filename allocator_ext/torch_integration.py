@@ -1,15 +1,20 @@
 """allocwatch's allocator as PyTorch's CUDA allocator.
 
-``install()`` swaps it in through ``torch.cuda.memory.CUDAPluggableAllocator`` — the library
-is this package's compiled core, which exports the allocation functions and every hook PyTorch
-offers (record_stream, empty_cache, memory fraction, CUDA graph pools) — and makes PyTorch's
-statistics functions report its figures, since PyTorch raises for pluggable allocators.
+``install()`` makes the core PyTorch's allocator through the native back end
+(allocator_ext/native/): allocwatch's implementation of PyTorch's C++ allocator interface,
+built once against the installed torch, so that every caller reaches the core. Where the back
+end cannot be built or loaded it falls back, with a warning naming what then does not work, to
+``torch.cuda.memory.CUDAPluggableAllocator`` with every hook PyTorch offers (record_stream,
+empty_cache, memory fraction, CUDA graph pools), and makes PyTorch's statistics functions
+report the core's figures, since PyTorch raises for pluggable allocators.
 
 Settings, each layer overriding the keys it names: allocwatch's defaults, then the keys of
 ``PYTORCH_CUDA_ALLOC_CONF`` (so a job's existing settings keep working), then
 ``ALLOCWATCH_ALLOC_CONF``, then the ``config`` argument. ``ALLOCWATCH_DISABLE=1``, an untested
-torch version, a missing driver or ``backend:cudaMallocAsync`` leave PyTorch's allocator in
-place, with a warning that says why; the agent then reports PyTorch's own allocator.
+torch version, a CPU build of torch, a missing driver or ``backend:cudaMallocAsync`` leave
+PyTorch's allocator in place, with a warning that says why; the agent then reports PyTorch's
+own allocator. Nothing here calls the CUDA driver: the allocator is installed before CUDA
+starts, and CUDA starts when the program first uses it.
 """
 
 from __future__ import annotations
@@ -37,8 +42,15 @@ _EXPORTS = {
 _STAT_ARRAYS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
                 "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
 
+# What the pluggable path cannot serve (docs/torch.md), for the fallback's warning.
+PLUGGABLE_LIMITS = (
+    "C++ callers of the statistics and torch.accelerator.memory_stats(), cuDNN benchmark mode "
+    "(cacheInfo), memory history and snapshots with stacks, torch.compile's CUDA graph trees "
+    "(mode=\"reduce-overhead\"), torch.cuda.MemPool, CUDA IPC, NCCL's allocator hooks, "
+    "get_per_process_memory_fraction, torch.cuda.OutOfMemoryError")
+
 _installed = False
-_native = False  # through the native shim rather than the pluggable path
+_native = False  # through the native back end rather than the pluggable path
 
 
 class InstallError(RuntimeError):
@@ -46,11 +58,12 @@ class InstallError(RuntimeError):
 
 
 def installed() -> bool:
+    """Whether install() made allocwatch's allocator PyTorch's in this process."""
     return _installed
 
 
 def native() -> bool:
-    """Whether the native shim (not the pluggable path) serves PyTorch."""
+    """Whether the native back end (not the pluggable path) serves PyTorch."""
     return _native
 
 
@@ -59,12 +72,15 @@ def _torch_version(torch: Any) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _layers(config: str | None) -> list[str]:
+def _layers(config: str | None) -> list[tuple[str, str]]:
+    """The settings layers, lowest first, with where each came from."""
     layers = []
     pytorch_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
-    for text in (pytorch_conf, os.environ.get("ALLOCWATCH_ALLOC_CONF"), config):
+    for origin, text in (("PYTORCH_CUDA_ALLOC_CONF", pytorch_conf),
+                         ("ALLOCWATCH_ALLOC_CONF", os.environ.get("ALLOCWATCH_ALLOC_CONF")),
+                         ("config", config)):
         if text:
-            layers.append(text)
+            layers.append((origin, text))
     return layers
 
 
@@ -78,10 +94,10 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
 
     Must run before CUDA is initialised (before the first CUDA tensor); raises InstallError
     after that, and ValueError (naming the key) for a bad setting, changing nothing.
-    native: through the native shim built against this torch (default: ALLOCWATCH_NATIVE=1);
-    where it cannot be built, a warning says why and the pluggable path serves.
+    native: through the native back end (default; ALLOCWATCH_NATIVE=0 asks for the pluggable
+    path); where it cannot be built, a warning says why and the pluggable path serves.
     """
-    global _installed
+    global _installed, _native
     if _installed:
         return True
     import torch
@@ -99,45 +115,69 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
             "the training script, before any CUDA tensor, or start the job with "
             "`allocwatch run -- python train.py ...`")
     layers = _layers(config)
-    if any("cudaMallocAsync" in text for text in layers):
+    if any("cudaMallocAsync" in text for _, text in layers):
         return _fallback("the settings ask for backend:cudaMallocAsync")
-    for text in layers:
-        _core.parse_config(text)  # validate every layer before changing anything
+    ours, pytorch_only = _split_layers(layers)
+    base = None
+    for text in ours:  # validate every layer before changing anything
+        base = _core.parse_config(text, base)["string"]
+    if torch.version.cuda is None:
+        return _fallback(f"torch {torch.__version__} is a CPU build")
     try:
-        ctypes.CDLL("libcuda.so.1")
+        ctypes.CDLL("libcuda.so.1")  # loads the library only: no driver call
     except OSError as e:
         return _fallback(f"no NVIDIA driver found ({e})")
-    if not torch.cuda.is_available():
-        return _fallback("torch sees no CUDA device")
 
-    for text in layers:
+    for text in ours:
         _core.torch_configure(text)
     library = _core.__file__
-    global _native
     if native is None:
-        native = os.environ.get("ALLOCWATCH_NATIVE", "") not in ("", "0")
-    _native = native and _install_native(library)
+        native = os.environ.get("ALLOCWATCH_NATIVE", "1") != "0"
+    _native = native and _install_native(library, pytorch_only)
     if not _native:
-        _install_pluggable(torch, library)
-    _patch_statistics(torch)
+        try:
+            _install_pluggable(torch, library)
+        except (AttributeError, RuntimeError, OSError) as e:
+            return _fallback(f"neither the native back end nor the pluggable path could be "
+                             f"installed ({type(e).__name__}: {e})")
+        _patch_statistics(torch)
+        reason = "ALLOCWATCH_NATIVE=0" if not native else "the native back end is unavailable"
+        warnings.warn(f"allocwatch: serving PyTorch through its pluggable path ({reason}), "
+                      f"which does not serve: {PLUGGABLE_LIMITS} (docs/torch.md)", stacklevel=2)
     _installed = True
     _start_agent_for_ours()
-    if not _native and torch.backends.cudnn.benchmark:
-        warnings.warn(
-            "allocwatch: cuDNN benchmark mode asks the allocator for cacheInfo(), which PyTorch's "
-            "pluggable path does not serve; set torch.backends.cudnn.benchmark = False "
-            "(see docs/torch.md)", stacklevel=2)
     return True
 
 
-def _install_native(library: str) -> bool:
-    """Through the native shim; False (with a warning saying why) where it cannot be built."""
-    from allocator_ext import native_shim
+def _split_layers(layers: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """Each layer's settings for the core; PyTorch's own keys of PYTORCH_CUDA_ALLOC_CONF that
+    the native back end serves besides (per_process_memory_fraction) as "key:value". Other keys
+    of PyTorch's (pinned memory, graph capture) stay PyTorch's; allocwatch's own layers are the
+    core's syntax, where an unknown key is an error."""
+    ours, pytorch_only = [], []
+    for origin, text in layers:
+        if origin != "PYTORCH_CUDA_ALLOC_CONF":
+            ours.append(text)
+            continue
+        known, others = _core.known_settings(text)
+        if known:
+            ours.append(known)
+        pytorch_only += [f"{key}:{value}" for key, value in others
+                         if key == "per_process_memory_fraction"]
+    return ours, pytorch_only
+
+
+def _install_native(library: str, pytorch_only: list[str]) -> bool:
+    """Through the native back end; False (with a warning saying why) where it cannot be
+    built or installed."""
+    from allocator_ext import native
 
     try:
-        native_shim.install(library)
-    except native_shim.NativeShimError as err:
-        warnings.warn(f"allocwatch: {err}; using the pluggable path", stacklevel=3)
+        native.install(library)
+        for settings in pytorch_only:
+            native.apply_settings(settings)
+    except native.NativeError as err:
+        warnings.warn(f"allocwatch: native back end unavailable: {err}", stacklevel=3)
         return False
     return True
 
@@ -257,12 +297,8 @@ def _start_agent_for_ours() -> None:
 
 
 def install_at_startup() -> None:
-    """For `allocwatch run`: install where torch is present (a launcher without torch, or a
-    helper process, is left alone), and start the agent either way."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return
+    """For `allocwatch run`, right after the program imported torch: install, and start the
+    agent either way (with PyTorch's allocator as its source where allocwatch's is not in)."""
     if os.environ.get("ALLOCWATCH_ALLOCATOR", "1") == "0" or not install():
         from allocator_ext.agent import maybe_start_from_env
 

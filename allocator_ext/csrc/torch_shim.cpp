@@ -36,10 +36,28 @@ namespace allocwatch::torch_shim {
 
 namespace {
 
-std::mutex g_mutex;
+// Never destroyed: tensors held by static objects (cuBLAS workspaces, CUDA graphs) are freed
+// while the process exits, after static destructors have run, and still reach their allocator.
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<CachingAllocator>> allocators;
+  std::vector<std::function<void(int, const TraceEntry&)>> observers;
+};
+Registry& registry() {
+  static Registry* r = new Registry();
+  return *r;
+}
+std::mutex& g_mutex = registry().mutex;
+std::vector<std::shared_ptr<CachingAllocator>>& g_allocators = registry().allocators;
+std::vector<std::function<void(int, const TraceEntry&)>>& g_observers = registry().observers;
 AllocatorConfig g_config = AllocatorConfig::allocwatch();
-std::vector<std::shared_ptr<CachingAllocator>> g_allocators;
-std::vector<double> g_pending_fractions;
+// What every allocator gets when it is made (set_history, add_trace_observer, ...).
+struct History {
+  bool enabled = false;
+  std::size_t max_entries = 1;
+  std::uint32_t skipped = 0;
+} g_history;
+double g_default_fraction = -1.0;  // none
 
 // The hot path (every tensor's malloc and free) reads the device's allocator from here without
 // the mutex or a shared_ptr copy: allocators are made once and live as long as the process
@@ -51,7 +69,7 @@ StreamId stream_id(cudaStream_t s) { return reinterpret_cast<StreamId>(s); }
 
 // The device behind each allocator: the GPU through libcuda, or, with ALLOCWATCH_SHIM_DEVICE=sim
 // (its capacity in ALLOCWATCH_SHIM_SIM_BYTES), the simulated device, so that the entry points
-// PyTorch calls can be exercised on a machine without a GPU (tests/test_torch_shim_abi.py).
+// PyTorch calls can be exercised on a machine without a GPU (tests/pytorch/test_torch_shim_abi.py).
 std::shared_ptr<Device> make_device(int device) {
   const char* kind = std::getenv("ALLOCWATCH_SHIM_DEVICE");
   if (kind != nullptr && std::string(kind) == "sim") {
@@ -70,6 +88,11 @@ void configure(const std::string& settings) {
     if (a) a->set_config(settings);
 }
 
+AllocatorConfig current_config() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_config;
+}
+
 std::shared_ptr<CachingAllocator> get(int device, bool create) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (device < 0) throw std::invalid_argument("allocwatch: negative device index");
@@ -80,17 +103,17 @@ std::shared_ptr<CachingAllocator> get(int device, bool create) {
   auto& slot = g_allocators[device];
   if (!slot && create) {
     slot = std::make_shared<CachingAllocator>(make_device(device), g_config);
-    if (static_cast<std::size_t>(device) < g_pending_fractions.size() &&
-        g_pending_fractions[device] > 0) {
-      slot->set_memory_fraction(g_pending_fractions[device]);
+    if (g_default_fraction >= 0.0) slot->set_memory_fraction(g_default_fraction);
+    if (g_history.enabled) slot->record_history(true, g_history.max_entries);
+    slot->set_trace_skipped(g_history.skipped);
+    for (const auto& observer : g_observers) {
+      slot->add_trace_observer([observer, device](const TraceEntry& e) { observer(device, e); });
     }
     if (static_cast<std::size_t>(device) < kFastDevices)
       g_fast[device].store(slot.get(), std::memory_order_release);
   }
   return slot;
 }
-
-namespace {
 
 CachingAllocator& hot(int device) {
   if (device >= 0 && static_cast<std::size_t>(device) < kFastDevices) {
@@ -99,11 +122,57 @@ CachingAllocator& hot(int device) {
   return *get(device, true);  // first use of the device (or one beyond the fast table)
 }
 
-}  // namespace
-
 std::vector<std::shared_ptr<CachingAllocator>> all() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_allocators;
+}
+
+bool free_any(void* ptr) {
+  // One lookup and one lock per allocator tried: the free itself says whether it was its block.
+  for (std::size_t d = 0; d < kFastDevices; ++d) {
+    CachingAllocator* a = g_fast[d].load(std::memory_order_acquire);
+    if (a != nullptr && a->free_if_owned(ptr)) return true;
+  }
+  for (auto& a : all()) {
+    if (a && a->free_if_owned(ptr)) return true;
+  }
+  return false;
+}
+
+void set_history(bool enabled, std::size_t max_entries, bool clear, std::uint32_t skipped) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_history = History{enabled, max_entries, skipped};
+  for (auto& a : g_allocators) {
+    if (!a) continue;
+    a->record_history(enabled, max_entries);
+    a->set_trace_skipped(skipped);
+    if (clear) a->clear_history();
+  }
+}
+
+void add_trace_observer(std::function<void(int, const TraceEntry&)> observer) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (std::size_t d = 0; d < g_allocators.size(); ++d) {
+    if (!g_allocators[d]) continue;
+    const int device = static_cast<int>(d);
+    g_allocators[d]->add_trace_observer(
+        [observer, device](const TraceEntry& e) { observer(device, e); });
+  }
+  g_observers.push_back(std::move(observer));
+}
+
+void set_default_memory_fraction(double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
+    throw std::invalid_argument("allocwatch: memory fraction " + std::to_string(fraction) +
+                                " is outside [0, 1]");
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_default_fraction = fraction;
+}
+
+double default_memory_fraction() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_default_fraction;
 }
 
 }  // namespace allocwatch::torch_shim
@@ -177,14 +246,7 @@ __attribute__((visibility("default"))) void* allocwatch_torch_try_malloc(
 
 // free() whose device the caller does not know (a DataPtr's deleter gets only the pointer).
 __attribute__((visibility("default"))) void allocwatch_torch_free_any(void* ptr) {
-  // One lookup and one lock per allocator tried: the free itself says whether it was its block.
-  for (std::size_t d = 0; d < kFastDevices; ++d) {
-    CachingAllocator* a = g_fast[d].load(std::memory_order_acquire);
-    if (a != nullptr && a->free_if_owned(ptr)) return;
-  }
-  for (auto& a : all()) {
-    if (a && a->free_if_owned(ptr)) return;
-  }
+  if (free_any(ptr)) return;
   Text msg;
   msg << "allocwatch: free of " << ptr << ", which no device's allocator handed out "
       << "(or which was already freed)";

@@ -1,7 +1,11 @@
-// The per-device allocators that serve PyTorch through the pluggable path (torch_shim.cpp),
-// for the Python binding: settings, statistics and snapshots of the allocator torch uses.
+// The per-device allocators that serve PyTorch, through the pluggable path (torch_shim.cpp's
+// C functions) or the native back end (torch_backend.h): one registry for both and for the
+// Python binding (settings, statistics and snapshots of the allocator torch uses).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,8 +16,24 @@ namespace allocwatch::torch_shim {
 
 // Settings for allocators made from now on, and applied to those that exist (named keys only).
 void configure(const std::string& settings);
+// The settings allocators made from now on get.
+AllocatorConfig current_config();
 // The allocator of `device`; with create=false, nullptr if torch has not used the device yet.
 std::shared_ptr<CachingAllocator> get(int device, bool create);
 std::vector<std::shared_ptr<CachingAllocator>> all();
+// The hot path's lookup: the device's allocator, made on first use.
+CachingAllocator& hot(int device);
+// free() of a pointer whose device the caller does not know (a DataPtr's deleter): false when
+// no device's allocator handed it out.
+bool free_any(void* ptr);
+
+// Process-wide, for the allocators that exist and those made later: the history's recording
+// (clear: drop what was recorded), observers of every trace event (with the device's index),
+// and the memory fraction that new allocators start with (PyTorch's per_process_memory_fraction;
+// default_memory_fraction() is negative while none is set).
+void set_history(bool enabled, std::size_t max_entries, bool clear, std::uint32_t skipped);
+void add_trace_observer(std::function<void(int device, const TraceEntry&)> observer);
+void set_default_memory_fraction(double fraction);
+double default_memory_fraction();
 
 }  // namespace allocwatch::torch_shim

@@ -1,8 +1,8 @@
 """Pricing device calls: each kind costs a fixed part plus a part per byte.
 
 The table lives in one place, ``allocator_ext/data/device_costs.json``, written by
-``bench/device_call_costs`` on an H200 (its command and date are in the file). A replay counts
-the simulated device's calls and prices them with it, so settings that fragment less but call
+``bench/native/device_call_costs`` on an H200 (its command and date are in the file). A replay
+counts the simulated device's calls and prices them with it, so settings that fragment less but call
 the device more pay for it in the report.
 """
 

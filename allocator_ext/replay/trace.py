@@ -21,7 +21,15 @@ REPLAYED_ACTIONS = {"alloc", "free_requested", "free_completed"}
 SEGMENT_ACTIONS = {"segment_alloc", "segment_free", "segment_map", "segment_unmap"}
 KNOWN_ACTIONS = REPLAYED_ACTIONS | SEGMENT_ACTIONS | {"oom", "snapshot", "user_defined"}
 
+# What a snapshot cannot say about its run and allocwatch's recorders keep in it under this key
+# (bench/replay/record_traces.py writes it):
+# {"memory_fraction": F or None, "device_total_bytes": N}.
+RECORDING_KEY = "allocwatch_recording"
+
 MAX_TRACE_BYTES = 2 << 30  # refuse absurd inputs before decompressing them into memory
+# Gaps between events longer than this are idle time (data loading, evaluation, a pause),
+# not allocator-relevant activity.
+ACTIVE_GAP_CAP_US = 100_000
 
 
 class TraceError(ValueError):
@@ -45,6 +53,15 @@ class TraceEvent:
     time_us: int
 
 
+@dataclass(frozen=True)
+class RecordedLimits:
+    """The recorded run's memory limits, where the snapshot keeps them (RECORDING_KEY): the
+    per-process memory fraction in force and the device total it is a fraction of."""
+
+    memory_fraction: float | None = None
+    device_total_bytes: int | None = None
+
+
 @dataclass
 class Trace:
     """One device's history from a snapshot, plus the snapshot's own figures."""
@@ -54,6 +71,7 @@ class Trace:
     device: int
     allocator_settings: dict[str, Any] = field(default_factory=dict)
     final_segments: list[dict[str, Any]] = field(default_factory=list)
+    limits: RecordedLimits = field(default_factory=RecordedLimits)
 
     @property
     def recorded_config(self) -> str:
@@ -76,19 +94,21 @@ def peak_requested_bytes(trace: Trace) -> int:
     return peak
 
 
+def trace_seconds(trace: Trace) -> float:
+    """The trace's active time: gaps between events, each capped (idle time is not work)."""
+    total = 0
+    times = [e.time_us for e in trace.events]
+    for a, b in zip(times, times[1:], strict=False):
+        total += min(max(b - a, 0), ACTIVE_GAP_CAP_US)
+    return total / 1e6
+
+
 def free_completes_at_once(events: list[TraceEvent], i: int) -> bool:
     """Whether the free requested at events[i] took effect at once (its `free_completed` is the
     next event) rather than after the block's work on other streams: a cross-stream wait,
     which a replay makes the block wait for (record_stream on a stream of its own)."""
     nxt = events[i + 1] if i + 1 < len(events) else None
     return nxt is not None and nxt.action == "free_completed" and nxt.addr == events[i].addr
-
-
-def allocs_and_frees(trace: Trace) -> list[tuple[str, int, int, int]]:
-    """The program's own requests, (action, address, size, stream) for each `alloc` and
-    `free_requested`: what a loop that repeats the trace's pattern replays (the demo)."""
-    return [(e.action, e.addr, e.size, e.stream) for e in trace.events
-            if e.action in ("alloc", "free_requested")]
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -124,12 +144,35 @@ def _event(raw: Any, index: int) -> TraceEvent:
     if not isinstance(action, str):
         raise TraceError(f"event {index} has no 'action' string")
     values = {}
-    for key in ("addr", "size", "stream", "time_us"):
+    # PyTorch writes an out-of-memory event's device free memory where others have an address.
+    addr_key = "device_free" if action == "oom" and "device_free" in raw else "addr"
+    for key in (addr_key, "size", "stream", "time_us"):
         v = raw.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise TraceError(f"event {index} ({action}) has a bad '{key}': {v!r}")
         values[key] = v
-    return TraceEvent(action, values["addr"], values["size"], values["stream"], values["time_us"])
+    return TraceEvent(action, values[addr_key], values["size"], values["stream"],
+                      values["time_us"])
+
+
+def _recorded_limits(data: dict[str, Any], path: str) -> RecordedLimits:
+    recording = data.get(RECORDING_KEY)
+    if recording is None:
+        return RecordedLimits()
+    if not isinstance(recording, dict):
+        raise TraceError(f"{path}: '{RECORDING_KEY}' is a {type(recording).__name__}, not a dict")
+    fraction = recording.get("memory_fraction")
+    if fraction is not None and (isinstance(fraction, bool)
+                                 or not isinstance(fraction, (int, float))
+                                 or not 0 < fraction <= 1):
+        raise TraceError(f"{path}: {RECORDING_KEY}['memory_fraction'] must be a number in "
+                         f"(0, 1] or None, not {fraction!r}")
+    total = recording.get("device_total_bytes")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int)
+                              or total <= 0):
+        raise TraceError(f"{path}: {RECORDING_KEY}['device_total_bytes'] must be a positive "
+                         f"integer or None, not {total!r}")
+    return RecordedLimits(None if fraction is None else float(fraction), total)
 
 
 def parse_snapshot(data: Any, path: str = "<snapshot>", device: int | None = None) -> Trace:
@@ -149,6 +192,8 @@ def parse_snapshot(data: Any, path: str = "<snapshot>", device: int | None = Non
         device = active[0]
     if not 0 <= device < len(traces):
         raise TraceError(f"{path}: no trace for device {device} (devices: 0..{len(traces) - 1})")
+    if not traces[device]:
+        raise TraceError(f"{path}: the snapshot holds no recorded events for device {device}")
     events = [_event(e, i) for i, e in enumerate(traces[device])]
     settings = data.get("allocator_settings")
     segments = data.get("segments")
@@ -160,6 +205,7 @@ def parse_snapshot(data: Any, path: str = "<snapshot>", device: int | None = Non
         final_segments=[s for s in segments if isinstance(s, dict)]
         if isinstance(segments, list)
         else [],
+        limits=_recorded_limits(data, path),
     )
 
 

@@ -2,8 +2,12 @@
 
 Each candidate is replayed on the simulated device; the recommendation is the candidate with
 the lowest peak reserved memory among those that never ran out of memory, ties going to fewer
-retries, then to cheaper device calls. PyTorch-expressible candidates are also reported as a
-PYTORCH_CUDA_ALLOC_CONF string, for jobs that keep PyTorch's allocator.
+retries, then to cheaper device calls. On a trace that ended in out-of-memory errors, the replay
+makes the requests that failed too, so a candidate under which one recurs ran out of memory and
+is never recommended; the settings the trace was recorded under are a candidate of their own.
+Where every candidate runs out of memory there is no recommendation. PyTorch-expressible
+candidates are also reported as a PYTORCH_CUDA_ALLOC_CONF string, for jobs that keep PyTorch's
+allocator.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import allocator_ext as ae
 from allocator_ext.replay.engine import replay
 from allocator_ext.replay.trace import Trace
+
+RECORDED = "recorded settings"
 
 # (name, settings, whether PyTorch's own allocator understands them)
 CANDIDATES: list[tuple[str, str | None, bool]] = [
@@ -46,19 +53,45 @@ def _pytorch_conf(settings: str) -> str:
     return ",".join(keys)
 
 
+def survives(c: Candidate) -> bool:
+    """Never ran out of memory (so no recorded out-of-memory error recurred either)."""
+    return c.report["num_ooms"] == 0
+
+
 def rank_key(c: Candidate) -> tuple:
     r = c.report
-    return (r["num_ooms"] > 0, r["peak_reserved_bytes"], r["num_alloc_retries"],
+    return (not survives(c), r["peak_reserved_bytes"], r["num_alloc_retries"],
             r["device_call_seconds_estimate"])
+
+
+def _canonical(settings: str | None) -> str | None:
+    try:
+        return str(ae.parse_config(settings or "")["string"])
+    except ValueError:
+        return None
+
+
+def candidates_for(trace: Trace) -> list[tuple[str, str | None, bool]]:
+    """CANDIDATES, and first the settings the trace was recorded under where none of them is
+    those (a recording's settings PyTorch's allocator understood, on top of its defaults)."""
+    conf = trace.recorded_config
+    if not conf:
+        return list(CANDIDATES)
+    settings = conf if conf.startswith("native") else f"native,{conf}"
+    recorded = _canonical(settings)
+    if recorded is None or recorded in {_canonical(c[1]) for c in CANDIDATES}:
+        return list(CANDIDATES)
+    return [(RECORDED, settings, True), *CANDIDATES]
 
 
 def tune(trace: Trace, device_memory: int = 0, memory_fraction: float | None = None,
          candidates: list[tuple[str, str | None, bool]] | None = None,
          progress: Callable[[int], None] | None = None) -> list[Candidate]:
-    """Replays every candidate; returns them best first (see rank_key)."""
+    """Replays every candidate (default: candidates_for(trace)); returns them best first (see
+    rank_key)."""
     results: list[Candidate] = []
     n = len(trace.events)
-    for i, (name, settings, pytorch_ok) in enumerate(candidates or CANDIDATES):
+    for i, (name, settings, pytorch_ok) in enumerate(candidates or candidates_for(trace)):
         def step(done: int, base: int = i * n) -> None:
             if progress is not None:
                 progress(base + done)
@@ -70,22 +103,37 @@ def tune(trace: Trace, device_memory: int = 0, memory_fraction: float | None = N
     return sorted(results, key=rank_key)
 
 
+def recommended(ranked: list[Candidate]) -> Candidate | None:
+    """The best candidate, if any never ran out of memory."""
+    return ranked[0] if ranked and survives(ranked[0]) else None
+
+
 def explain(best: Candidate, ranked: list[Candidate]) -> str:
-    """Why the recommendation won, in a sentence or two."""
+    """Why the recommendation won (or, where every candidate ran out of memory, why there is
+    none), in a sentence or two."""
     r = best.report
-    survivors = [c for c in ranked if c.report["num_ooms"] == 0]
+    survivors = [c for c in ranked if survives(c)]
     lines = []
-    if r["num_ooms"]:
-        lines.append("Every candidate ran out of memory under this cap; the least bad is shown.")
-    else:
+    recorded_ooms = len(r["recorded_ooms"])
+    if recorded_ooms:
+        recurs = [c.name for c in ranked if c.report["recorded_ooms_recurred"]]
         lines.append(
-            f"'{best.name}' reserves the least at its peak ({r['peak_reserved_bytes'] / 2**30:.2f}"
-            f" GiB, {r['reserved_ratio']:.3f} x what the program requested) of the "
-            f"{len(survivors)} candidates that never ran out of memory, with "
-            f"{r['num_alloc_retries']} retries and device calls costing "
-            f"{100 * r['device_call_share']:.2f} % of the trace's active time.")
+            f"The recorded run ran out of memory {recorded_ooms} time(s); replayed, the failed "
+            f"request{'s' if recorded_ooms > 1 else ''} recur under {len(recurs)} of the "
+            f"{len(ranked)} candidates" + (f" ({', '.join(recurs)})" if recurs else "")
+            + ", and only a candidate under which no out-of-memory error recurs is recommended.")
+    if not survives(best):
+        lines.append("Every candidate ran out of memory under this cap: no recommendation; the "
+                     f"least bad, '{best.name}', failed {r['num_ooms']} time(s).")
+        return " ".join(lines)
+    lines.append(
+        f"'{best.name}' reserves the least at its peak ({r['peak_reserved_bytes'] / 2**30:.2f}"
+        f" GiB, {r['reserved_ratio']:.3f} x what the program requested) of the "
+        f"{len(survivors)} candidates that never ran out of memory, with "
+        f"{r['num_alloc_retries']} retries and device calls costing "
+        f"{100 * r['device_call_share']:.2f} % of the trace's active time.")
     if r["device_call_share"] > 0.02:
-        cheaper = next((c for c in ranked if c.report["num_ooms"] == 0
+        cheaper = next((c for c in ranked if survives(c)
                         and c.report["device_call_share"] <= 0.02), None)
         if cheaper is not None:
             more = cheaper.report["peak_reserved_bytes"] - r["peak_reserved_bytes"]

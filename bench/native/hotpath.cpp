@@ -9,7 +9,7 @@
 // Absolute figures are meaningful only on an otherwise idle host (the H200 machine's), per
 // DESIGN.md.
 //
-//   bench/run_hotpath.sh            builds with g++ -O2 and runs
+//   bash bench/native/run_hotpath.sh   builds it (bench/CMakeLists.txt, Release) and runs it
 //   hotpath [--rounds N] [--json FILE]
 // ALLOCWATCH_ALLOC_CONF, as for the allocator in PyTorch, adds settings to allocwatch's
 // defaults for the "allocwatch" patterns (to measure a candidate default).

@@ -11,8 +11,10 @@ The summary is read back from the sidecar's /metrics, so it shows what Prometheu
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from exporter.commands._arguments import seconds, tcp_port
+
 EXAMPLE_TRACE = Path(__file__).resolve().parents[2] / "allocator_ext" / "data" / \
     "example_trace.pickle.gz"
 GiB = float(1 << 30)
@@ -30,19 +34,22 @@ MiB = 1 << 20
 
 HELP = "start a sidecar and a training workload publishing to it; print a live summary"
 DESCRIPTION = """\
-Starts a sidecar (temporary Unix socket, metrics on --port) and a training workload whose agent
-publishes to it: a real PyTorch loop where a CUDA GPU is present, otherwise allocwatch's
+Starts a sidecar (temporary Unix sockets, metrics on --port) and a training workload whose
+agent publishes to it: a real PyTorch loop where a CUDA GPU is present, otherwise allocwatch's
 allocator on the simulated device replaying, in a loop, the trace that ships with the project.
-Prints where the metrics are, then one line a second (reserved, allocated, fragmentation,
-retries) read back from /metrics, until --duration ends."""
+Prints where the metrics and the admin API are, with an `allocwatch ctl` line to paste into
+another terminal, then one line a second read back from /metrics until --duration ends:
+reserved, allocated, peak fragmentation (1 - peak allocated / peak reserved, at its lowest over
+the last few seconds: what the cache strands at the peak of use), the share of the cache unused
+at that moment (high between steps for any healthy cache), retries and OOMs."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help=HELP, description=DESCRIPTION,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=30.0, metavar="S",
+    parser.add_argument("--duration", type=seconds(), default=30.0, metavar="S",
                         help="seconds to run (default 30)")
-    parser.add_argument("--port", type=int, default=9471,
+    parser.add_argument("--port", type=tcp_port, default=9471,
                         help="metrics port (default 9471; 0: any free port)")
     parser.add_argument("--workload", choices=("auto", "gpu", "sim"), default="auto",
                         help="auto (default): gpu where torch sees CUDA, else sim")
@@ -55,76 +62,75 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- simulated workload
 
-def _trace_events(path: Path) -> list[tuple[str, int, int, int]]:
-    """The example trace's allocations and frees, read with the replay's safe reader."""
-    from allocator_ext.replay.trace import allocs_and_frees, load_trace
+def demo_trace(path: Path | None = EXAMPLE_TRACE) -> Any:
+    """The trace the simulated workload repeats: `path`, read with the replay's safe reader, or
+    the synthetic pattern where that file is absent."""
+    from allocator_ext.replay.trace import load_trace
 
-    return allocs_and_frees(load_trace(path))
+    return load_trace(path) if path is not None and path.exists() else _synthetic_trace()
 
 
-def _synthetic_events(steps: int = 20, seed: int = 0) -> list[tuple[str, int, int, int]]:
+def _synthetic_trace(steps: int = 20, seed: int = 0) -> Any:
     """A training-like pattern: weights kept, activations of a random batch size per step."""
+    from allocator_ext.replay.trace import Trace, TraceEvent
+
     rng = random.Random(seed)
-    events: list[tuple[str, int, int, int]] = []
     addr = iter(range(1, 1 << 40))
+    # One mapping the addresses lie in, so that the trace starts from an empty allocator.
+    events = [TraceEvent("segment_map", 0, 1 << 40, 0, 0)]
+
+    def add(action: str, a: int, size: int) -> None:
+        events.append(TraceEvent(action, a, size, 0, len(events)))
+
     for _ in range(8):  # weights and optimiser state: allocated once, kept
-        events.append(("alloc", next(addr), rng.choice([4, 16, 64]) * MiB, 0))
+        add("alloc", next(addr), rng.choice([4, 16, 64]) * MiB)
     for _ in range(steps):
         tokens = rng.randint(256, 4096)
         live = []
         for _layer in range(12):
             for size in (tokens * 4096, tokens * 16384, rng.randint(1, 2000) * 512):
                 a = next(addr)
-                events.append(("alloc", a, size, 0))
+                add("alloc", a, size)
                 live.append((a, size))
         for a, size in reversed(live):
-            events.append(("free_requested", a, size, 0))
-    return events
+            add("free_requested", a, size)
+            add("free_completed", a, size)
+    return Trace("<synthetic>", events, device=0)
 
 
-def run_sim_workload(allocator: Any, stop_event: threading.Event, *,
-                     trace: Path | None = EXAMPLE_TRACE, pace_seconds: float = 0.02) -> int:
-    """Replay the example trace through `allocator` in a loop until stop_event; passes done.
+def run_sim_workload(replayer: Any, stop_event: threading.Event, *,
+                     pace_seconds: float = 0.02) -> int:
+    """Replays the replayer's trace in passes until stop_event; returns the passes done.
 
     Each pass frees whatever it still holds at its end, so passes repeat the same pattern on an
-    allocator that keeps its cache (like the steps of a training run).
+    allocator that keeps its cache (like the steps of a training run). Once stopped, the pass
+    under way finishes without pauses.
     """
-    events = _trace_events(trace) if trace is not None and trace.exists() else _synthetic_events()
+    chunk = max(1, len(replayer.trace.events) // 100)  # ~100 pauses a pass: figures move
+    steps = [0]
+
+    def pace(_event: Any) -> None:
+        steps[0] += 1
+        if steps[0] % chunk == 0:
+            stop_event.wait(pace_seconds)
+
     passes = 0
-    chunk = max(1, len(events) // 100)  # ~100 pauses a pass: figures move while we watch
     while not stop_event.is_set():
-        live: dict[int, int] = {}
-        for i, (action, addr, size, stream) in enumerate(events):
-            if action == "alloc":
-                try:
-                    live[addr] = allocator.malloc(size, stream)
-                except MemoryError:
-                    pass  # counted by the allocator (num_ooms): the demo carries on
-            else:
-                ptr = live.pop(addr, None)
-                if ptr is not None:
-                    allocator.free(ptr)
-            if i % chunk == 0:
-                allocator.process_events()
-                if stop_event.wait(pace_seconds):
-                    break
-        for ptr in live.values():
-            allocator.free(ptr)
+        replayer.run_pass(release=True, after_step=pace)
         passes += 1
     return passes
 
 
 def _sim_child(target: str, duration: float) -> int:
-    import allocator_ext as ae
     from allocator_ext.agent import start_agent
+    from allocator_ext.replay import Replayer
 
     stop = _stop_event_on_signals(duration)
-    device = ae.SimDevice(capacity=0)
-    allocator = ae.Allocator(device)
-    agent = start_agent(target, interval=0.5, source={0: allocator},
+    replayer = Replayer(demo_trace())  # allocwatch's defaults, on an unlimited simulated device
+    agent = start_agent(target, interval=0.5, source={0: replayer.allocator},
                         identity={"training_job": "allocwatch-demo"}, nvml=False)
     try:
-        run_sim_workload(allocator, stop)
+        run_sim_workload(replayer, stop)
     finally:
         agent.stop()
     return 0
@@ -167,12 +173,15 @@ def _stop_event_on_signals(duration: float) -> threading.Event:
 
 # ---------------------------------------------------------------------- the demo itself
 
-def _gpu_available() -> bool:
+def _no_gpu_reason() -> str | None:
+    """Why the GPU workload cannot run here, or None when it can."""
     try:
         import torch
     except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA GPU"
+    return None
 
 
 def _summary(url: str) -> dict[str, float]:
@@ -182,30 +191,47 @@ def _summary(url: str) -> dict[str, float]:
 
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
         text = response.read().decode()
-    wanted = {
+    summed = {
         "torch_cuda_allocator_reserved_bytes": "reserved",
         "torch_cuda_allocator_allocated_bytes": "allocated",
         "torch_cuda_allocator_alloc_retries_total": "retries",
         "torch_cuda_allocator_ooms_total": "ooms",
-        "torch_cuda_allocator_peak_reserved_bytes": "peak_reserved",
         "allocwatch_agents_connected": "agents",
         "allocwatch_reports_received_total": "reports",
     }
-    figures = dict.fromkeys(wanted.values(), 0.0)
+    worst = {"torch_cuda_allocator_peak_fragmentation_ratio": "peak_fragmentation"}
+    figures = dict.fromkeys([*summed.values(), *worst.values()], 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in wanted and "pool" not in sample.labels:
-                figures[wanted[sample.name]] += sample.value
+            if sample.name in summed:
+                figures[summed[sample.name]] += sample.value
+            elif sample.name in worst:
+                figures[worst[sample.name]] = max(figures[worst[sample.name]], sample.value)
     return figures
 
 
-def _format(figures: dict[str, float], elapsed: float) -> str:
-    reserved, allocated = figures["reserved"], figures["allocated"]
-    frag = (reserved - allocated) / reserved if reserved else 0.0
-    return (f"[{elapsed:5.1f}s] reserved {reserved / GiB:7.3f} GiB  allocated "
-            f"{allocated / GiB:7.3f} GiB  fragmentation {frag:6.1%}  retries "
-            f"{int(figures['retries'])}  OOMs {int(figures['ooms'])}  agents "
-            f"{int(figures['agents'])}  reports {int(figures['reports'])}")
+class Headline:
+    """The live line. Peak fragmentation is shown at its lowest over the last few readings: a
+    report interval that missed the workload's peak of use reads higher than what the cache
+    strands (as the alert takes the minimum over 15 minutes)."""
+
+    def __init__(self, readings: int = 5):
+        self._peak_fragmentation: collections.deque[float] = collections.deque(maxlen=readings)
+
+    def line(self, figures: dict[str, float], elapsed: float) -> str:
+        reserved, allocated = figures["reserved"], figures["allocated"]
+        if reserved:
+            self._peak_fragmentation.append(figures["peak_fragmentation"])
+        # Until the readings span a few seconds (a pass of the workload), the lowest may
+        # still miss the peak of use: say nothing rather than something too high.
+        full = len(self._peak_fragmentation) == self._peak_fragmentation.maxlen
+        peak = f"{min(self._peak_fragmentation):6.1%}" if full else f"{'-':>6s}"
+        unused = (reserved - allocated) / reserved if reserved else 0.0
+        return (f"[{elapsed:5.1f}s] reserved {reserved / GiB:7.3f} GiB  allocated "
+                f"{allocated / GiB:7.3f} GiB  peak fragmentation {peak}  (unused now "
+                f"{unused:5.1%})  retries {int(figures['retries'])}  OOMs "
+                f"{int(figures['ooms'])}  agents {int(figures['agents'])}  reports "
+                f"{int(figures['reports'])}")
 
 
 def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
@@ -221,8 +247,14 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
     )
 
     out = out or sys.stdout
+    no_gpu = _no_gpu_reason() if workload in ("auto", "gpu") else None
+    if workload == "gpu" and no_gpu:
+        print(f"allocwatch demo: --workload gpu needs a CUDA GPU, and {no_gpu}; "
+              "--workload sim runs allocwatch's allocator on a simulated device instead",
+              file=sys.stderr)
+        return 2
     if workload == "auto":
-        workload = "gpu" if _gpu_available() else "sim"
+        workload = "sim" if no_gpu else "gpu"
     configure_logging("warning", "text")  # the demo's own lines are the output
     with tempfile.TemporaryDirectory(prefix="allocwatch-demo-") as tmp:
         config = SidecarConfig(
@@ -239,14 +271,20 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
             return 1
         url = sidecar.sidecar.metrics_url
         target = sidecar.sidecar.agent_targets[0]
+        admin = _admin_address(sidecar)
         print(f"allocwatch demo: {workload} workload for {duration:g} s", file=out)
         print(f"  metrics:  {url}/metrics   (agents: {url}/)", file=out)
-        print(f"  agents connect to {target}", file=out, flush=True)
+        print(f"  agents connect to {target}", file=out)
+        if admin:
+            print(f"  admin API: {admin}; in another terminal, while the demo runs:", file=out)
+            print(f"    allocwatch ctl --admin {shlex.quote(admin)} agents", file=out)
+        out.flush()
         child = subprocess.Popen(
             [sys.executable, "-m", "exporter.commands.demo", "--child", workload,
              "--target", target, "--duration", str(duration)],
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         started = time.monotonic()
+        headline = Headline()
         status = 0
         try:
             for _tick in _every_second(started, duration):
@@ -256,7 +294,7 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
                     status = child.returncode or 1
                     break
                 try:
-                    line = _format(_summary(url), time.monotonic() - started)
+                    line = headline.line(_summary(url), time.monotonic() - started)
                 except OSError as err:
                     line = f"(metrics not readable: {err})"
                 print(line, file=out, flush=True)
@@ -273,6 +311,13 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
             sidecar.stop()
         print("allocwatch demo: done", file=out, flush=True)
         return status
+
+
+def _admin_address(sidecar: Any) -> str | None:
+    """The admin API's Unix socket, as `ctl --admin` takes it."""
+    admin = sidecar.sidecar.admin
+    addresses = admin.addresses() if admin is not None else []
+    return next((a for a in addresses if a.startswith("unix://")), None)
 
 
 def _every_second(started: float, duration: float) -> Iterator[int]:

@@ -5,9 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
-from exporter.commands._trace_args import add_trace_arguments, device_memory_arg, progress_bar
+from exporter.commands._trace_args import (
+    add_plot_argument,
+    add_trace_arguments,
+    check_plot_target,
+    device_memory_arg,
+    progress_bar,
+)
 
+SHOWN_OOMS = 5  # recorded out-of-memory errors listed one by one in the table
 HELP = "replay a recorded PyTorch memory trace through allocwatch's allocator (no GPU needed)"
 DESCRIPTION = """\
 Replays a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, .pickle or .pickle.gz,
@@ -21,6 +29,13 @@ how often it would have retried or run out of memory, and what its device calls 
   allocwatch replay trace.pickle.gz --config native,expandable_segments:True
   allocwatch replay trace.pickle.gz --device-memory 1.03x --json
   allocwatch replay trace.pickle.gz --plot replay.png
+
+A trace that ended in an out-of-memory error holds the request that failed (an `oom` event):
+the replay makes that request too, at its place and on its stream; where the allocator serves
+it, it is freed at the first free after it, where the recorded run began unwinding from the
+error. The report says of each recorded out-of-memory error whether it recurred. The memory
+fraction and device total the run was capped with are read from the trace where it kept them
+(bench/replay/record_traces.py does); --memory-fraction and --device-memory override them.
 
 Exit status: 0 when the replay ran (even with out-of-memory errors: see num_ooms), 2 for a bad
 argument or an unreadable, corrupt or mid-run trace."""
@@ -36,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=int,
                    help="which device's trace (default: the first with events)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="write a plot of memory over the trace")
+    add_plot_argument(p, "write a plot of memory over the trace")
     p.add_argument("--costs", metavar="FILE", help="device-call cost table (default: the H200 one)")
     p.set_defaults(func=run)
 
@@ -54,47 +69,84 @@ def human_report(r: dict) -> str:
         f"peak reserved      {format_size(r['peak_reserved_bytes'])}   "
         f"(recorded run: {format_size(rec['peak_reserved_bytes'])})",
         f"reserved/requested {r['reserved_ratio']:.4f}",
+        f"cap                {r.get('cap', 'none')}",
         f"retries / OOMs     {r['num_alloc_retries']} / {r['num_ooms']}",
         f"device allocs      {r['num_device_alloc']}   (recorded run: {rec['num_segment_alloc']})",
         f"device frees       {r['num_device_free']}",
         f"device call cost   {r['device_call_seconds_estimate'] * 1e3:.2f} ms "
         f"= {100 * r['device_call_share']:.2f} % of the trace's active time",
     ]
+    if r["recorded_ooms"]:
+        lines.append(f"recorded OOMs      {len(r['recorded_ooms'])}: "
+                     f"{r['recorded_ooms_recurred']} recurred, "
+                     f"{r['recorded_ooms_survived']} survived")
+        for oom in r["recorded_ooms"][:SHOWN_OOMS]:
+            outcome = "recurred" if oom["recurred"] else "survived"
+            lines.append(f"  event {oom['event_index']:<9d} {format_size(oom['size'])} on "
+                         f"stream {oom['stream']} at {oom['time_s']:.2f} s: {outcome}")
+        if len(r["recorded_ooms"]) > SHOWN_OOMS:
+            lines.append(f"  … and {len(r['recorded_ooms']) - SHOWN_OOMS} more (see --json)")
     if r["unknown_actions"]:
         lines.append(f"unknown actions    {r['unknown_actions']} (counted, not replayed)")
     return "\n".join(lines)
 
 
+def load_costs(path: str) -> Any:
+    """The --costs table; ValueError naming the file and what is wrong with it."""
+    from allocator_ext.replay import load_cost_table
+
+    try:
+        return load_cost_table(path)
+    except OSError as err:
+        raise ValueError(f"--costs {path}: cannot read it: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        what = f"no field {err}" if isinstance(err, KeyError) else str(err)
+        raise ValueError(f"--costs {path}: not a device-call cost table ({what}); "
+                         "allocator_ext/data/device_costs.json shows the layout") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    from allocator_ext.replay import TraceError, load_cost_table, load_trace, replay
+    from allocator_ext.replay import TraceError, load_trace, replay
+    from allocator_ext.replay.cap import resolve_cap
     from allocator_ext.replay.trace import peak_requested_bytes
 
     try:
+        check_plot_target(args.plot)
+        costs = load_costs(args.costs) if args.costs else None
         trace = load_trace(args.trace, args.device)
-        device_memory = device_memory_arg(args.device_memory, peak_requested_bytes(trace))
-        costs = load_cost_table(args.costs) if args.costs else None
-    except (TraceError, ValueError, OSError) as e:
+        cap = resolve_cap(trace, device_memory_arg(args.device_memory, peak_requested_bytes(trace)),
+                          args.memory_fraction)
+    except (TraceError, ValueError) as e:
         print(f"allocwatch replay: {e}", file=sys.stderr)
         return 2
 
     try:
         with progress_bar(len(trace.events), "replay", args.json) as progress:
-            result = replay(trace, config=args.config, device_memory=device_memory,
-                            memory_fraction=args.memory_fraction, costs=costs,
+            result = replay(trace, config=args.config, device_memory=cap.device_memory,
+                            memory_fraction=cap.memory_fraction, costs=costs,
                             progress=progress, timeline=bool(args.plot))
     except (TraceError, ValueError) as e:
         print(f"allocwatch replay: {e}", file=sys.stderr)
         return 2
+    result.report["cap"] = cap.describe()
+    result.report["cap_from"] = cap.sources()
 
+    # The figures first: a plot that cannot be written loses nothing else.
+    if args.json:
+        print(json.dumps(result.report, indent=2, sort_keys=True), flush=True)
+    else:
+        print(human_report(result.report), flush=True)
     if args.plot:
         from allocator_ext.replay.plot import plot_timeline
 
-        plot_timeline(result.timeline, args.plot,
-                      f"{args.trace} — {result.report['config']}")
-    if args.json:
-        print(json.dumps(result.report, indent=2, sort_keys=True))
-    else:
-        print(human_report(result.report))
-        if args.plot:
+        try:
+            plot_timeline(result.timeline, args.plot,
+                          f"{args.trace} — {result.report['config']}",
+                          result.report["recorded_ooms"])
+        except OSError as err:
+            print(f"allocwatch replay: --plot {args.plot}: cannot write it: "
+                  f"{err.strerror or err}", file=sys.stderr)
+            return 1
+        if not args.json:
             print(f"plot               {args.plot}")
     return 0

@@ -11,8 +11,8 @@ HELP = "run a training command with allocwatch's allocator and agent installed"
 DESCRIPTION = """\
 Runs COMMAND with allocwatch's allocator installed as PyTorch's CUDA allocator and the agent
 publishing to a sidecar, without changing the training code. Every Python process it starts
-(torchrun's workers too) installs both at start-up, before the script runs; torchrun's own
-launcher process, which uses no GPU, is left alone.
+(torchrun's workers too) installs both the moment it imports torch, before CUDA starts;
+processes that never import torch, and torchrun's own launcher, are left alone.
 
   allocwatch run -- python train.py --epochs 3
   allocwatch run --target unix:///run/allocwatch/agent.sock -- torchrun --nproc-per-node 8 train.py

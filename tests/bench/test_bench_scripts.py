@@ -18,7 +18,7 @@ from allocator_ext.replay.engine import replay
 def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out_file = tmp_path / "soak.json"
-    out = subprocess.run([sys.executable, "bench/gpu_soak.py", "--self-check", "--json",
+    out = subprocess.run([sys.executable, "bench/gpu/gpu_soak.py", "--self-check", "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads(out_file.read_text())
@@ -30,7 +30,7 @@ def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_pat
 
 def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_path: Path) -> None:
     out_file = tmp_path / "agent_cpu.json"
-    out = subprocess.run([sys.executable, "bench/agent_cpu_cost.py", "--seconds", "3",
+    out = subprocess.run([sys.executable, "bench/sidecar/agent_cpu_cost.py", "--seconds", "3",
                           "--interval", "0.5", "--json", str(out_file)], cwd=REPO,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -40,9 +40,10 @@ def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_pa
     assert "agent_cpu_share_of_one_core" in result
 
 
-@pytest.mark.parametrize("script", ["agent_overhead.py", "torch_bench.py", "gpu_soak.py",
-                                    "fragmentation.py", "policy_under_cap.py",
-                                    "agent_cpu_cost.py", "step_lockstep.py", "steady_state.py"])
+@pytest.mark.parametrize("script", ["sidecar/agent_overhead.py", "gpu/torch_bench.py",
+                                    "gpu/gpu_soak.py", "replay/fragmentation.py",
+                                    "gpu/policy_under_cap.py", "sidecar/agent_cpu_cost.py",
+                                    "gpu/step_lockstep.py", "replay/steady_state.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
@@ -52,8 +53,8 @@ def test_bench_scripts_explain_themselves(script: str) -> None:
 def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles(
         tmp_path: Path) -> None:
     out_file = tmp_path / "steady.json"
-    out = subprocess.run([sys.executable, "bench/steady_state.py", "--passes", "3", "--traces",
-                          "tests/data/traces/convnet__default.pickle.gz", "--json",
+    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", "--passes", "3",
+                          "--traces", "tests/data/traces/convnet__default.pickle.gz", "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     passes = json.loads(out_file.read_text())["passes"]["convnet__default.pickle.gz"]
@@ -70,16 +71,38 @@ def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles
 
 
 def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
-    out = subprocess.run([sys.executable, "bench/step_lockstep.py", "--fraction-of-peak", "0.9"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--fraction-of-peak",
+                          "0.9"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr
+
+
+def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: Path) -> None:
+    # The protocol on the CPU (tiny convnet, PyTorch's allocator on both sides): the timed
+    # rounds draw shapes neither process warmed up on, the same in both, a new set each round.
+    pytest.importorskip("torch")
+    out_file = tmp_path / "lockstep.json"
+    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
+                          "--model", "convnet", "--rounds", "2", "--steps", "3",
+                          "--fraction-of-peak", "1.03", "--json", str(out_file)], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (phase,) = json.loads(out_file.read_text())["phases"]
+    assert phase["fraction_of_peak"] == 1.03 and not phase["failures"]
+    rounds = phase["rounds"]
+    assert len(rounds) == 2 and phase["steps_compared"] == 6
+    assert phase["timed_shapes_fresh"] and rounds[0]["shapes"] != rounds[1]["shapes"]
+    for r in rounds:
+        assert set(r["step_device_calls"]) == {"pytorch", "expandable"}
+        assert all(set(c) == {"num_device_alloc", "num_device_free", "num_sync_all_streams"}
+                   for calls in r["step_device_calls"].values() for c in calls)
+    assert phase["median_step_ratio"] > 0
 
 
 def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path) -> None:
     # Built with the project's only build requirement, a C++ compiler; the figures themselves
     # count only on the H200 host (docs/benchmarks.md).
     out_file = tmp_path / "hotpath.json"
-    out = subprocess.run(["bash", "bench/run_hotpath.sh", "--rounds", "2", "--json",
+    out = subprocess.run(["bash", "bench/native/run_hotpath.sh", "--rounds", "2", "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "device calls inside the timed loop" not in out.stderr
@@ -92,18 +115,18 @@ def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path
 
 
 def test_core_hot_path_benchmark_refuses_an_unknown_option() -> None:
-    out = subprocess.run(["bash", "bench/run_hotpath.sh", "--round", "2"], cwd=REPO,
+    out = subprocess.run(["bash", "bench/native/run_hotpath.sh", "--round", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "usage: hotpath" in out.stderr
 
 
 def test_hotpath_ratios_compare_batches_of_the_same_round() -> None:
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.append(str(REPO))
     try:
-        from torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
+        from bench.gpu.torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
     finally:
-        sys.path.pop(0)
+        sys.path.remove(str(REPO))
     samples = []
     # The host is twice as slow in round 1: within each round allocwatch takes half the time.
     for rnd, pace in [(0, 1.0), (1, 2.0), (2, 1.0)]:

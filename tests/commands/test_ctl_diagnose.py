@@ -3,6 +3,7 @@ mistakes seen from counters, the snapshot replayed under candidates, and --apply
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,7 +13,13 @@ from support.control import connect_agent, start_control_sidecar
 from support.sidecar import MiB
 
 from exporter.cli import main
-from exporter.commands.ctl.diagnose import EXPANDABLE, GC_THRESHOLD, MAX_SPLIT, diagnose
+from exporter.commands.ctl.diagnose import (
+    EXPANDABLE,
+    GC_THRESHOLD,
+    MAX_SPLIT,
+    diagnose,
+    print_diagnosis,
+)
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 
@@ -50,9 +57,13 @@ def test_fragmented_agent_walks_the_order_replays_and_applies(
     out = capsys.readouterr().out
     steps = [line.split(":")[0] for line in out.splitlines() if line[:2] in
              ("1.", "2.", "3.", "4.", "5.")]
-    assert steps == ["1. retries and reserved ÷ allocated", "2. expandable segments",
+    assert steps == ["1. retries and peak fragmentation", "2. expandable segments",
                      "3. max_split_size_mb", "4. garbage_collection_threshold", "5. snapshot"]
-    assert "reserved ÷ allocated = 32.50" in out and "fragmented cache" in out
+    # At its peak the process held 98 MiB in 260 MiB reserved (since its start: the intervals
+    # seen were idle, and say more), and now 8 MiB.
+    assert "peak fragmentation 0.62 (98.0 MiB allocated at the peak of 260.0 MiB reserved, " \
+           "since the process's last peak reset; 252.0 MiB of 260.0 MiB cached and unused " \
+           "right now): no retries, fragmented cache" in out
     assert f"would apply: {EXPANDABLE}" in out
     # The replay measured each candidate on this process's own trace.
     assert "native: peak reserved 260.0 MiB" in out
@@ -107,12 +118,20 @@ def test_diagnose_needs_one_agent(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def device(*, reserved: int, allocated: int, retries: int = 0, expandable: bool = False,
-           gc: float = 0.0, split: int = 0, large_reserved: int = 0) -> dict:
+           gc: float = 0.0, split: int = 0, large_reserved: int = 0,
+           peak_allocated: int | None = None) -> dict:
+    """One device as the admin API shows it; its peaks those of the figures given unless
+    `peak_allocated` says otherwise."""
     counters = dict.fromkeys(("alloc_retries", "ooms", "device_mallocs", "device_frees",
                               "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes",
                               "empty_cache_calls", "allocations"), 0)
     counters["alloc_retries"] = retries
+    peak_allocated = allocated if peak_allocated is None else peak_allocated
     return {"cuda_device": 0, "reserved_bytes": reserved, "allocated_bytes": allocated,
+            "peak_allocated_bytes": peak_allocated, "peak_reserved_bytes": reserved,
+            "peak_fragmentation_ratio": 1 - peak_allocated / reserved,
+            "interval_peaks": {"window": "interval", "allocated_bytes": peak_allocated,
+                               "reserved_bytes": reserved},
             "pending_events": 0, "pending_free_bytes": 0, "counters": counters,
             "large_pool": {"inactive_split_bytes": split, "reserved_bytes": large_reserved},
             "settings": {"expandable_segments": expandable, "garbage_collection_threshold": gc,
@@ -135,3 +154,70 @@ def test_order_of_proposals() -> None:
                    large_reserved=180 * MiB)
     assert [s.proposal for s in diagnose("a", split, split, 1.0).steps][:3] == [
         None, EXPANDABLE, MAX_SPLIT]
+
+
+def test_the_snapshot_step_proposes_only_a_setting_under_which_a_recorded_oom_does_not_recur(
+        ) -> None:
+    from support.capped_run import record_capped_run
+
+    from allocator_ext.replay.cap import resolve_cap
+    from allocator_ext.replay.trace import parse_snapshot
+    from allocator_ext.replay.tune import tune
+
+    snapshot, stats = record_capped_run()  # PyTorch's settings ran out of memory under a cap
+    trace = parse_snapshot(snapshot)
+    cap = resolve_cap(trace)
+    ranked = tune(trace, cap.device_memory, cap.memory_fraction,
+                  candidates=[(s, s, True) for s in ("native", f"native,{EXPANDABLE}")])
+    healthy = device(reserved=100 * MiB, allocated=95 * MiB)
+    healthy["settings"]["config_string"] = "native"
+    d = diagnose("a", healthy, healthy, 1.0, ranked)
+    snapshot_step = d.steps[-1]
+    assert f"holds {stats['num_ooms']} out-of-memory error(s)" in snapshot_step.finding
+    assert f"recorded OOMs recurred: {stats['num_ooms']} of" in snapshot_step.finding
+    assert snapshot_step.proposal == d.recommendation == f"native,{EXPANDABLE}"
+
+
+def test_diagnose_refuses_to_replay_a_snapshot_with_no_events(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    running = start_control_sidecar(tmp_path)
+    allocator = ae.Allocator(ae.SimDevice(capacity=0), "native")  # no history recorded
+    agent = connect_agent(running, tmp_path, {0: allocator}, rank=0)
+    (address,) = running.sidecar.admin.addresses()
+    try:
+        allocator.free(allocator.malloc(64 * MiB))
+        time.sleep(0.2)
+        assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+    finally:
+        agent.stop()
+        running.stop()
+    out = capsys.readouterr().out
+    assert "cannot be replayed" in out and "no recorded events for device 0" in out
+    assert "do best" not in out
+
+
+def test_a_cache_idle_between_steps_but_compact_at_its_peak_is_not_called_fragmented(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Between steps 75 % of the cache holds freed activations; at the step's peak it holds
+    # 1.005 × what is allocated.
+    between_steps = device(reserved=200 * MiB, allocated=50 * MiB, expandable=True,
+                           peak_allocated=199 * MiB)
+    d = diagnose("a", between_steps, between_steps, 1.0)
+    print_diagnosis(d, sys.stdout)
+    out = capsys.readouterr().out
+    assert "compact cache" in out and "fragmented" not in out
+    assert "150.0 MiB of 200.0 MiB cached and unused right now" in out
+    assert "recommendation: none: nothing to change" in out
+
+
+def test_fragmentation_with_every_fix_in_force_never_says_nothing_to_change(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    stuck = device(reserved=200 * MiB, allocated=50 * MiB, expandable=True, gc=0.8,
+                   peak_allocated=100 * MiB)
+    d = diagnose("a", stuck, stuck, 1.0)
+    assert d.recommendation is None
+    print_diagnosis(d, sys.stdout)
+    out = capsys.readouterr().out
+    assert "peak fragmentation 0.50" in out and "fragmented cache" in out
+    assert "nothing to change" not in out
+    assert "recommendation: none of the settings above" in out

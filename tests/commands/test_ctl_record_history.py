@@ -25,6 +25,7 @@ import allocator_ext as ae
 from allocator_ext.agent.history import PROLOGUE
 from allocator_ext.agent.sources import TorchSource
 from exporter.cli import main
+from exporter.commands.ctl.client import AdminClient, CtlError
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
@@ -113,15 +114,23 @@ def test_without_the_prologue_the_same_history_would_be_refused(running_job) -> 
         replay(parse_snapshot(allocator.snapshot()))
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--max-entries", "20000000"], "max_entries: expected 0"),
-    (["--max-entries", "-1"], "max_entries: expected 0"),
+@pytest.mark.parametrize(("entries", "body", "message"), [
+    ("20000000", {"enabled": True, "max_entries": 20_000_000}, "max_entries: expected 0"),
+    ("-1", {"enabled": True, "max_entries": -1}, "max_entries: expected 0"),
+    ("1.5", {"enabled": "yes"}, "enabled: expected true or false"),
 ])
-def test_bad_arguments_are_refused_and_change_nothing(running_job, args: list[str], message: str,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_refused_and_change_nothing(
+        running_job, entries: str, body: dict[str, Any], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """ctl refuses before it sends anything; the admin API refuses the same for any client."""
     allocator, address, held, _ = running_job
-    assert main(["ctl", "--admin", address, "record-history", "start", *args]) == 2
-    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        main(["ctl", "--admin", address, "record-history", "start", "--max-entries", entries])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --max-entries: " in err and entries in err, err
+    with pytest.raises(CtlError, match=rf"refused \(400\): {message}"):
+        AdminClient(address, timeout=10).post("/v1/record-history", body)
     train(allocator, 2, held)
     assert allocator.trace() == []
 

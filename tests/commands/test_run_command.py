@@ -1,10 +1,10 @@
 """allocwatch run: every Python process it starts — and their children, as torchrun's workers
-are — installs allocwatch at start-up, before the user's code, without code changes. Here
-(no GPU) install() keeps PyTorch's allocator and says why; on a GPU it swaps it in."""
+are — installs allocwatch when it imports torch, before the user's next line, without code
+changes. Here (no GPU) install() keeps PyTorch's allocator and says why; on a GPU it swaps it
+in. tests/pytorch/test_startup_hook.py says what start-up leaves alone."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from support.paths import REPO
 
-CHILD = "import sys; print('torch-loaded' if 'torch' in sys.modules else 'torch-absent')"
+CHILD = ("import sys, torch; print('torch-loaded' if 'allocator_ext.torch_integration' in "
+         "sys.modules else 'torch-absent')")
 
 
 def allocwatch_run(*args: str) -> subprocess.CompletedProcess:
@@ -24,7 +25,7 @@ def test_the_command_runs_with_allocwatch_installed_at_start_up() -> None:
     pytest.importorskip("torch")
     out = allocwatch_run("--", sys.executable, "-c", CHILD)
     assert out.returncode == 0, out.stderr
-    assert "torch-loaded" in out.stdout          # start-up ran before the user's code
+    assert "torch-loaded" in out.stdout          # allocwatch installed as torch was imported
     assert "allocwatch" in out.stderr            # and said what it did (no GPU: kept PyTorch's)
 
 
@@ -34,17 +35,17 @@ def test_grandchildren_install_too_as_torchrun_workers_do() -> None:
     out = allocwatch_run("--", sys.executable, "-c", spawn)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("torch-loaded") == 1
-    assert out.stderr.count("keeping PyTorch's CUDA allocator") == 2   # parent and child
+    assert out.stderr.count("keeping PyTorch's CUDA allocator") == 1   # the child: it imports torch
 
 
 def test_under_torchrun_the_workers_install_and_the_launcher_does_not(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
+    # torchrun as `python -m torch.distributed.run` of this interpreter: the `torchrun` script on
+    # PATH may belong to another Python (a virtual environment has none of its own).
     script = tmp_path / "worker.py"
     script.write_text(CHILD)
-    out = allocwatch_run("--", torchrun, "--standalone", "--nproc-per-node", "2", str(script))
+    out = allocwatch_run("--", sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", "2", str(script))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("torch-loaded") == 2                       # both workers
     assert out.stderr.count("keeping PyTorch's CUDA allocator") == 2   # not the launcher

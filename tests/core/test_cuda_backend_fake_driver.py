@@ -1,9 +1,9 @@
-"""The cuda back end and bench/device_call_costs on a stand-in libcuda.so.1 (no GPU needed).
+"""The cuda back end and bench/native/device_call_costs on a stand-in libcuda.so.1 (no GPU needed).
 
 tests/native/fake_libcuda.cpp implements the driver functions the back end loads, over host
 memory, and checks the structures it is passed at the real cuda.h offsets. This proves the
 loading, context handling, error paths and event pool; the real driver's behaviour is proved
-on the GPU by bench/gpu_session.sh.
+on the GPU by bench/gpu/gpu_session.sh.
 """
 
 from __future__ import annotations
@@ -17,25 +17,26 @@ from pathlib import Path
 import pytest
 from support.paths import REPO
 
-BACKEND = REPO / "allocator_ext" / "csrc" / "backends"
-BACKEND_SOURCES = [str(BACKEND / name) for name in
-                   ("cuda_driver.cpp", "cuda_event_pool.cpp", "cuda_device.cpp")]
-CXX = os.environ.get("CXX", "g++")
+BUILD = REPO / "bench" / "native" / "build.sh"
+BUILD_NATIVE = REPO / "bench" / "native" / "build_native.sh"
 
-pytestmark = pytest.mark.skipif(shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX})")
-
-
-def _compile(args: list[str]) -> None:
-    result = subprocess.run([CXX, "-std=c++17", "-O1", *args], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+pytestmark = pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
+                                reason="no CMake or no C++ compiler")
 
 
 @pytest.fixture(scope="module")
-def fake_driver_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def native_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bench/CMakeLists.txt's back-end test and stand-in driver (in fake_libcuda/)."""
     out = tmp_path_factory.mktemp("fake_cuda")
-    _compile(["-shared", "-fPIC", str(REPO / "tests/native/fake_libcuda.cpp"),
-              "-o", str(out / "libcuda.so.1")])
+    result = subprocess.run(["bash", str(BUILD), str(out), "cuda_device_fake_driver_test",
+                             "fake_libcuda"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def fake_driver_dir(native_build: Path) -> Path:
+    return native_build / "fake_libcuda"
 
 
 def _run_with_fake_driver(fake_dir: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -43,19 +44,15 @@ def _run_with_fake_driver(fake_dir: Path, argv: list[str]) -> subprocess.Complet
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_cuda_device_on_fake_driver(fake_driver_dir: Path) -> None:
-    binary = fake_driver_dir / "cuda_device_test"
-    _compile(["-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror", "-I",
-              str(REPO / "allocator_ext/csrc"),
-              str(REPO / "tests/native/cuda_device_fake_driver_test.cpp"), *BACKEND_SOURCES,
-              "-ldl", "-pthread", "-o", str(binary)])
-    result = _run_with_fake_driver(fake_driver_dir, [str(binary)])
+def test_cuda_device_on_fake_driver(native_build: Path, fake_driver_dir: Path) -> None:
+    result = _run_with_fake_driver(fake_driver_dir,
+                                   [str(native_build / "cuda_device_fake_driver_test")])
     assert result.returncode == 0, result.stdout + result.stderr
     assert " 0 failed" in result.stdout
 
 
 def test_device_call_costs_writes_cost_table(fake_driver_dir: Path, tmp_path: Path) -> None:
-    build = subprocess.run(["bash", str(REPO / "bench/build_native.sh"), str(tmp_path)],
+    build = subprocess.run(["bash", str(BUILD_NATIVE), str(tmp_path)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     table = tmp_path / "costs.json"
@@ -80,7 +77,7 @@ def test_device_call_costs_writes_cost_table(fake_driver_dir: Path, tmp_path: Pa
 
 
 def test_device_call_costs_fails_clearly_without_a_driver(tmp_path: Path) -> None:
-    build = subprocess.run(["bash", str(REPO / "bench/build_native.sh"), str(tmp_path)],
+    build = subprocess.run(["bash", str(BUILD_NATIVE), str(tmp_path)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))  # a folder with no libcuda.so.1

@@ -3,8 +3,8 @@
 // cache, collect garbage, change settings, allocate to a private pool as a graph capture does
 // and release it) while one of them keeps recounting the allocator's
 // invariants. Built with AddressSanitizer + UndefinedBehaviorSanitizer, and with
-// ThreadSanitizer, by tests/test_core_sanitized.py (a few seconds) and for the 10-minute soak
-// by `bash bench/soak_core.sh`.
+// ThreadSanitizer, by tests/core/test_core_sanitized.py (a few seconds) and for the 10-minute soak
+// by `bash bench/native/soak_core.sh`.
 //
 //   core_stress [--threads N] [--seconds S] [--seed K]
 #include <atomic>

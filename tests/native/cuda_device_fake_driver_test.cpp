@@ -1,6 +1,6 @@
 // The cuda back end against tests/native/fake_libcuda.cpp: driver loading, context handling on
 // other threads, out-of-memory answers, error messages, the event pool and capture status.
-// Run by tests/test_cuda_backend_fake_driver.py; prints "N passed, N failed".
+// Run by tests/core/test_cuda_backend_fake_driver.py; prints "N passed, N failed".
 #include <dlfcn.h>
 
 #include <cstdio>

@@ -340,7 +340,7 @@ CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
   *mode = previous;
   return kSuccess;
 }
-// Used by bench/device_call_costs' memory check.
+// Used by bench/native/device_call_costs' memory check.
 CUresult cuMemsetD8_v2(unsigned long long ptr, unsigned char value, std::size_t n) {
   if (!has_context()) return kInvalidContext;
   std::memset(reinterpret_cast<void*>(ptr), value, n);

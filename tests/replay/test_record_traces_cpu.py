@@ -1,4 +1,4 @@
-"""bench/record_traces.py without a GPU: its self-check on the CPU build of torch, and its
+"""bench/replay/record_traces.py without a GPU: its self-check on the CPU build of torch, and its
 trace summary on the shared traces recorded on an H200 (where ../shared is present)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 from support.paths import REPO, SHARED_TRACES
 
-SCRIPT = REPO / "bench" / "record_traces.py"
+SCRIPT = REPO / "bench" / "replay" / "record_traces.py"
 
 
 def _load() -> ModuleType:

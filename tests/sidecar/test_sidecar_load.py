@@ -1,5 +1,6 @@
 """The load benchmark, small: many agents into one sidecar, nothing lost. The full 64-agent run
-and the 10-minute soak are `python bench/sidecar_load.py [--duration 600]` (marked slow here)."""
+and the 10-minute soak are `python bench/sidecar/sidecar_load.py [--duration 600]` (marked slow
+here)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import pytest
 from support.paths import REPO
 
-BENCH = REPO / "bench" / "sidecar_load.py"
+BENCH = REPO / "bench" / "sidecar" / "sidecar_load.py"
 
 
 def _run(*args: str, timeout: float) -> dict:

@@ -2,6 +2,8 @@
 
 #include "backends/cuda_context_guard.h"
 
+#include <unistd.h>
+
 namespace allocwatch {
 
 using namespace cuda;  // the driver's own names read best unqualified here
@@ -145,7 +147,19 @@ bool CudaDevice::create_physical(std::size_t size, PhysicalHandle* handle) {
   RelaxedCaptureMode relaxed(driver_);
   CUmemAllocationProp prop = device_allocation(device_);
   CUmemGenericAllocationHandle created = 0;
-  CUresult result = driver_.cuMemCreate(&created, size, &prop, 0);
+  CUresult result = CUDA_ERROR_NOT_SUPPORTED;
+  if (exportable_ && driver_.cuMemExportToShareableHandle != nullptr) {
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    result = driver_.cuMemCreate(&created, size, &prop, 0);
+    // Some containers and drivers do not permit shareable memory: plain memory from now on.
+    if (result == CUDA_ERROR_NOT_PERMITTED || result == CUDA_ERROR_NOT_SUPPORTED ||
+        result == CUDA_ERROR_INVALID_VALUE) {
+      exportable_ = false;
+    }
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  }
+  if (!exportable_ || driver_.cuMemExportToShareableHandle == nullptr)
+    result = driver_.cuMemCreate(&created, size, &prop, 0);
   if (result == CUDA_ERROR_OUT_OF_MEMORY) return false;
   check_result(result, "cuMemCreate");
   *handle = static_cast<PhysicalHandle>(created);
@@ -153,9 +167,87 @@ bool CudaDevice::create_physical(std::size_t size, PhysicalHandle* handle) {
 }
 
 void CudaDevice::release_physical(PhysicalHandle handle, std::size_t /*size*/) {
+  {
+    std::lock_guard<std::mutex> lock(sharing_mutex_);
+    auto it = exported_.find(handle);
+    if (it != exported_.end()) {
+      ::close(it->second);
+      exported_.erase(it);
+    }
+  }
   ContextGuard guard(driver_, context_);
   check_release_result(driver_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)),
                        "cuMemRelease");
+}
+
+int CudaDevice::export_physical(PhysicalHandle handle) {
+  std::lock_guard<std::mutex> lock(sharing_mutex_);
+  auto it = exported_.find(handle);
+  if (it != exported_.end()) return it->second;
+  if (driver_.cuMemExportToShareableHandle == nullptr) return -1;
+  ContextGuard guard(driver_, context_);
+  int fd = -1;
+  CUresult result = driver_.cuMemExportToShareableHandle(
+      &fd, static_cast<CUmemGenericAllocationHandle>(handle),
+      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  if (result != CUDA_SUCCESS) return -1;  // made before sharing was refused: plain memory
+  exported_[handle] = fd;
+  return fd;
+}
+
+std::uintptr_t CudaDevice::import_physical(const std::vector<Imported>& pieces) {
+  if (driver_.cuMemImportFromShareableHandle == nullptr)
+    throw DeviceError("the CUDA driver has no cuMemImportFromShareableHandle");
+  std::size_t total = 0;
+  for (const Imported& piece : pieces) total += piece.size;
+  const std::uintptr_t base = reserve_address(total, 0);
+  ContextGuard guard(driver_, context_);
+  Import import{total, {}};
+  std::uintptr_t at = base;
+  try {
+    for (const Imported& piece : pieces) {
+      CUmemGenericAllocationHandle handle = 0;
+      check_result(driver_.cuMemImportFromShareableHandle(
+                       &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(piece.fd)),
+                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                   "cuMemImportFromShareableHandle");
+      import.handles.emplace_back(handle, piece.size);
+      map_no_access(at, piece.size, handle);
+      at += piece.size;
+    }
+    set_access(base, total);
+  } catch (...) {
+    std::uintptr_t undo = base;
+    for (const auto& [handle, size] : import.handles) {
+      if (undo < at) driver_.cuMemUnmap(as_device_pointer(undo), size);
+      driver_.cuMemRelease(handle);
+      undo += size;
+    }
+    free_address(base, total);
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(sharing_mutex_);
+  imports_[base] = std::move(import);
+  return base;
+}
+
+void CudaDevice::release_import(std::uintptr_t base) {
+  Import import;
+  {
+    std::lock_guard<std::mutex> lock(sharing_mutex_);
+    auto it = imports_.find(base);
+    if (it == imports_.end()) return;
+    import = std::move(it->second);
+    imports_.erase(it);
+  }
+  ContextGuard guard(driver_, context_);
+  std::uintptr_t at = base;
+  for (const auto& [handle, size] : import.handles) {
+    check_release_result(driver_.cuMemUnmap(as_device_pointer(at), size), "cuMemUnmap");
+    check_release_result(driver_.cuMemRelease(handle), "cuMemRelease");
+    at += size;
+  }
+  free_address(base, import.size);
 }
 
 void CudaDevice::map_no_access(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {

@@ -2,7 +2,7 @@
 // at run time (see cuda_driver.h), so that building needs only a C++ compiler.
 //
 // It works in the device's primary context, the one PyTorch's runtime uses; the constructor
-// retains it (creating it when used standalone, e.g. in bench/device_call_costs) and every call
+// retains it (creating it when used standalone, e.g. in bench/native/device_call_costs) and every call
 // makes it current on the calling thread for its duration.
 //
 // Thread-safety: the core serialises calls under its own lock; the event pool has its own.
@@ -11,7 +11,11 @@
 // record_event() or query_event() while is_capturing() is true.
 #pragma once
 
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "backends/cuda_driver.h"
 #include "backends/cuda_event_pool.h"
@@ -55,6 +59,10 @@ class CudaDevice final : public Device {
   void synchronize_stream(StreamId stream) override;
   bool is_capturing(StreamId stream) override;
 
+  int export_physical(PhysicalHandle handle) override;
+  std::uintptr_t import_physical(const std::vector<Imported>& pieces) override;
+  void release_import(std::uintptr_t base) override;
+
   // Facts about the device, for reports and benchmarks.
   std::string name() const { return name_; }
   int driver_version() const { return driver_version_; }  // e.g. 13000 for CUDA 13.0
@@ -74,6 +82,16 @@ class CudaDevice final : public Device {
   int driver_version_ = 0;
   std::string name_;
   cuda::EventPool events_;
+  // Physical memory is made exportable as file descriptors (CUDA IPC), as PyTorch's expandable
+  // segments do, until the driver refuses that kind; then it is made plain.
+  bool exportable_ = true;
+  std::mutex sharing_mutex_;
+  std::map<PhysicalHandle, int> exported_;  // file descriptors handed out, closed on release
+  struct Import {
+    std::size_t size;
+    std::vector<std::pair<cuda::CUmemGenericAllocationHandle, std::size_t>> handles;
+  };
+  std::map<std::uintptr_t, Import> imports_;
 };
 
 }  // namespace allocwatch

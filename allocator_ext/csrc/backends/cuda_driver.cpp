@@ -65,6 +65,10 @@ CudaDriver load_driver() {
   resolve(library, "cuStreamSynchronize", &d.cuStreamSynchronize);
   resolve(library, "cuStreamIsCapturing", &d.cuStreamIsCapturing);
   resolve(library, "cuThreadExchangeStreamCaptureMode", &d.cuThreadExchangeStreamCaptureMode);
+  d.cuMemExportToShareableHandle = reinterpret_cast<PFN_cuMemExportToShareableHandle>(
+      dlsym(library, "cuMemExportToShareableHandle"));
+  d.cuMemImportFromShareableHandle = reinterpret_cast<PFN_cuMemImportFromShareableHandle>(
+      dlsym(library, "cuMemImportFromShareableHandle"));
   return d;
 }
 

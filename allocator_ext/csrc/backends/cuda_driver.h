@@ -43,6 +43,9 @@ struct CudaDriver {
   PFN_cuStreamSynchronize cuStreamSynchronize = nullptr;
   PFN_cuStreamIsCapturing cuStreamIsCapturing = nullptr;
   PFN_cuThreadExchangeStreamCaptureMode cuThreadExchangeStreamCaptureMode = nullptr;
+  // Optional: nullptr where the driver lacks them (then expandable segments are not shared).
+  PFN_cuMemExportToShareableHandle cuMemExportToShareableHandle = nullptr;
+  PFN_cuMemImportFromShareableHandle cuMemImportFromShareableHandle = nullptr;
 };
 
 // The loaded driver (dlopen + dlsym of every symbol above, and cuInit(0)), the same table for

@@ -128,5 +128,20 @@ using PFN_cuStreamIsCapturing = CUresult (*)(CUstream stream,
 constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
 using PFN_cuThreadExchangeStreamCaptureMode = CUresult (*)(int* mode);
 
+// Sharing physical memory with another process (CUDA IPC of expandable segments): a handle
+// created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR exports as a file descriptor, which the
+// other process imports after taking it over (pidfd_getfd). For a file descriptor, the
+// shareable handle is an int written at `shareable` and read from the pointer value itself.
+constexpr int CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1;
+constexpr CUresult CUDA_ERROR_INVALID_VALUE = 1;
+constexpr CUresult CUDA_ERROR_NOT_PERMITTED = 800;
+constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
+using PFN_cuMemExportToShareableHandle = CUresult (*)(
+    void* shareable, CUmemGenericAllocationHandle handle, int handle_type,
+    unsigned long long flags);  // cuMemExportToShareableHandle
+using PFN_cuMemImportFromShareableHandle = CUresult (*)(
+    CUmemGenericAllocationHandle* handle, void* os_handle,
+    int handle_type);  // cuMemImportFromShareableHandle
+
 }  // namespace cuda
 }  // namespace allocwatch

@@ -27,6 +27,24 @@ std::string format_size(std::size_t bytes) {
   return buf;
 }
 
+// Clears a flag for one scope and restores it after: malloc's expandable_segments setting
+// while it serves a pool of plain segments (PrivatePool::plain_segments).
+class ScopedFlagOff {
+ public:
+  ScopedFlagOff(bool& flag, bool off) : flag_(off ? &flag : nullptr), saved_(flag) {
+    if (flag_ != nullptr) *flag_ = false;
+  }
+  ~ScopedFlagOff() {
+    if (flag_ != nullptr) *flag_ = saved_;
+  }
+  ScopedFlagOff(const ScopedFlagOff&) = delete;
+  ScopedFlagOff& operator=(const ScopedFlagOff&) = delete;
+
+ private:
+  bool* flag_;
+  bool saved_;
+};
+
 }  // namespace
 
 CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, AllocatorConfig config)
@@ -89,6 +107,11 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream) {
 
   const std::size_t size = round_size(orig_size, config_.roundup_power2_divisions);
   BlockPool& pool = get_pool(size, stream);
+  // A torch.cuda.MemPool pool allocates as PyTorch would without expandable segments: one
+  // device allocation per segment, which is what its users (NCCL registration, IPC) expect.
+  const PrivatePool* owner = pool.owner;
+  const ScopedFlagOff plain(config_.expandable_segments,
+                            owner != nullptr && owner->plain_segments);
   AllocParams p{size, orig_size, stream, &pool, segment_size_for(size)};
 
   bool found = get_free_block(p);
@@ -106,7 +129,8 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream) {
              alloc_block(p, true));
   }
   if (!found) raise_out_of_memory(p);
-  return reinterpret_cast<void*>(alloc_found_block(p, should_split(p.block, size))->ptr);
+  const bool split = should_split(p.block, size) && !(owner != nullptr && owner->no_split);
+  return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
 }
 
 bool CachingAllocator::get_free_block(AllocParams& p) {
@@ -193,6 +217,8 @@ void CachingAllocator::count_reserved(BlockPool& pool, TraceAction how, std::uin
   total_allocated_memory_ += size;
   reserved_high_water_ = std::max(reserved_high_water_, total_allocated_memory_);
   stats_.reserved_bytes.increase(kind, static_cast<std::int64_t>(size));
+  stats_.interval_peaks.reserved_bytes = std::max(
+      stats_.interval_peaks.reserved_bytes, stats_.reserved_bytes.by_pool[kAggregate].current);
   stats_.num_device_alloc++;
   if (segment) {
     stats_.segment.increase(kind, 1);
@@ -282,6 +308,8 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
 
   stats_.allocation.increase(kind, 1);
   stats_.allocated_bytes.increase(kind, static_cast<std::int64_t>(block->size));
+  stats_.interval_peaks.allocated_bytes = std::max(
+      stats_.interval_peaks.allocated_bytes, stats_.allocated_bytes.by_pool[kAggregate].current);
   stats_.active.increase(kind, 1);
   stats_.active_bytes.increase(kind, static_cast<std::int64_t>(block->size));
   stats_.requested_bytes.increase(kind, static_cast<std::int64_t>(block->requested_size));
@@ -301,6 +329,11 @@ bool CachingAllocator::free_if_owned(void* ptr) {
   std::lock_guard<std::mutex> lock(mutex_);
   Block* block = allocated_.erase(reinterpret_cast<std::uintptr_t>(ptr));
   if (block == nullptr) return false;
+  free_allocated(block);
+  return true;
+}
+
+void CachingAllocator::free_allocated(Block* block) {
   block->allocated = false;
   const PoolKind kind = block->pool->kind();
   stats_.allocation.decrease(kind, 1);
@@ -322,7 +355,6 @@ bool CachingAllocator::free_if_owned(void* ptr) {
   } else {
     free_block(block);
   }
-  return true;
 }
 
 void CachingAllocator::free_block(Block* block) {
@@ -466,16 +498,20 @@ void CachingAllocator::raise_out_of_memory(const AllocParams& p) {
   msg << "Of the allocated memory " << format_size(allocated)
       << " is allocated by PyTorch (allocwatch), and " << format_size(reserved - allocated)
       << " is reserved but unallocated.";
+  Text advice;
   if (reserved > allocated + allocated / 20) {
     if (!config_.expandable_segments) {
-      msg << " Reserved but unallocated memory is large: try expandable_segments:True "
-          << "(allocwatch's default) to avoid fragmentation.";
+      advice << "Reserved but unallocated memory is large: try expandable_segments:True "
+             << "(allocwatch's default) to avoid fragmentation. ";
     } else if (config_.garbage_collection_threshold == 0.0 && set_fraction_) {
-      msg << " Try garbage_collection_threshold:0.8 to release cached blocks earlier.";
+      advice << "Try garbage_collection_threshold:0.8 to release cached blocks earlier. ";
     }
   }
-  msg << " Settings in force: " << config_.to_string() << ".";
-  throw OutOfMemoryError(msg.str(), p.orig_size, info.free, info.total, allocated, reserved);
+  advice << "Settings in force: " << config_.to_string() << ".";
+  msg << " " << advice.str();
+  throw OutOfMemoryError(msg.str(), p.orig_size, info.free, info.total, allocated, reserved,
+                         p.alloc_size, set_fraction_ ? allowed_memory_maximum_ : 0,
+                         advice.str());
 }
 
 // --- events ---

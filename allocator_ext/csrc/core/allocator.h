@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "block.h"
+#include "checkpoint.h"
 #include "config.h"
 #include "device.h"
 #include "expandable_segment.h"
@@ -34,14 +35,38 @@ namespace allocwatch {
 class OutOfMemoryError : public std::runtime_error {
  public:
   OutOfMemoryError(const std::string& message, std::size_t requested, std::size_t device_free,
-                   std::size_t device_total, std::size_t allocated, std::size_t reserved)
+                   std::size_t device_total, std::size_t allocated, std::size_t reserved,
+                   std::size_t alloc_size = 0, std::size_t limit = 0, std::string advice = "")
       : std::runtime_error(message),
         requested(requested),
         device_free(device_free),
         device_total(device_total),
         allocated(allocated),
-        reserved(reserved) {}
+        reserved(reserved),
+        alloc_size(alloc_size),
+        limit(limit),
+        advice(std::move(advice)) {}
   std::size_t requested, device_free, device_total, allocated, reserved;
+  // The device allocation the request needed (PyTorch's "Tried to allocate"), the memory
+  // fraction's limit in bytes (0: none), and the message's last part: which setting would
+  // help and the settings in force, for callers that word the rest themselves.
+  std::size_t alloc_size, limit;
+  std::string advice;
+};
+
+// A block of an expandable segment as another process can map it (export_ipc): the physical
+// allocations under it as file descriptors (the device's, valid while they are mapped here),
+// with their sizes, back to back; the block starts `offset` bytes into the first.
+struct IpcExport {
+  std::size_t offset = 0;
+  std::vector<std::pair<int, std::size_t>> pieces;
+};
+
+// The allocation a block belongs to (segment_of): size 0 when none.
+struct SegmentSpan {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  bool expandable = false;
 };
 
 // One block of a snapshot, as torch.cuda.memory._snapshot() describes it.
@@ -102,14 +127,45 @@ class CachingAllocator {
   std::map<std::string, std::int64_t> stats() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
+  // Allocated and reserved bytes at their highest since the previous call (or since the
+  // allocator was made), then a new window starting from the current values. Independent of
+  // reset_peak_stats(): the user's peaks are never touched.
+  IntervalPeaks take_interval_peaks();
 
   // --- private pools for CUDA graph capture ---
   void begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter);
   void end_allocate_to_pool(MempoolId id);
   void release_pool(MempoolId id);
 
+  // --- private pools for torch.cuda.MemPool (pools.cpp) ---
+  // Makes the pool, or shares an existing one (its use count + 1); begin_allocate_to_pool
+  // then routes a thread's or stream's allocations to it. plain_segments: PrivatePool's.
+  void create_or_incref_pool(MempoolId id, bool plain_segments);
+  int pool_use_count(MempoolId id) const;  // 0 for a pool that does not exist
+  void set_pool_no_split(MempoolId id);
+  // Releases the cached blocks of a pool that nothing uses any more (PyTorch's
+  // emptyCache(pool)); nothing for a pool still in use, or while a capture is underway.
+  std::size_t empty_pool_cache(MempoolId id);
+  // Whether the pool's allocated blocks are exactly those at `expected` (CUDA graph trees'
+  // check that no tensor of a recorded graph is still alive).
+  bool check_pool_live_allocations(MempoolId id, const std::vector<std::uintptr_t>& expected) const;
+
+  // --- checkpoints of a private pool's layout (checkpoint.cpp) ---
+  PoolCheckpoint checkpoint_pool(MempoolId id);
+  CheckpointRestore restore_pool(const PoolCheckpoint& checkpoint);
+
+  // The allocation `ptr` (an allocated block's address) belongs to: for an ordinary segment
+  // the whole segment, for an expandable one the block itself (pools.cpp).
+  SegmentSpan segment_of(const void* ptr) const;
+  // The allocated block at `ptr`, of an expandable segment, for another process (CUDA IPC);
+  // throws std::invalid_argument for another block, DeviceError where the device cannot share.
+  IpcExport export_ipc(const void* ptr);
+
   // --- history and inspection ---
   void record_history(bool enabled, std::size_t max_entries);
+  void clear_history();
+  void set_trace_skipped(std::uint32_t actions);  // trace_action_bit of each action left out
+  void add_trace_observer(TraceObserver observer);
   std::vector<TraceEntry> trace() const;
   bool trace_wrapped() const;
   std::vector<SegmentInfo> snapshot();
@@ -140,6 +196,8 @@ class CachingAllocator {
   Block* alloc_found_block(AllocParams& p, bool split_remainder);
   bool should_split(const Block* block, std::size_t size) const;
   void free_block(Block* block);
+  // free() of a block already taken out of allocated_.
+  void free_allocated(Block* block);
   Block* merge_into_cached_next(Block* block, BlockPool& pool);
   std::size_t try_merge_blocks(Block* dst, Block* src, BlockPool& pool);
   [[noreturn]] void raise_out_of_memory(const AllocParams& p);
@@ -193,6 +251,12 @@ class CachingAllocator {
   void synchronize_and_free_events();
 
   // Blocks come from an arena: the hot path never calls the system allocator.
+  // Checkpoints (checkpoint.cpp).
+  PrivatePool& private_pool(MempoolId id) const;
+  std::vector<const Block*> segment_heads(const PrivatePool& pool) const;
+  void restore_segment(PrivatePool& pool, const SegmentCheckpoint& segment,
+                       CheckpointRestore& result);
+
   Block* new_block(StreamId stream, std::size_t size, BlockPool* pool, std::uintptr_t ptr);
   void delete_block(Block* block);
   std::vector<const Block*> all_blocks() const;

@@ -35,6 +35,13 @@ std::vector<std::string> lex(const std::string& text) {
   throw ConfigError(msg.str());
 }
 
+// An error in the string as a whole (not one key's): the string itself is what to show.
+[[noreturn]] void fail_text(const std::string& text, const std::string& why) {
+  Text msg;
+  msg << "invalid allocator settings '" << text << "': " << why;
+  throw ConfigError(msg.str());
+}
+
 // Strict unsigned parse: digits only (PyTorch's stoi accepts "12abc"; a typo should not pass).
 std::size_t parse_count(const std::string& key, const std::string& value) {
   if (value.empty() || !std::all_of(value.begin(), value.end(), ::isdigit))
@@ -250,13 +257,52 @@ std::string AllocatorConfig::to_string() const {
   return out;
 }
 
+std::string known_settings(const std::string& text,
+                           std::vector<std::pair<std::string, std::string>>* others) {
+  static const char* const kKnown[] = {
+      "native", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+      "expandable_segments", "roundup_power2_divisions", "backend",
+      "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+      "pinned_num_register_threads", "pinned_use_background_threads",
+      "expandable_large_page_mb", "expandable_grow_mb", "expandable_chunk_mb",
+      "reuse_free_pages"};
+  const std::vector<std::string> tokens = lex(text);
+  std::string known;
+  for (std::size_t i = 0; i < tokens.size();) {
+    if (tokens[i] == ",") {
+      ++i;
+      continue;
+    }
+    const std::string key = tokens[i++];
+    std::string entry = key, value;
+    if (i < tokens.size() && tokens[i] == ":") {
+      entry += tokens[i++];
+      int depth = 0;
+      while (i < tokens.size() && (depth > 0 || tokens[i] != ",")) {
+        if (tokens[i] == "[") ++depth;
+        if (tokens[i] == "]") --depth;
+        value += tokens[i++];
+      }
+      entry += value;
+    }
+    const bool is_known = std::any_of(std::begin(kKnown), std::end(kKnown),
+                                      [&](const char* k) { return key == k; });
+    if (is_known) {
+      known += (known.empty() ? "" : ",") + entry;
+    } else if (others != nullptr) {
+      others->emplace_back(key, value);
+    }
+  }
+  return known;
+}
+
 AllocatorConfig apply_config(const AllocatorConfig& base, const std::string& text) {
   AllocatorConfig cfg = base;
   Tokens tok(lex(text));
   bool first = true;
   while (!tok.done()) {
     std::string key = tok.take("settings", "key");
-    if (key == "," ) fail("settings", text, "empty entry");
+    if (key == ",") fail_text(text, "an empty entry between two ','");
     if (key == "native") {
       if (!first) fail("native", "", "the preset must come first");
       cfg = AllocatorConfig::native();
@@ -267,7 +313,7 @@ AllocatorConfig apply_config(const AllocatorConfig& base, const std::string& tex
     if (!tok.done()) {
       std::string sep = tok.take(key, "','");
       if (sep != ",") fail(key, sep, "expected ',' between settings");
-      if (tok.done()) fail("settings", text, "trailing ','");
+      if (tok.done()) fail_text(text, "it ends with ',' (remove it, or add a key:value after it)");
     }
   }
   return cfg;

@@ -71,4 +71,12 @@ struct AllocatorConfig {
 // Applies `text` on top of `base` and returns the result; throws ConfigError.
 AllocatorConfig apply_config(const AllocatorConfig& base, const std::string& text);
 
+// Splits a PyTorch settings string (PYTORCH_CUDA_ALLOC_CONF, _set_allocator_settings) into the
+// entries this allocator knows, returned as a settings string, and the others ("key" and its
+// value as written, lists included), which steer parts of PyTorch it does not replace
+// (pinned memory, graph capture) or are PyTorch's own (per_process_memory_fraction). Nothing
+// is validated here; apply_config does that.
+std::string known_settings(const std::string& text,
+                           std::vector<std::pair<std::string, std::string>>* others);
+
 }  // namespace allocwatch

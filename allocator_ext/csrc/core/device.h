@@ -87,6 +87,22 @@ class Device {
   // True while the calling thread's stream is being captured into a CUDA graph: during capture
   // the core must not call anything that synchronises or queries events.
   virtual bool is_capturing(StreamId /*stream*/) { return false; }
+
+  // Sharing physical memory with other processes (CUDA IPC of expandable segments).
+  // export_physical: a file descriptor for the allocation, owned by the device and valid until
+  // the allocation is released; -1 where the device cannot share it.
+  virtual int export_physical(PhysicalHandle /*handle*/) { return -1; }
+  // Maps, in this process, allocations another process exported (file descriptors this
+  // process now owns, with their sizes, back to back) and returns where; release_import undoes
+  // it. Throws DeviceError where the device cannot.
+  struct Imported {
+    int fd;
+    std::size_t size;
+  };
+  virtual std::uintptr_t import_physical(const std::vector<Imported>& /*pieces*/) {
+    throw DeviceError("this device cannot import memory from another process");
+  }
+  virtual void release_import(std::uintptr_t /*base*/) {}
 };
 
 }  // namespace allocwatch

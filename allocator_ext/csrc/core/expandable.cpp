@@ -53,6 +53,17 @@
 // Captures. Nothing is unmapped while a CUDA graph is captured anywhere in the process: an
 // unmap waits for a stream, which a capture forbids (PyTorch releases nothing during capture
 // either). Growth then creates pages.
+//
+// Long runs, a known limit. A workload that repeats sits with reserved memory at its mark,
+// so every growth it still needs takes pages back. A take-back comes up short where the free
+// memory left lies inside partly used chunks or pages; the pages created for the shortfall
+// raise the mark for good. And each take-back unmaps free blocks inside mapped ranges, which
+// splits them: the next repetition finds its free memory in other, smaller pieces, needs to
+// grow again, and takes back again. The mark therefore ratchets up by the shortfalls while the
+// mapped ranges multiply (replaying the example trace in a loop: about 10 ranges after the
+// first pass, about 100 after 200 passes). PyTorch, which never takes pages back, settles after
+// a pass or two, higher. Rules that stop the moves once a workload repeats settle too, but on
+// some recorded traces they cost the single replay its reserved/requested bar.
 #include <algorithm>
 
 #include "allocator.h"

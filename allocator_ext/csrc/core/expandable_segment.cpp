@@ -117,6 +117,20 @@ Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhys
   return Range{base_ + first * page_size_, bytes};
 }
 
+std::vector<ExpandableSegment::MappedChunk> ExpandableSegment::chunks_in(Range r) const {
+  std::vector<MappedChunk> out;
+  if (r.size == 0) return out;
+  const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
+  auto it = chunks_.upper_bound(begin);
+  if (it != chunks_.begin()) --it;  // the chunk that may start before r
+  for (; it != chunks_.end() && it->first < end; ++it) {
+    if (it->first + it->second.pages <= begin) continue;
+    out.push_back(MappedChunk{base_ + it->first * page_size_, it->second.pages * page_size_,
+                              it->second.handle});
+  }
+  return out;
+}
+
 std::size_t ExpandableSegment::mapped_bytes() const {
   std::size_t n = 0;
   for (const auto& [first, chunk] : chunks_) n += chunk.pages * page_size_;

@@ -52,6 +52,15 @@ class ExpandableSegment {
   // With `keep`, chunks are handed over instead of released, to be mapped elsewhere.
   Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr);
 
+  // The physical allocations mapped over any part of r, in address order (CUDA IPC shares
+  // them whole: the driver exports a handle only whole).
+  struct MappedChunk {
+    std::uintptr_t ptr;
+    std::size_t size;
+    PhysicalHandle handle;
+  };
+  std::vector<MappedChunk> chunks_in(Range r) const;
+
   std::uintptr_t base() const { return base_; }
   std::size_t size() const { return page_size_ * max_pages_; }
   std::size_t page_size() const { return page_size_; }

@@ -69,6 +69,14 @@ void CachingAllocator::reset_peak_stats() {
   stats_.reset_peak();
 }
 
+IntervalPeaks CachingAllocator::take_interval_peaks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const IntervalPeaks taken = stats_.interval_peaks;
+  stats_.interval_peaks = {stats_.allocated_bytes.by_pool[kAggregate].current,
+                           stats_.reserved_bytes.by_pool[kAggregate].current};
+  return taken;
+}
+
 void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.reset_accumulated();
@@ -81,6 +89,21 @@ void CachingAllocator::record_history(bool enabled, std::size_t max_entries) {
   } else {
     trace_.disable();
   }
+}
+
+void CachingAllocator::clear_history() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.clear();
+}
+
+void CachingAllocator::set_trace_skipped(std::uint32_t actions) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.set_skipped(actions);
+}
+
+void CachingAllocator::add_trace_observer(TraceObserver observer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.add_observer(std::move(observer));
 }
 
 std::vector<TraceEntry> CachingAllocator::trace() const {

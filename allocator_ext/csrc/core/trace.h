@@ -1,15 +1,20 @@
 // The allocator's history: a ring buffer of events whose export has the layout of
-// torch.cuda.memory._snapshot()["device_traces"], so PyTorch's memory viewer opens it.
-// Recording is off until asked for; when off, the hot path pays one predictable branch.
+// torch.cuda.memory._snapshot()["device_traces"], so PyTorch's memory viewer opens it, and
+// observers called on every event (PyTorch's allocator trace trackers: NCCL registers
+// segments with them). Recording is off until asked for; with recording off and no observer,
+// the hot path pays one predictable branch.
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "device.h"
+#include "history.h"
 
 namespace allocwatch {
 
@@ -25,7 +30,36 @@ enum class TraceAction : std::uint8_t {
   oom,
 };
 
-const char* trace_action_name(TraceAction a);
+// Inline: the native back end, which reaches the core only through TorchBackend, maps the
+// actions PyTorch names (recordHistory's skip_actions) itself.
+inline const char* trace_action_name(TraceAction a) {
+  switch (a) {
+    case TraceAction::alloc: return "alloc";
+    case TraceAction::free_requested: return "free_requested";
+    case TraceAction::free_completed: return "free_completed";
+    case TraceAction::segment_alloc: return "segment_alloc";
+    case TraceAction::segment_free: return "segment_free";
+    case TraceAction::segment_map: return "segment_map";
+    case TraceAction::segment_unmap: return "segment_unmap";
+    case TraceAction::snapshot: return "snapshot";
+    case TraceAction::oom: return "oom";
+  }
+  return "unknown";
+}
+
+// The action named `name` (as trace_action_name spells it); false for an unknown name.
+inline bool trace_action_from_name(const std::string& name, TraceAction* action) {
+  for (TraceAction a : {TraceAction::alloc, TraceAction::free_requested,
+                        TraceAction::free_completed, TraceAction::segment_alloc,
+                        TraceAction::segment_free, TraceAction::segment_map,
+                        TraceAction::segment_unmap, TraceAction::snapshot, TraceAction::oom}) {
+    if (name == trace_action_name(a)) {
+      *action = a;
+      return true;
+    }
+  }
+  return false;
+}
 
 struct TraceEntry {
   TraceAction action;
@@ -33,7 +67,17 @@ struct TraceEntry {
   std::size_t size;
   StreamId stream;
   std::int64_t time_us;
+  ContextHandle context;  // the caller's, for the call that recorded it (history.h)
 };
+
+// Called under the allocator's lock on every event, recorded or not: it must not call back
+// into the allocator. An observer that throws is ignored, so it cannot break an operation
+// half-way.
+using TraceObserver = std::function<void(const TraceEntry&)>;
+
+constexpr std::uint32_t trace_action_bit(TraceAction a) {
+  return std::uint32_t{1} << static_cast<unsigned>(a);
+}
 
 class TraceRing {
  public:
@@ -51,9 +95,19 @@ class TraceRing {
     entries_.clear();
     next_ = 0;
   }
+  // Actions left out of the ring (observers still see them): trace_action_bit of each.
+  void set_skipped(std::uint32_t actions) { skipped_ = actions; }
+  void add_observer(TraceObserver observer) { observers_.push_back(std::move(observer)); }
   void record(TraceAction action, std::uintptr_t addr, std::size_t size, StreamId stream) {
-    if (!enabled_) return;
-    TraceEntry e{action, addr, size, stream, now_us()};
+    if (!enabled_ && observers_.empty()) return;
+    TraceEntry e{action, addr, size, stream, now_us(), TraceContextScope::current()};
+    for (const TraceObserver& observer : observers_) {
+      try {
+        observer(e);
+      } catch (...) {
+      }
+    }
+    if (!enabled_ || (skipped_ & trace_action_bit(action)) != 0) return;
     if (entries_.size() < max_entries_) {
       entries_.push_back(e);
     } else {
@@ -78,6 +132,8 @@ class TraceRing {
         .count();
   }
   bool enabled_ = false;
+  std::uint32_t skipped_ = 0;
+  std::vector<TraceObserver> observers_;
   std::size_t max_entries_ = 1;
   std::size_t next_ = 0;
   std::vector<TraceEntry> entries_;

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+from exporter.commands._arguments import count, seconds
+from exporter.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
+
 HELP = "talk to a running sidecar: list agents, change allocator settings, reclaim, snapshot"
 DESCRIPTION = """\
 Talks to the admin API of a running sidecar (docs/sidecar.md, "Admin API"). Commands go to every
@@ -75,7 +78,7 @@ def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
                        help="only this agent (its key, as `ctl agents` shows)")
     where.add_argument("--json", action="store_true", default=default(False),
                        help="print the API's JSON answer")
-    where.add_argument("--timeout", type=float, metavar="S", default=default(120.0),
+    where.add_argument("--timeout", type=seconds(), metavar="S", default=default(120.0),
                        help="seconds to wait for the sidecar (default 120)")
 
 
@@ -102,10 +105,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     history.add_argument("state", choices=["start", "stop"],
                          help="start: record every allocation, free and segment change from now "
                               "on (what a snapshot's trace holds); stop: stop recording")
-    history.add_argument("--max-entries", type=int, default=0, metavar="N",
-                         help="keep the last N entries (default: the agent's, 100000)")
+    history.add_argument("--max-entries", type=count(MAX_HISTORY_ENTRIES), default=0,
+                         metavar="N", help=f"keep the last N entries (default: the agent's, "
+                                           f"{DEFAULT_HISTORY_ENTRIES:,}; at most "
+                                           f"{MAX_HISTORY_ENTRIES:,})")
     diagnose = sub["diagnose"]
-    diagnose.add_argument("--window", type=float, default=5.0, metavar="S",
+    diagnose.add_argument("--window", type=seconds(zero_allowed=True), default=5.0, metavar="S",
                           help="read the counters twice, S seconds apart, to see rates "
                                "(default 5)")
     diagnose.add_argument("--device", type=int, metavar="N",

@@ -1,11 +1,13 @@
 """`allocwatch ctl diagnose`: the usual out-of-memory troubleshooting order, on one agent's live
 figures.
 
-1. retries and reserved ÷ allocated   (is there pressure? is the cache fragmented?)
+1. retries and peak fragmentation    (is there pressure? does the cache strand memory at its
+                                      peak, not merely hold freed blocks between steps?)
 2. expandable_segments                (the fix for fragmentation, where it is not on yet)
 3. max_split_size_mb                  (the older fix, where expandable segments cannot be used)
 4. garbage_collection_threshold       (release old cached blocks before retrying)
-5. the snapshot                       (with --replay: replayed under each candidate, measured)
+5. the snapshot                       (with --replay: replayed under each candidate, measured;
+                                      a recorded out-of-memory error must not recur)
 
 Each step says what it found and which setting it would apply; the first proposal wins unless
 the replay measured a better one. Counters read twice, `--window` seconds apart, also show the
@@ -18,13 +20,16 @@ import argparse
 import dataclasses
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from exporter.commands.ctl.client import AdminClient, CtlError
 from exporter.commands.ctl.output import human_bytes, print_results
+from exporter.protocol.figures import peak_fragmentation_ratio
 
-FRAGMENTED = 1.25            # reserved ÷ allocated above which the cache strands memory
+FRAGMENTED = 0.2             # peak fragmentation from which the cache strands memory (peak
+                             # reserved at least 1.25 × peak allocated)
 SPLIT_SHARE = 0.2            # inactive split bytes ÷ large-pool reserved worth max_split_size_mb
 EMPTY_CACHE_RATE = 0.2       # empty_cache() calls a second that look like "every step"
 PENDING_EVENTS = 100
@@ -47,21 +52,44 @@ class Diagnosis:
     steps: list[Step]
     mistakes: list[str]
     recommendation: str | None
+    # Pressure or fragmentation was found: "nothing to change" would contradict it.
+    trouble: bool = False
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any], name: str) -> int:
     return max(0, after["counters"][name] - before["counters"][name])
 
 
+def peak_fragmentation(before: dict[str, Any], after: dict[str, Any]
+                       ) -> tuple[float, int, int, str]:
+    """(ratio, peak allocated, peak reserved, over what) at its least among the readings of the
+    window: the two report intervals seen and the peaks since the process's last reset. Each
+    overstates what the cache strands when it misses the moment of highest use (an interval
+    without a training step's peak; a reset that predates an empty_cache()), never the reverse,
+    so the least is the closest."""
+    readings = []
+    for device in (before, after):
+        peaks = device["interval_peaks"]
+        where = ("over a report interval" if peaks["window"] == "interval"
+                 else "since the process's last peak reset")
+        readings.append((device["peak_fragmentation_ratio"], peaks["allocated_bytes"],
+                         peaks["reserved_bytes"], where))
+    allocated, reserved = after["peak_allocated_bytes"], after["peak_reserved_bytes"]
+    readings.append((peak_fragmentation_ratio(reserved, allocated), allocated, reserved,
+                     "since the process's last peak reset"))
+    return min(readings, key=lambda r: r[0])
+
+
 def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: float,
-             replayed: list[tuple[str, dict[str, Any] | str]] | None = None,
+             replayed: Sequence[Any] | None = None,
              replay_note: str | None = None) -> Diagnosis:
     """`before`/`after`: one device's figures (the admin API's device view) `window` s apart.
-    `replayed`: (settings, replay report or error text) per candidate."""
+    `replayed`: the snapshot's candidates as `allocwatch tune` ranks them, best first
+    (allocator_ext.replay.tune.Candidate), each named by its settings string."""
     counters, settings = after["counters"], after["settings"]
     steps: list[Step] = []
     reserved, allocated = after["reserved_bytes"], after["allocated_bytes"]
-    ratio = reserved / allocated if allocated else float("inf") if reserved else 1.0
+    ratio, peak_allocated, peak_reserved, where = peak_fragmentation(before, after)
     retries, ooms = counters["alloc_retries"], counters["ooms"]
     new_retries = _delta(before, after, "alloc_retries")
     pressure = retries > 0 or ooms > 0
@@ -69,10 +97,12 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
     verdict = ("memory pressure" if pressure else "no retries") + ", " + (
         "fragmented cache" if fragmented else "compact cache")
     steps.append(Step(
-        "retries and reserved ÷ allocated",
+        "retries and peak fragmentation",
         f"{retries} allocation retries ({new_retries} in the last {window:g} s), {ooms} "
-        f"out-of-memory errors; reserved ÷ allocated = {ratio:.2f} ({human_bytes(reserved)} "
-        f"reserved for {human_bytes(allocated)} allocated): {verdict}"))
+        f"out-of-memory errors; peak fragmentation {ratio:.2f} ({human_bytes(peak_allocated)} "
+        f"allocated at the peak of {human_bytes(peak_reserved)} reserved, {where}; "
+        f"{human_bytes(reserved - allocated)} of {human_bytes(reserved)} cached and unused "
+        f"right now): {verdict}"))
     needs_help = pressure or fragmented
 
     if settings["expandable_segments"]:
@@ -117,36 +147,39 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
         steps.append(Step("garbage_collection_threshold", "off, and no retries call for it"))
 
     recommendation = next((s.proposal for s in steps if s.proposal), None)
-    steps.append(_snapshot_step(replayed, replay_note))
+    in_force = candidates(settings["config_string"])[0]
+    steps.append(_snapshot_step(replayed, in_force, replay_note))
     if steps[-1].proposal:
         recommendation = steps[-1].proposal  # measured on this job's own trace: it wins
     return Diagnosis(agent, after["cuda_device"], steps, _mistakes(before, after, window),
-                     recommendation)
+                     recommendation, needs_help)
 
 
-def _snapshot_step(replayed: list[tuple[str, dict[str, Any] | str]] | None,
-                   note: str | None) -> Step:
-    if replayed is None:
+def _snapshot_step(ranked: Sequence[Any] | None, in_force: str, note: str | None) -> Step:
+    if ranked is None:
         return Step("snapshot", note or "not replayed (add --replay to replay this agent's "
                     "snapshot under each candidate setting)")
-    lines, best = [], None
-    for settings, report in replayed:
-        if isinstance(report, str):
-            lines.append(f"{settings}: {report}")
-            continue
-        lines.append(f"{settings}: peak reserved {human_bytes(report['peak_reserved_bytes'])}, "
-                     f"ratio {report['reserved_ratio']:.3f}, retries "
-                     f"{report['num_alloc_retries']}, OOMs {report['num_ooms']}")
-        if report["num_ooms"] == 0 and (best is None or report["peak_reserved_bytes"]
-                                        < best[1]["peak_reserved_bytes"]):
-            best = (settings, report)
+    from allocator_ext.replay.tune import recommended
+
+    recorded = len(ranked[0].report["recorded_ooms"])
+    lines = []
+    for c in ranked:
+        r = c.report
+        lines.append(f"{c.name}: peak reserved {human_bytes(r['peak_reserved_bytes'])}, "
+                     f"ratio {r['reserved_ratio']:.3f}, retries {r['num_alloc_retries']}, "
+                     f"OOMs {r['num_ooms']}"
+                     + (f" (recorded OOMs recurred: {r['recorded_ooms_recurred']} of {recorded})"
+                        if recorded else ""))
     finding = "replayed: " + "; ".join(lines)
+    if recorded:
+        finding = (f"the snapshot holds {recorded} out-of-memory error(s), which each replay "
+                   "makes again: a candidate under which one recurs is not proposed; " + finding)
+    best = recommended(list(ranked))
     if best is None:
         return Step("snapshot", finding + " — no candidate ran without out-of-memory")
-    first = replayed[0]
-    if best[0] == first[0]:
+    if best.name == in_force:
         return Step("snapshot", finding + " — the settings in force do best")
-    return Step("snapshot", finding + f" — lowest peak reserved: {best[0]}", best[0])
+    return Step("snapshot", finding + f" — lowest peak reserved: {best.name}", best.name)
 
 
 def _mistakes(before: dict[str, Any], after: dict[str, Any], window: float) -> list[str]:
@@ -201,31 +234,38 @@ def candidates(current: str) -> list[str]:
 
 
 def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
-                    ) -> tuple[list[tuple[str, dict[str, Any] | str]] | None, str | None]:
-    from allocator_ext.replay import TraceError, load_trace, replay
+                    ) -> tuple[list[Any] | None, str | None]:
+    """The agent's snapshot replayed under each candidate, ranked as `allocwatch tune` ranks
+    them (or None and why not)."""
+    from allocator_ext.replay import TraceError, load_trace
+    from allocator_ext.replay.cap import resolve_cap
+    from allocator_ext.replay.tune import tune
 
     answer = client.post("/v1/snapshot", {"agent": agent, "frames": False})
     result = answer["results"][0]
     if "snapshot" not in result:
         return None, f"no snapshot: {result['message']}"
     data = client.request("GET", result["snapshot"]["download"])
+    where = f"snapshot {result['snapshot']['path']}"
     with tempfile.TemporaryDirectory(prefix="allocwatch-diagnose-") as tmp:
         path = Path(tmp) / "snapshot.pickle.gz"
         path.write_bytes(data)
         try:
             trace = load_trace(path, device["cuda_device"])
         except TraceError as err:
-            return None, (f"snapshot {result['snapshot']['path']} cannot be replayed: {err} "
-                          "(record the allocator's history from the start of the process)")
+            return None, (f"{where} cannot be replayed: {err} (record the allocator's history "
+                          "from the start of the process)")
+    # The cap the snapshot kept, else the GPU's size where the agent knows it.
+    cap = resolve_cap(trace)
     capacity = (device["device_memory"] or {}).get("total_bytes", 0)
-    replayed: list[tuple[str, dict[str, Any] | str]] = []
-    for settings in candidates(device["settings"]["config_string"]):
-        try:
-            replayed.append((settings, replay(trace, config=settings,
-                                              device_memory=capacity).report))
-        except (TraceError, ValueError) as err:
-            replayed.append((settings, f"not replayable: {err}"))
-    return replayed, None
+    if not cap.device_memory and capacity:
+        cap = resolve_cap(trace, device_memory=capacity)
+    settings = candidates(device["settings"]["config_string"])
+    try:
+        return tune(trace, cap.device_memory, cap.memory_fraction,
+                    candidates=[(s, s, True) for s in settings]), None
+    except (TraceError, ValueError) as err:
+        return None, f"{where} cannot be replayed: {err}"
 
 
 def print_diagnosis(d: Diagnosis, out: TextIO) -> None:
@@ -238,7 +278,14 @@ def print_diagnosis(d: Diagnosis, out: TextIO) -> None:
         print("classic mistakes seen:", file=out)
         for mistake in d.mistakes:
             print(f"  - {mistake}", file=out)
-    print(f"recommendation: {d.recommendation or 'none: nothing to change'}", file=out)
+    if d.recommendation:
+        print(f"recommendation: {d.recommendation}", file=out)
+    elif d.trouble:
+        print("recommendation: none of the settings above; they are in force or do not apply. "
+              "Replay this agent's snapshot under candidates (--replay), or lower what the job "
+              "holds at its peak", file=out)
+    else:
+        print("recommendation: none: nothing to change", file=out)
 
 
 def run_diagnosis(args: argparse.Namespace, client: AdminClient, selector: dict[str, Any],

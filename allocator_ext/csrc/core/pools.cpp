@@ -1,0 +1,120 @@
+// Private pools beyond CUDA graph capture: torch.cuda.MemPool makes a pool, shares it
+// (use counts), routes a thread's allocations to it (begin/end_allocate_to_pool), asks for
+// unsplit blocks, releases its cache, and CUDA graph trees check which of its blocks are
+// still allocated. Also: which allocation a pointer belongs to (getBaseAllocation, IPC).
+#include <algorithm>
+#include <unordered_set>
+
+#include "allocator.h"
+#include "expandable_segment.h"
+#include "text.h"
+
+namespace allocwatch {
+
+namespace {
+
+std::string pool_name(MempoolId id) {
+  Text t;
+  t << "(" << id.first << ", " << id.second << ")";
+  return t.str();
+}
+
+}  // namespace
+
+PrivatePool& CachingAllocator::private_pool(MempoolId id) const {
+  auto it = graph_pools_.find(id);
+  if (it == graph_pools_.end())
+    throw std::invalid_argument("allocwatch: no private pool " + pool_name(id));
+  return *it->second;
+}
+
+void CachingAllocator::create_or_incref_pool(MempoolId id, bool plain_segments) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = graph_pools_.find(id);
+  if (it == graph_pools_.end()) {
+    auto pool = std::make_unique<PrivatePool>();
+    pool->plain_segments = plain_segments;
+    graph_pools_.emplace(id, std::move(pool));
+    return;
+  }
+  // A pool already released by all its users may not be revived: its blocks are on their way
+  // back to the device.
+  if (it->second->use_count <= 0)
+    throw std::logic_error("allocwatch: private pool " + pool_name(id) + " was already released");
+  it->second->use_count++;
+}
+
+int CachingAllocator::pool_use_count(MempoolId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = graph_pools_.find(id);
+  return it == graph_pools_.end() ? 0 : it->second->use_count;
+}
+
+void CachingAllocator::set_pool_no_split(MempoolId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  private_pool(id).no_split = true;
+}
+
+std::size_t CachingAllocator::empty_pool_cache(MempoolId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // As empty_cache: releasing during a capture would invalidate it.
+  if (captures_underway()) return 0;
+  auto it = graph_pools_freeable_.find(id);
+  if (it == graph_pools_freeable_.end()) return 0;  // unknown, or still in use
+  process_events_locked();
+  PrivatePool* pool = it->second;
+  const std::size_t released = release_blocks(pool->small_blocks) + release_blocks(pool->large_blocks);
+  if (pool->holds_no_memory()) {
+    graph_pools_freeable_.erase(it);
+    graph_pools_.erase(id);
+  }
+  return released;
+}
+
+bool CachingAllocator::check_pool_live_allocations(
+    MempoolId id, const std::vector<std::uintptr_t>& expected) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const PrivatePool* pool = &private_pool(id);
+  const std::unordered_set<std::uintptr_t> wanted(expected.begin(), expected.end());
+  std::size_t live = 0;
+  bool unexpected = false;
+  allocated_.for_each([&](const Block* b) {
+    if (b->pool->owner != pool) return;
+    ++live;
+    if (wanted.count(b->ptr) == 0) unexpected = true;
+  });
+  return !unexpected && live == wanted.size();
+}
+
+SegmentSpan CachingAllocator::segment_of(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Block* block = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (block == nullptr) return SegmentSpan{};
+  // An expandable segment's pages come and go: only the block itself is a stable allocation.
+  if (block->expandable != nullptr) return SegmentSpan{block->ptr, block->size, true};
+  const Block* head = block;
+  while (head->prev != nullptr) head = head->prev;
+  std::size_t size = 0;
+  for (const Block* b = head; b != nullptr; b = b->next) size += b->size;
+  return SegmentSpan{head->ptr, size, false};
+}
+
+IpcExport CachingAllocator::export_ipc(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Block* block = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (block == nullptr || block->expandable == nullptr)
+    throw std::invalid_argument("allocwatch: not an allocated block of an expandable segment");
+  IpcExport out;
+  for (const auto& chunk : block->expandable->chunks_in(Range{block->ptr, block->size})) {
+    if (out.pieces.empty()) out.offset = block->ptr - chunk.ptr;
+    const int fd = device_->export_physical(chunk.handle);
+    if (fd < 0) {
+      throw DeviceError("the device made this memory without a shareable handle (the driver "
+                        "or the container does not permit them)");
+    }
+    out.pieces.emplace_back(fd, chunk.size);
+  }
+  return out;
+}
+
+}  // namespace allocwatch

@@ -1,0 +1,140 @@
+// What the native back end (allocator_ext/native/backend.cpp) asks of the core library: one
+// object per process, from the core's only export for it, allocwatch_torch_backend().
+//
+// The back end is compiled on the user's machine against the installed torch; the core is
+// compiled once, by pip, without torch. So the back end includes this header and the core's
+// header-only structs, calls virtual functions through the object it is given, and needs no
+// other symbol of the core. Nothing here throws: the core may carry its own copy of parts of
+// libstdc++ (some build environments link it statically), and an exception must not cross from
+// one copy to the other. A call that fails says so in its Failure.
+//
+// Devices are torch's indices; an allocator is made the first time a device allocates.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/allocator.h"
+#include "core/checkpoint.h"
+#include "core/history.h"
+#include "core/trace.h"
+
+namespace allocwatch::torch_shim {
+
+// Bumped whenever TorchBackend changes: a back end built for another version is refused.
+constexpr int kTorchBackendVersion = 1;
+
+struct Failure {
+  enum Kind { none = 0, invalid_argument = 1, other = 2 };
+  Kind kind = none;
+  std::string message;
+  explicit operator bool() const { return kind != none; }
+};
+
+// Why a request could not be met (CachingAllocator's OutOfMemoryError, field by field).
+struct OutOfMemory {
+  std::size_t requested = 0, alloc_size = 0, device_free = 0, device_total = 0;
+  std::size_t allocated = 0, reserved = 0, limit = 0;
+  std::string advice;
+};
+
+// The settings an allocator runs with, as PyTorch's snapshots report them.
+struct SettingsReport {
+  std::string text;  // AllocatorConfig::to_string()
+  double garbage_collection_threshold = 0;
+  std::size_t max_split_size = 0;  // SIZE_MAX: unlimited
+  bool expandable_segments = false;
+  bool release_lock_on_cudamalloc = false;
+  bool pinned_use_cuda_host_register = false;
+  std::size_t pinned_num_register_threads = 1;
+  std::vector<std::size_t> roundup_power2_divisions;
+};
+
+class TorchBackend {
+ public:
+  // --- the hot path ---
+  // A block of `size` bytes for `stream`; nullptr with `oom` filled when the device has no
+  // room, nullptr with `failure` set on any other error. `context` goes with the trace entries
+  // the call records (history.h); it may be empty.
+  virtual void* malloc(int device, std::size_t size, StreamId stream,
+                       const ContextHandle& context, OutOfMemory* oom, Failure* failure) = 0;
+  // False when no device's allocator handed `ptr` out.
+  virtual bool free(void* ptr, const ContextHandle& context, Failure* failure) = 0;
+  virtual void record_stream(int device, void* ptr, StreamId stream, Failure* failure) = 0;
+
+  // --- statistics and reclaiming ---
+  // False (and `out` untouched) when the device has no allocator yet.
+  virtual bool stats(int device, std::map<std::string, std::int64_t>* out) = 0;
+  virtual void reset_peak(int device) = 0;
+  virtual void reset_accumulated(int device) = 0;
+  // Every device; pool {0, 0}: the ordinary pools (and released private ones), else that
+  // private pool only (CachingAllocator::empty_pool_cache).
+  virtual void empty_cache(MempoolId pool, const ContextHandle& context, Failure* failure) = 0;
+  virtual void set_memory_fraction(int device, double fraction, Failure* failure) = 0;
+  virtual std::size_t largest_free_block(int device) = 0;
+  // The allocation of an allocated block at `ptr`, on whichever device has it (size 0: none).
+  virtual SegmentSpan segment_of(const void* ptr) = 0;
+  // The device and size of the allocated block at `ptr` (device -1: none), for the profiler.
+  virtual std::pair<int, std::size_t> block_of(const void* ptr) = 0;
+
+  // --- private pools: CUDA graphs and torch.cuda.MemPool ---
+  virtual void begin_allocate_to_pool(int device, MempoolId pool,
+                                      std::function<bool(StreamId)> filter, Failure* failure) = 0;
+  virtual void end_allocate_to_pool(int device, MempoolId pool, Failure* failure) = 0;
+  virtual void release_pool(int device, MempoolId pool, Failure* failure) = 0;
+  virtual void create_or_incref_pool(int device, MempoolId pool, bool plain_segments,
+                                     Failure* failure) = 0;
+  virtual int pool_use_count(int device, MempoolId pool) = 0;
+  virtual void set_pool_no_split(int device, MempoolId pool, Failure* failure) = 0;
+  virtual bool check_pool_live_allocations(int device, MempoolId pool,
+                                           const std::vector<std::uintptr_t>& expected,
+                                           Failure* failure) = 0;
+  virtual PoolCheckpoint checkpoint_pool(int device, MempoolId pool, Failure* failure) = 0;
+  virtual CheckpointRestore restore_pool(int device, const PoolCheckpoint& checkpoint,
+                                         const ContextHandle& context, Failure* failure) = 0;
+
+  // --- history ---
+  virtual void record_history(bool enabled, std::size_t max_entries, bool clear,
+                              std::uint32_t skipped) = 0;
+  virtual void add_trace_observer(std::function<void(int, const TraceEntry&)> observer) = 0;
+  virtual std::vector<TraceEntry> trace(int device) = 0;
+  virtual std::vector<SegmentInfo> snapshot(int device) = 0;
+  virtual std::vector<int> devices() = 0;  // those with an allocator
+
+  // --- CUDA IPC of expandable segments (ordinary segments use cudaIpc handles) ---
+  // The allocated block at `ptr` as another process can map it.
+  virtual IpcExport export_ipc(const void* ptr, Failure* failure) = 0;
+  // Maps on `device` what another process exported (file descriptors this process took over;
+  // the caller closes them afterwards) and returns where; close_ipc unmaps it.
+  virtual std::uintptr_t import_ipc(int device,
+                                    const std::vector<std::pair<int, std::size_t>>& pieces,
+                                    Failure* failure) = 0;
+  virtual void close_ipc(int device, std::uintptr_t base) = 0;
+
+  // --- settings ---
+  // A PyTorch settings string: the keys this allocator knows change, only those (a bad one
+  // changes nothing and fails as invalid_argument); `others` gets the rest (config.h,
+  // known_settings).
+  virtual void configure(const std::string& settings,
+                         std::vector<std::pair<std::string, std::string>>* others,
+                         Failure* failure) = 0;
+  // The settings of `device`'s allocator, or those new allocators get (device < 0).
+  virtual SettingsReport settings(int device) = 0;
+  // PyTorch's per_process_memory_fraction: for every device without a fraction of its own.
+  virtual void set_default_memory_fraction(double fraction, Failure* failure) = 0;
+
+ protected:
+  ~TorchBackend() = default;  // the object lives as long as the process
+};
+
+}  // namespace allocwatch::torch_shim
+
+// The process's TorchBackend, or nullptr when `version` is not kTorchBackendVersion or the
+// caller's std::string is not the core's (a different C++ ABI).
+extern "C" allocwatch::torch_shim::TorchBackend* allocwatch_torch_backend(int version,
+                                                                         std::size_t string_size);

@@ -1,0 +1,1136 @@
+// allocwatch's allocator as PyTorch's CUDA allocator: an implementation of every virtual
+// function of c10::cuda::CUDACachingAllocator::CUDAAllocator, installed as PyTorch installs its
+// own (allocator.store and SetAllocator(kCUDA)), so that every caller, C++ and Python, reaches
+// allocwatch's core: torch.cuda.memory.*, torch.accelerator.*, cuDNN's benchmark mode, NCCL,
+// CUDA graphs and torch.compile's graph trees, MemPool, memory history and snapshots, IPC.
+//
+// Built on the machine that runs it, against the torch installed there (allocator_ext/native/
+// build.py: plain g++, torch's headers and the CUDA runtime headers), because PyTorch's
+// interface changes between releases; where a declaration differs, the code below is written
+// so that one source serves every supported release (see "Differences between releases").
+// The core is reached through the one interface it exports for this (csrc/torch_backend.h),
+// in the core library whose path install() is given: this file never links against it.
+#include <dlfcn.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
+#include <c10/core/impl/GPUTrace.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "torch_backend.h"
+
+// Older C library headers lack these (the numbers are those of every 64-bit Linux).
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+#ifndef PR_SET_PTRACER
+#define PR_SET_PTRACER 0x59616d61
+#endif
+#ifndef PR_SET_PTRACER_ANY
+#define PR_SET_PTRACER_ANY (static_cast<unsigned long>(-1))
+#endif
+
+// --- Differences between releases -------------------------------------------------------------
+// A function a release may lack, or declares otherwise, is declared below without `override`
+// (several times where its parameters changed): where the release has it, it is overridden;
+// where not, it is an unused extra. The build's log says which are overridden
+// (-Wsuggest-override). A pure virtual function left out would leave the class abstract, and
+// the build would fail saying which.
+// A type a release may lack is found by name lookup: inside torch's namespace the release's own
+// type wins, outside it only this stand-in exists.
+struct OomRejectionObserver {};  // torch < 2.13 has none: then attachOomRejectionObserver is ours
+namespace c10::cuda::CUDACachingAllocator::allocwatch_lookup {
+using OomRejectionObserverOfThisRelease = OomRejectionObserver;
+}  // namespace c10::cuda::CUDACachingAllocator::allocwatch_lookup
+
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+namespace shim = allocwatch::torch_shim;
+using OomRejectionObserverType = cca::allocwatch_lookup::OomRejectionObserverOfThisRelease;
+using DeviceStats = cca::DeviceStats;
+// Named through members' types: their namespaces moved between releases.
+using StatArray = decltype(DeviceStats::allocation);
+using Stat = decltype(DeviceStats::oversize_allocations);
+using TorchSegment = cca::SegmentInfo;
+using TorchBlock = cca::BlockInfo;
+using TorchTrace = cca::TraceEntry;
+using SnapshotInfo = cca::SnapshotInfo;
+using Annotation = decltype(SnapshotInfo::external_annotations)::value_type;
+using RecordContext = cca::RecordContext;
+using CreateContextFn = cca::CreateContextFn;
+using c10::MempoolId_t;
+
+shim::TorchBackend* g_core = nullptr;
+const allocwatch::ContextHandle kNoContext;
+
+allocwatch::StreamId stream_id(cudaStream_t s) { return reinterpret_cast<allocwatch::StreamId>(s); }
+allocwatch::MempoolId pool_id(const MempoolId_t& id) { return {id.first, id.second}; }
+
+void check(const shim::Failure& failure) {
+  if (!failure) return;
+  TORCH_CHECK_VALUE(failure.kind != shim::Failure::invalid_argument, failure.message);
+  TORCH_CHECK(false, failure.message);
+}
+
+// PyTorch's size format (its own is not exported by every release).
+std::string format_size(std::uint64_t size) {
+  char buf[64];
+  if (size <= 1024) {
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(size));
+  } else if (size <= 1048576) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", static_cast<double>(size) / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(size) / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(size) / 1073741824.0);
+  }
+  return buf;
+}
+
+std::int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// What a trace entry of the history carries for PyTorch: the call's stack (when the history
+// records stacks for entries), the compile context and the user's metadata.
+const char kCallContextTag = 0;
+struct CallContext : allocwatch::TraceContext {
+  CallContext() : allocwatch::TraceContext(&kCallContextTag) {}
+  std::shared_ptr<c10::GatheredContext> stack;
+  std::string compile_context;
+  std::string user_metadata;
+};
+
+const CallContext* call_context(const allocwatch::ContextHandle& handle) {
+  if (!handle || handle->owner != &kCallContextTag) return nullptr;
+  return static_cast<const CallContext*>(handle.get());
+}
+
+TorchTrace::Action torch_action(allocwatch::TraceAction a) {
+  switch (a) {
+    case allocwatch::TraceAction::alloc: return TorchTrace::ALLOC;
+    case allocwatch::TraceAction::free_requested: return TorchTrace::FREE_REQUESTED;
+    case allocwatch::TraceAction::free_completed: return TorchTrace::FREE_COMPLETED;
+    case allocwatch::TraceAction::segment_alloc: return TorchTrace::SEGMENT_ALLOC;
+    case allocwatch::TraceAction::segment_free: return TorchTrace::SEGMENT_FREE;
+    case allocwatch::TraceAction::segment_map: return TorchTrace::SEGMENT_MAP;
+    case allocwatch::TraceAction::segment_unmap: return TorchTrace::SEGMENT_UNMAP;
+    case allocwatch::TraceAction::snapshot: return TorchTrace::SNAPSHOT;
+    case allocwatch::TraceAction::oom: return TorchTrace::OOM;
+  }
+  return TorchTrace::SNAPSHOT;
+}
+
+TorchTrace torch_trace(int device, const allocwatch::TraceEntry& e) {
+  const CallContext* c = call_context(e.context);
+  TorchTrace t(torch_action(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
+               reinterpret_cast<cudaStream_t>(e.stream), MempoolId_t{0, 0},
+               c10::getApproximateTime(), c ? c->stack : nullptr,
+               c && !c->compile_context.empty() ? c->compile_context : std::string("N/A"),
+               c ? c->user_metadata : std::string());
+  // Snapshots report microseconds since the epoch here (PyTorch converts its clock likewise).
+  t.time_.t_ = static_cast<time_t>(e.time_us);
+  return t;
+}
+
+// memory_stats() keys ("allocated_bytes.small_pool.peak") into PyTorch's DeviceStats.
+void fill_stat(Stat& stat, const std::string& field, std::int64_t value) {
+  if (field == "current") stat.current = value;
+  else if (field == "peak") stat.peak = value;
+  else if (field == "allocated") stat.allocated = value;
+  else if (field == "freed") stat.freed = value;
+}
+
+StatArray* stat_array(DeviceStats& stats, const std::string& name) {
+  if (name == "allocation") return &stats.allocation;
+  if (name == "segment") return &stats.segment;
+  if (name == "active") return &stats.active;
+  if (name == "inactive_split") return &stats.inactive_split;
+  if (name == "allocated_bytes") return &stats.allocated_bytes;
+  if (name == "reserved_bytes") return &stats.reserved_bytes;
+  if (name == "active_bytes") return &stats.active_bytes;
+  if (name == "inactive_split_bytes") return &stats.inactive_split_bytes;
+  if (name == "requested_bytes") return &stats.requested_bytes;
+  return nullptr;
+}
+
+DeviceStats torch_stats(const std::map<std::string, std::int64_t>& flat) {
+  DeviceStats stats;
+  for (const auto& [key, value] : flat) {
+    const auto first = key.find('.');
+    if (first == std::string::npos) {
+      if (key == "num_alloc_retries") stats.num_alloc_retries = value;
+      else if (key == "num_ooms") stats.num_ooms = value;
+      else if (key == "num_sync_all_streams") stats.num_sync_all_streams = value;
+      else if (key == "num_device_alloc") stats.num_device_alloc = value;
+      else if (key == "num_device_free") stats.num_device_free = value;
+      else if (key == "max_split_size") stats.max_split_size = value;
+      continue;
+    }
+    const std::string name = key.substr(0, first), rest = key.substr(first + 1);
+    if (name == "oversize_allocations") {
+      fill_stat(stats.oversize_allocations, rest, value);
+      continue;
+    }
+    if (name == "oversize_segments") {
+      fill_stat(stats.oversize_segments, rest, value);
+      continue;
+    }
+    const auto second = rest.find('.');
+    StatArray* array = stat_array(stats, name);
+    if (array == nullptr || second == std::string::npos) continue;
+    const std::string pool = rest.substr(0, second);
+    const std::size_t index = pool == "all" ? 0 : pool == "small_pool" ? 1 : pool == "large_pool" ? 2 : 3;
+    if (index < 3) fill_stat((*array)[index], rest.substr(second + 1), value);
+  }
+  return stats;
+}
+
+// A private pool's layout for CUDA graph trees (the core's checkpoint), and the stacks of its
+// allocated blocks, which a restore gives back to the blocks it carves again.
+struct PoolState : cca::AllocatorState {
+  int device = 0;
+  allocwatch::PoolCheckpoint checkpoint;
+  std::unordered_map<std::uintptr_t, std::shared_ptr<c10::GatheredContext>> stacks;
+};
+
+void delete_block(void* ptr);
+void delete_uncached(void* ptr);
+
+class AllocwatchAllocator final : public cca::CUDAAllocator {
+ public:
+  // --- c10::Allocator --------------------------------------------------------------------------
+  c10::DataPtr allocate(std::size_t size) override {
+    constexpr std::size_t kOneExaByte = 1152921504606846976ULL;
+    TORCH_CHECK_WITH(OutOfMemoryError, size < kOneExaByte,
+                     "CUDA out of memory. Tried to allocate more than 1EB memory.");
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    if (C10_UNLIKELY(uncached())) {
+      void* ptr = size == 0 ? nullptr : uncached_malloc(size);
+      return {ptr, ptr, &delete_uncached, c10::Device(c10::DeviceType::CUDA, device)};
+    }
+    void* ptr = size == 0 ? nullptr
+                          : malloc(device, size, c10::cuda::getCurrentCUDAStream(device).stream());
+    return {ptr, ptr, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return force_uncached() ? &delete_uncached : &delete_block;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  // --- c10::DeviceAllocator --------------------------------------------------------------------
+  bool initialized() override { return device_count_.load() > 0; }
+
+  void emptyCache(MempoolId_t mempool_id) override {
+    shim::Failure failure;
+    g_core->empty_cache(pool_id(mempool_id), gather(RecordContext::ALL).trace, &failure);
+    check(failure);
+  }
+
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    assert_valid_device(device);
+    std::map<std::string, std::int64_t> flat;
+    if (!g_core->stats(device, &flat)) return DeviceStats{};
+    return torch_stats(flat);
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    assert_valid_device(device);
+    g_core->reset_accumulated(device);
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    assert_valid_device(device);
+    g_core->reset_peak(device);
+  }
+
+  // --- CUDAAllocator: allocation ---------------------------------------------------------------
+  void* raw_alloc(std::size_t nbytes) override {
+    if (nbytes == 0) return nullptr;
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return raw_malloc(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc_with_stream(std::size_t nbytes, cudaStream_t stream) override {
+    if (nbytes == 0) return nullptr;
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return raw_malloc(device, nbytes, stream);
+  }
+
+  void raw_delete(void* ptr) override { free(ptr); }
+
+  void init(int device_count) override {
+    int known = device_count_.load();
+    while (known < device_count && !device_count_.compare_exchange_weak(known, device_count)) {
+    }
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    assert_valid_device(device);
+    std::lock_guard<std::mutex> lock(settings_mutex_);
+    auto it = fractions_.find(device);
+    if (it != fractions_.end()) return it->second;
+    return default_fraction_ >= 0 ? default_fraction_ : 1.0;
+  }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    assert_valid_device(device);
+    TORCH_CHECK_VALUE(0 <= fraction && fraction <= 1, "invalid fraction: ", fraction,
+                      ". Please set within [0, 1].");
+    shim::Failure failure;
+    g_core->set_memory_fraction(device, fraction, &failure);
+    check(failure);
+    std::lock_guard<std::mutex> lock(settings_mutex_);
+    fractions_[device] = fraction;
+  }
+
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override {
+    std::map<std::pair<allocwatch::StreamId, bool>, std::size_t> sizes;
+    for (const allocwatch::SegmentInfo& s : g_core->snapshot(device))
+      if (s.is_expandable) sizes[{s.stream, !s.is_large}] += s.total_size;
+    std::vector<cca::StreamSegmentSize> out;
+    for (const auto& [key, size] : sizes)
+      out.emplace_back(reinterpret_cast<cudaStream_t>(key.first), key.second, size);
+    return out;
+  }
+
+  void enable(bool value) override { enabled_.store(value); }
+  bool isEnabled() const override { return enabled_.load(); }
+
+  // cuDNN's benchmark mode sizes its workspace with this. As PyTorch's: a zero guess starts
+  // from the device's free memory, then the largest cached block raises it.
+  void cacheInfo(c10::DeviceIndex device, std::size_t* largestBlock) override {
+    if (*largestBlock == 0) {
+      c10::cuda::CUDAGuard guard(device);
+      std::size_t total = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(largestBlock, &total));
+    }
+    *largestBlock = std::max(*largestBlock, g_core->largest_free_block(device));
+  }
+
+  void* getBaseAllocation(void* ptr, std::size_t* size) override {
+    const allocwatch::SegmentSpan span = g_core->segment_of(ptr);
+    TORCH_CHECK(span.size > 0, "invalid device pointer: ", ptr);
+    if (size != nullptr) *size = span.size;
+    return reinterpret_cast<void*>(span.base);
+  }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    // Empty tensors have no block; tensors received from another process (CUDA IPC) or
+    // allocated without the cache are not this allocator's blocks.
+    if (!ptr.get() || ptr.get_deleter() != &delete_block) return;
+    shim::Failure failure;
+    g_core->record_stream(ptr.device().index(), ptr.get(), stream_id(stream.stream()), &failure);
+    check(failure);
+  }
+  using cca::CUDAAllocator::recordStream;
+
+  // --- snapshots -------------------------------------------------------------------------------
+  SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) /* torch >= 2.10 */ {
+    return make_snapshot(mempool_id, include_traces);
+  }
+  SnapshotInfo snapshot(MempoolId_t mempool_id) /* earlier releases */ {
+    return make_snapshot(mempool_id, true);
+  }
+
+  // --- private pools: CUDA graphs and torch.cuda.MemPool ---------------------------------------
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    shim::Failure failure;
+    g_core->begin_allocate_to_pool(
+        device, pool_id(mempool_id),
+        [filter = std::move(filter)](allocwatch::StreamId s) {
+          return filter(reinterpret_cast<cudaStream_t>(s));
+        },
+        &failure);
+    check(failure);
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    shim::Failure failure;
+    g_core->end_allocate_to_pool(device, pool_id(mempool_id), &failure);
+    check(failure);
+  }
+
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    shim::Failure failure;
+    g_core->release_pool(device, pool_id(mempool_id), &failure);
+    check(failure);
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    return g_core->pool_use_count(device, pool_id(mempool_id));
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) {
+    TORCH_CHECK(allocator == nullptr || allocator.get() == this,
+                "allocwatch's allocator does not serve a torch.cuda.MemPool with an allocator "
+                "of its own (", allocator ? allocator->name() : std::string(),
+                "): create the pool without one, or run without allocwatch's allocator "
+                "(ALLOCWATCH_DISABLE=1 or allocwatch run --keep-pytorch-allocator)");
+    shim::Failure failure;
+    g_core->create_or_incref_pool(device, pool_id(mempool_id), /*plain_segments=*/true, &failure);
+    check(failure);
+  }
+
+  // Out of memory elsewhere, PyTorch may take such a pool's free blocks; allocwatch keeps a
+  // pool's memory to the pool (docs/torch.md).
+  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool) {}
+
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    shim::Failure failure;
+    g_core->set_pool_no_split(device, pool_id(mempool_id), &failure);
+    check(failure);
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected) {
+    std::vector<std::uintptr_t> pointers;
+    pointers.reserve(expected.size());
+    for (void* p : expected) pointers.push_back(reinterpret_cast<std::uintptr_t>(p));
+    shim::Failure failure;
+    const bool same = g_core->check_pool_live_allocations(device, pool_id(mempool_id), pointers,
+                                                          &failure);
+    check(failure);
+    return same;
+  }
+
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          MempoolId_t id) override {
+    auto state = std::make_shared<PoolState>();
+    state->device = device;
+    shim::Failure failure;
+    state->checkpoint = g_core->checkpoint_pool(device, pool_id(id), &failure);
+    check(failure);
+    if (any_stacks_.load()) {
+      std::lock_guard<std::mutex> lock(stacks_mutex_);
+      for (const auto& segment : state->checkpoint.segments) {
+        for (const auto& block : segment.blocks) {
+          auto it = stacks_.find(reinterpret_cast<void*>(block.ptr));
+          if (block.allocated && it != stacks_.end()) state->stacks[block.ptr] = it->second;
+        }
+      }
+    }
+    return state;
+  }
+
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<cca::AllocatorState> as) override {
+    auto state = std::dynamic_pointer_cast<PoolState>(as);
+    TORCH_CHECK(state != nullptr, "allocwatch: expected a checkpoint taken by allocwatch's allocator");
+    TORCH_CHECK(state->device == device, "allocwatch: the checkpoint is of device ", state->device,
+                ", not ", static_cast<int>(device));
+    shim::Failure failure;
+    const allocwatch::CheckpointRestore restored =
+        g_core->restore_pool(device, state->checkpoint, gather(RecordContext::ALL).trace, &failure);
+    check(failure);
+    cca::CheckpointDelta delta;
+    for (std::uintptr_t p : restored.freed) {
+      delta.ptrs_freed.push_back(reinterpret_cast<void*>(p));
+      forget_stack(reinterpret_cast<void*>(p));
+    }
+    for (const auto& [p, size] : restored.allocated) {
+      void* ptr = reinterpret_cast<void*>(p);
+      delta.dataptrs_allocd.emplace_back(ptr, ptr, &delete_block,
+                                         c10::Device(c10::DeviceType::CUDA, device));
+      auto it = state->stacks.find(p);
+      if (it != state->stacks.end()) remember_stack(ptr, it->second);
+    }
+    return delta;
+  }
+
+  // --- CUDA IPC --------------------------------------------------------------------------------
+  // Ordinary segments are shared with cudaIpc handles (the handle is that of the whole segment,
+  // the offset the block's place in it), as PyTorch does. A block of an expandable segment is
+  // shared as the physical allocations under it, exported as file descriptors that the
+  // receiving process takes over with pidfd_getfd (docs/torch.md, CUDA IPC).
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    const allocwatch::SegmentSpan span = g_core->segment_of(ptr);
+    TORCH_CHECK(span.size > 0, "invalid device pointer: ", ptr);
+    if (span.expandable) return share_expandable(ptr);
+    cudaIpcMemHandle_t handle;
+    C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(span.base)));
+    std::string bytes(1, kCudaMallocHandle);
+    bytes.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
+    return cca::ShareableHandle{
+        static_cast<std::ptrdiff_t>(reinterpret_cast<std::uintptr_t>(ptr) - span.base), bytes};
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard<std::mutex> lock(ipc_mutex_);
+    auto it = ipc_.find(handle);
+    if (it != ipc_.end()) {
+      if (auto ptr = it->second.lock()) return ptr;
+    }
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    std::shared_ptr<void> opened;
+    if (!handle.empty() && handle[0] == kExpandableHandle) {
+      const auto [mapping, block] = import_expandable(device, handle);
+      opened = std::shared_ptr<void>(reinterpret_cast<void*>(block),
+                                     [this, handle, device, mapping = mapping](void*) {
+                                       g_core->close_ipc(device, mapping);
+                                       forget_ipc(handle);
+                                     });
+    } else {
+      TORCH_CHECK(handle.size() == 1 + CUDA_IPC_HANDLE_SIZE && handle[0] == kCudaMallocHandle,
+                  "allocwatch: not a CUDA IPC handle this allocator made (", handle.size(),
+                  " bytes); the sending process must run allocwatch's allocator too");
+      cudaIpcMemHandle_t ipc_handle;
+      std::memcpy(&ipc_handle, handle.data() + 1, CUDA_IPC_HANDLE_SIZE);
+      void* ptr = nullptr;
+      C10_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, ipc_handle, cudaIpcMemLazyEnablePeerAccess));
+      opened = std::shared_ptr<void>(ptr, [this, handle, device](void* p) {
+        {
+          c10::cuda::CUDAGuard guard(device);
+          (void)cudaIpcCloseMemHandle(p);  // at exit the context may be gone already
+        }
+        forget_ipc(handle);
+      });
+    }
+    ipc_[handle] = opened;
+    return opened;
+  }
+
+  // --- memory history --------------------------------------------------------------------------
+  bool isHistoryEnabled() { return history_enabled_.load(); }
+
+  void recordHistory(bool enabled, CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) /* torch >= 2.10 */ {
+    TORCH_CHECK(when == RecordContext::NEVER || context_recorder != nullptr,
+                "recording stacks needs a context recorder");
+    std::uint32_t skipped = 0;
+    for (const std::string& name : skip_actions) {
+      allocwatch::TraceAction action;
+      TORCH_CHECK_VALUE(allocwatch::trace_action_from_name(name, &action),
+                        "unknown trace action to skip: ", name);
+      skipped |= allocwatch::trace_action_bit(action);
+    }
+    recorder_.store(enabled ? context_recorder : nullptr);
+    level_.store(static_cast<int>(enabled ? when : RecordContext::NEVER));
+    history_enabled_.store(enabled);
+    refresh_history_flag();
+    g_core->record_history(enabled, alloc_trace_max_entries, clearHistory || !enabled, skipped);
+    if (!enabled || clearHistory) {
+      std::lock_guard<std::mutex> lock(metadata_mutex_);
+      annotations_.clear();
+    }
+  }
+
+  void recordHistory(bool enabled, CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, RecordContext when,
+                     bool clearHistory) /* earlier releases */ {
+    recordHistory(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory, {});
+  }
+
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) /* torch >= 2.13 */ {
+    std::lock_guard<std::mutex> lock(stacks_mutex_);
+    auto it = stacks_.find(const_cast<void*>(ptr));
+    return it == stacks_.end() ? nullptr : it->second;
+  }
+
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {
+    if (!history_enabled_.load()) return;
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    Annotation annotation(device, c10::getApproximateTime());
+    annotation.time_.t_ = static_cast<time_t>(now_us());
+    for (const auto& [name, value] : md) annotation.recordUserMetadata(name, value);
+    std::lock_guard<std::mutex> lock(metadata_mutex_);
+    annotations_.push_back(std::move(annotation));
+  }
+
+  void pushCompileContext(std::string& md) {
+    std::lock_guard<std::mutex> lock(metadata_mutex_);
+    compile_contexts_.push_back(md);
+    refresh_history_flag_locked();
+  }
+
+  void popCompileContext() {
+    std::lock_guard<std::mutex> lock(metadata_mutex_);
+    if (!compile_contexts_.empty()) compile_contexts_.pop_back();
+    refresh_history_flag_locked();
+  }
+
+  void setUserMetadata(const std::string& metadata) {
+    std::lock_guard<std::mutex> lock(metadata_mutex_);
+    user_metadata_ = metadata;
+    refresh_history_flag_locked();
+  }
+
+  std::string getUserMetadata() {
+    std::lock_guard<std::mutex> lock(metadata_mutex_);
+    return user_metadata_;
+  }
+
+  // --- observers -------------------------------------------------------------------------------
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(observers_mutex_);
+    oom_observers_.push_back(std::move(observer));
+  }
+
+  // allocwatch rejects no allocation in advance (PyTorch's throw_on_cudamalloc_oom): these
+  // observers are kept, and never called.
+  void attachOomRejectionObserver(OomRejectionObserverType observer) /* torch >= 2.13 */ {
+    std::lock_guard<std::mutex> lock(observers_mutex_);
+    oom_rejection_observers_.push_back(std::move(observer));
+  }
+
+  // NCCL registers segments with these. Called under the device allocator's lock, as PyTorch
+  // calls them.
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    g_core->add_trace_observer([tracker = std::move(tracker)](int device,
+                                                               const allocwatch::TraceEntry& e) {
+      tracker(torch_trace(device, e));
+    });
+  }
+
+  // --- several devices -------------------------------------------------------------------------
+  // Peer access for memory from cudaMalloc. Pages of expandable segments are mapped for their
+  // own device only: copies between devices go through cudaMemcpyPeerAsync (memcpyAsync).
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  }
+
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,
+                          std::size_t count, cudaStream_t stream, bool /*p2p_enabled*/) override {
+    if (dstDevice == srcDevice)
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+  // PyTorch's own code (its settings parser, segmented graph capture) asks for the native
+  // caching allocator by this name; allocwatch serves that interface in full.
+  std::string name() override { return "native"; }
+
+  // --- the allocation path, for allocate() and raw_alloc() and the deleters --------------------
+  void* malloc(c10::DeviceIndex device, std::size_t size, cudaStream_t stream) {
+    shim::OutOfMemory oom;
+    shim::Failure failure;
+    void* ptr = nullptr;
+    if (C10_LIKELY(!history_on_.load(std::memory_order_relaxed))) {
+      ptr = g_core->malloc(device, size, stream_id(stream), kNoContext, &oom, &failure);
+    } else {
+      Gathered gathered = gather(RecordContext::ALLOC, RecordContext::STATE);
+      ptr = g_core->malloc(device, size, stream_id(stream), gathered.trace, &oom, &failure);
+      if (ptr != nullptr && gathered.stack) remember_stack(ptr, std::move(gathered.stack));
+    }
+    if (C10_UNLIKELY(ptr == nullptr)) {
+      check(failure);
+      raise_out_of_memory(device, size, oom);
+    }
+    const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+    if (C10_UNLIKELY(interp)) {
+      (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<std::uintptr_t>(ptr));
+    }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(ptr, device, size, true);
+    return ptr;
+  }
+
+  void free(void* ptr) {
+    if (ptr == nullptr) return;
+    if (C10_UNLIKELY(any_uncached_.load(std::memory_order_relaxed)) && uncached_free(ptr)) return;
+    const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+    if (C10_UNLIKELY(interp)) {
+      (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<std::uintptr_t>(ptr));
+    }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      const auto [device, size] = g_core->block_of(ptr);
+      if (device >= 0) report_to_profiler(ptr, static_cast<c10::DeviceIndex>(device), size, false);
+    }
+    shim::Failure failure;
+    bool freed = false;
+    if (C10_LIKELY(!history_on_.load(std::memory_order_relaxed))) {
+      freed = g_core->free(ptr, kNoContext, &failure);
+    } else {
+      freed = g_core->free(ptr, gather(RecordContext::ALL).trace, &failure);
+    }
+    if (C10_UNLIKELY(any_stacks_.load(std::memory_order_relaxed))) forget_stack(ptr);
+    check(failure);
+    TORCH_CHECK(freed, "invalid device pointer: ", ptr);
+  }
+
+  // Allocations that bypass the cache: PYTORCH_NO_CUDA_MEMORY_CACHING=1, or the cache switched
+  // off (torch.cuda.memory.caching_allocator_enable(False)).
+  static bool force_uncached() {
+    static const bool forced = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") != nullptr;
+    return forced;
+  }
+  bool uncached() const { return force_uncached() || !enabled_.load(std::memory_order_relaxed); }
+
+  void* uncached_malloc(std::size_t size) {
+    void* ptr = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&ptr, size));
+    {
+      std::lock_guard<std::mutex> lock(uncached_mutex_);
+      uncached_.insert(ptr);
+      any_uncached_.store(true);
+    }
+    const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+    if (C10_UNLIKELY(interp)) {
+      (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<std::uintptr_t>(ptr));
+    }
+    return ptr;
+  }
+
+  bool uncached_free(void* ptr) {
+    {
+      std::lock_guard<std::mutex> lock(uncached_mutex_);
+      if (uncached_.erase(ptr) == 0) return false;
+      any_uncached_.store(!uncached_.empty());
+    }
+    const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+    if (C10_UNLIKELY(interp)) {
+      (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<std::uintptr_t>(ptr));
+    }
+    C10_CUDA_CHECK(cudaFree(ptr));
+    return true;
+  }
+
+  // --- settings: _set_allocator_settings and the environment -----------------------------------
+  // A settings string from PyTorch: allocwatch's allocator changes the keys it names, only
+  // those (PyTorch's own parser resets the others); per_process_memory_fraction sets the
+  // fraction of every device.
+  void apply_settings(const std::string& settings) {
+    std::vector<std::pair<std::string, std::string>> others;
+    shim::Failure failure;
+    g_core->configure(settings, &others, &failure);
+    check(failure);
+    for (const auto& [key, value] : others) {
+      if (key != "per_process_memory_fraction") continue;  // PyTorch's, or parts it still runs
+      char* end = nullptr;
+      const double fraction = std::strtod(value.c_str(), &end);
+      TORCH_CHECK_VALUE(end != value.c_str() && *end == '\0' && fraction >= 0 && fraction <= 1,
+                        "per_process_memory_fraction is invalid: ", value);
+      g_core->set_default_memory_fraction(fraction, &failure);
+      check(failure);
+      std::lock_guard<std::mutex> lock(settings_mutex_);
+      default_fraction_ = fraction;
+      fractions_.clear();
+    }
+  }
+
+ private:
+  static constexpr char kCudaMallocHandle = 'c';
+  static constexpr char kExpandableHandle = 'e';
+  // An expandable block's handle: 'e', the sender's pid, a serial (file descriptor numbers are
+  // reused once closed: the serial keeps a new export from matching a cached old one), the
+  // block's offset in the first piece, the count, then each piece's size and descriptor.
+  struct ExpandableHeader {
+    std::int32_t pid;
+    std::uint32_t count;
+    std::uint64_t serial;
+    std::uint64_t offset;
+  };
+  struct ExpandablePiece {
+    std::uint64_t size;
+    std::int32_t fd;
+  };
+
+  cca::ShareableHandle share_expandable(void* ptr) {
+    static std::once_flag allow_ptrace;
+    if (const char* who = std::getenv("ALLOCWATCH_IPC_PTRACER"); who && std::strcmp(who, "any") == 0)
+      std::call_once(allow_ptrace, [] { prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0); });
+    shim::Failure failure;
+    const allocwatch::IpcExport exported = g_core->export_ipc(ptr, &failure);
+    TORCH_CHECK(!failure, "allocwatch cannot share this tensor of an expandable segment with "
+                "another process (", failure.message, "): allocate the tensors you share with "
+                "expandable_segments:False (torch.cuda.memory._set_allocator_settings("
+                "\"expandable_segments:False\") before creating them, or "
+                "ALLOCWATCH_ALLOC_CONF=expandable_segments:False for the sending process)");
+    static std::atomic<std::uint64_t> serial{0};
+    ExpandableHeader header{static_cast<std::int32_t>(getpid()),
+                            static_cast<std::uint32_t>(exported.pieces.size()), ++serial,
+                            exported.offset};
+    std::string bytes(1, kExpandableHandle);
+    bytes.append(reinterpret_cast<const char*>(&header), sizeof header);
+    for (const auto& [fd, size] : exported.pieces) {
+      ExpandablePiece piece{size, fd};
+      bytes.append(reinterpret_cast<const char*>(&piece), sizeof piece);
+    }
+    // The block itself is the allocation shared (getBaseAllocation): its offset is 0.
+    return cca::ShareableHandle{0, bytes};
+  }
+
+  // Maps the pieces of another process's expandable block; returns where the mapping and the
+  // block start here. Under ipc_mutex_.
+  std::pair<std::uintptr_t, std::uintptr_t> import_expandable(c10::DeviceIndex device,
+                                                              const std::string& handle) {
+    ExpandableHeader header{};
+    TORCH_CHECK(handle.size() >= 1 + sizeof header, "allocwatch: a truncated IPC handle");
+    std::memcpy(&header, handle.data() + 1, sizeof header);
+    TORCH_CHECK(handle.size() == 1 + sizeof header + header.count * sizeof(ExpandablePiece),
+                "allocwatch: a malformed IPC handle");
+    const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, header.pid, 0));
+    TORCH_CHECK(pidfd >= 0, "allocwatch: cannot reach the process that shares this tensor (pid ",
+                header.pid, "): pidfd_open: ", std::strerror(errno),
+                " (Linux 5.6 or later is needed to share expandable segments; or set "
+                "expandable_segments:False in the sending process)");
+    std::vector<std::pair<int, std::size_t>> pieces;
+    std::string taken_error;
+    for (std::uint32_t i = 0; i < header.count; ++i) {
+      ExpandablePiece piece{};
+      std::memcpy(&piece, handle.data() + 1 + sizeof header + i * sizeof piece, sizeof piece);
+      const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, piece.fd, 0));
+      if (fd < 0) {
+        taken_error = std::strerror(errno);
+        break;
+      }
+      pieces.emplace_back(fd, piece.size);
+    }
+    close(pidfd);
+    shim::Failure failure;
+    std::uintptr_t base = 0;
+    if (taken_error.empty()) base = g_core->import_ipc(device, pieces, &failure);
+    for (const auto& [fd, size] : pieces) close(fd);
+    TORCH_CHECK(taken_error.empty(), "allocwatch: cannot take over the memory that process ",
+                header.pid, " shares (pidfd_getfd: ", taken_error, "; the kernel lets a process "
+                "do that only where it may ptrace the other, see kernel.yama.ptrace_scope, or "
+                "where the sender runs with ALLOCWATCH_IPC_PTRACER=any): set "
+                "expandable_segments:False in the sending process to share through cudaIpc "
+                "handles instead (docs/torch.md, CUDA IPC)");
+    check(failure);
+    return {base, base + header.offset};
+  }
+
+  void forget_ipc(const std::string& handle) {
+    std::lock_guard<std::mutex> lock(ipc_mutex_);
+    ipc_.erase(handle);
+  }
+
+  struct Gathered {
+    std::shared_ptr<c10::GatheredContext> stack;  // for the block (kept while it is allocated)
+    allocwatch::ContextHandle trace;              // for the trace entries of the call
+  };
+
+  // What the history asks for at `trace_level` (entries) and `block_level` (blocks' stacks in
+  // snapshots), gathered before the core's lock is taken: the recorder may need the GIL.
+  Gathered gather(RecordContext trace_level, RecordContext block_level = RecordContext::NEVER) {
+    Gathered g;
+    if (!history_on_.load(std::memory_order_relaxed)) return g;
+    const auto level = static_cast<RecordContext>(level_.load());
+    const bool for_trace = level != RecordContext::NEVER && level >= trace_level;
+    const bool for_block = block_level != RecordContext::NEVER && level >= block_level;
+    std::shared_ptr<c10::GatheredContext> stack;
+    if (for_trace || for_block) {
+      if (CreateContextFn recorder = recorder_.load()) stack = recorder();
+    }
+    std::lock_guard<std::mutex> lock(metadata_mutex_);
+    if ((for_trace && stack) || has_metadata_) {
+      auto context = std::make_shared<CallContext>();
+      if (for_trace) context->stack = stack;
+      if (!compile_contexts_.empty()) context->compile_context = compile_contexts_.back();
+      context->user_metadata = user_metadata_;
+      g.trace = std::move(context);
+    }
+    if (for_block) g.stack = std::move(stack);
+    return g;
+  }
+
+  void refresh_history_flag() {
+    std::lock_guard<std::mutex> lock(metadata_mutex_);
+    refresh_history_flag_locked();
+  }
+  void refresh_history_flag_locked() {
+    has_metadata_ = !compile_contexts_.empty() || !user_metadata_.empty();
+    history_on_.store(has_metadata_ || static_cast<RecordContext>(level_.load()) != RecordContext::NEVER);
+  }
+
+  void remember_stack(void* ptr, std::shared_ptr<c10::GatheredContext> stack) {
+    std::lock_guard<std::mutex> lock(stacks_mutex_);
+    stacks_[ptr] = std::move(stack);
+    any_stacks_.store(true);
+  }
+  void forget_stack(void* ptr) {
+    std::lock_guard<std::mutex> lock(stacks_mutex_);
+    stacks_.erase(ptr);
+    any_stacks_.store(!stacks_.empty());
+  }
+
+  void* raw_malloc(c10::DeviceIndex device, std::size_t nbytes, cudaStream_t stream) {
+    if (C10_UNLIKELY(uncached())) return uncached_malloc(nbytes);
+    return malloc(device, nbytes, stream);
+  }
+
+  void assert_valid_device(c10::DeviceIndex device) const {
+    const int count = device_count_.load();
+    TORCH_CHECK(0 <= device && device < count, "Invalid device argument ",
+                static_cast<int>(device), ": did you call init?");
+  }
+
+  void report_to_profiler(void* ptr, c10::DeviceIndex device, std::size_t size, bool alloc) {
+    std::map<std::string, std::int64_t> flat;
+    g_core->stats(device, &flat);
+    c10::reportMemoryUsageToProfiler(
+        ptr, alloc ? static_cast<std::int64_t>(size) : -static_cast<std::int64_t>(size),
+        static_cast<std::size_t>(flat["allocated_bytes.all.current"]),
+        static_cast<std::size_t>(flat["reserved_bytes.all.current"]),
+        c10::Device(c10::DeviceType::CUDA, device));
+  }
+
+  // PyTorch's message first (tests and tools match its opening words), allocwatch's advice
+  // after it; the out-of-memory observers (the memory viz's, the agent's) are told first.
+  [[noreturn]] void raise_out_of_memory(c10::DeviceIndex device, std::size_t size,
+                                        const shim::OutOfMemory& oom) {
+    std::vector<cca::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(observers_mutex_);
+      observers = oom_observers_;
+    }
+    for (const auto& observer : observers)
+      observer(device, oom.alloc_size, oom.limit > 0 ? oom.limit : oom.device_total,
+               oom.device_free);
+    c10::reportOutOfMemoryToProfiler(static_cast<std::int64_t>(size), oom.allocated, oom.reserved,
+                                     c10::Device(c10::DeviceType::CUDA, device));
+    const std::string allowed = oom.limit > 0 ? format_size(oom.limit) + " allowed; " : "";
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
+                     format_size(oom.alloc_size > 0 ? oom.alloc_size : size), ". GPU ",
+                     static_cast<int>(device), " has a total capacity of ",
+                     format_size(oom.device_total), " of which ", format_size(oom.device_free),
+                     " is free. ", allowed, "Of the allocated memory ",
+                     format_size(oom.allocated), " is allocated by PyTorch, and ",
+                     format_size(oom.reserved > oom.allocated ? oom.reserved - oom.allocated : 0),
+                     " is reserved by PyTorch but unallocated. allocwatch: ", oom.advice);
+  }
+
+  SnapshotInfo make_snapshot(MempoolId_t mempool_id, bool include_traces) {
+    const bool one_pool = mempool_id.first != 0 || mempool_id.second != 0;
+    const int count = device_count_.load();
+    SnapshotInfo result{};
+    std::lock_guard<std::mutex> stacks_lock(stacks_mutex_);
+    for (int device = 0; device < count; ++device) {
+      // The history first: the snapshot records an entry of its own, which (as in PyTorch's)
+      // belongs to the next snapshot's history, not to this one.
+      std::vector<TorchTrace> trace;
+      if (include_traces)
+        for (const allocwatch::TraceEntry& e : g_core->trace(device))
+          trace.push_back(torch_trace(device, e));
+      result.device_traces.push_back(std::move(trace));
+      for (const allocwatch::SegmentInfo& s : g_core->snapshot(device)) {
+        if (one_pool && pool_id(mempool_id) != s.pool_id) continue;
+        result.segments.push_back(torch_segment(device, s));
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(metadata_mutex_);
+      if (include_traces) result.external_annotations = annotations_;
+    }
+    const shim::SettingsReport settings = g_core->settings(count > 0 ? 0 : -1);
+    auto& md = result.config_metadata;
+    md.garbage_collection_threshold = settings.garbage_collection_threshold;
+    md.max_split_size = settings.max_split_size;
+    md.pinned_num_register_threads = settings.pinned_num_register_threads;
+    md.expandable_segments = settings.expandable_segments;
+    md.release_lock_on_malloc = settings.release_lock_on_cudamalloc;
+    md.pinned_use_host_register = settings.pinned_use_cuda_host_register;
+    md.last_allocator_settings = settings.text;
+    md.roundup_power2_divisions = settings.roundup_power2_divisions;
+    return result;
+  }
+
+  // Under stacks_mutex_.
+  TorchSegment torch_segment(int device, const allocwatch::SegmentInfo& s) {
+    TorchSegment t;
+    t.device = static_cast<decltype(t.device)>(device);
+    t.address = static_cast<decltype(t.address)>(s.address);
+    t.total_size = static_cast<decltype(t.total_size)>(s.total_size);
+    t.requested_size = static_cast<decltype(t.requested_size)>(s.requested_size);
+    t.allocated_size = static_cast<decltype(t.allocated_size)>(s.allocated_size);
+    t.active_size = static_cast<decltype(t.active_size)>(s.active_size);
+    t.stream = reinterpret_cast<decltype(t.stream)>(s.stream);
+    t.is_large = s.is_large;
+    t.is_expandable = s.is_expandable;
+    t.owner_private_pool_id = MempoolId_t{s.pool_id.first, s.pool_id.second};
+    for (const allocwatch::BlockInfo& b : s.blocks) {
+      TorchBlock block;
+      block.size = static_cast<decltype(block.size)>(b.size);
+      block.requested_size = static_cast<decltype(block.requested_size)>(b.requested_size);
+      block.allocated = std::strcmp(b.state, "active_allocated") == 0;
+      block.active = std::strcmp(b.state, "inactive") != 0;
+      if (block.allocated) {
+        auto it = stacks_.find(reinterpret_cast<void*>(b.address));
+        if (it != stacks_.end()) block.context_when_allocated = it->second;
+      }
+      t.blocks.push_back(std::move(block));
+    }
+    return t;
+  }
+
+  std::atomic<int> device_count_{0};
+  std::atomic<bool> enabled_{true};
+
+  std::mutex settings_mutex_;
+  std::unordered_map<int, double> fractions_;
+  double default_fraction_ = -1.0;  // none: 1.0
+
+  // The history: what it records (RecordContext), with which recorder; whether any call must
+  // gather something (history_on_, the one flag the hot path reads).
+  std::atomic<CreateContextFn> recorder_{nullptr};
+  std::atomic<int> level_{static_cast<int>(RecordContext::NEVER)};
+  std::atomic<bool> history_enabled_{false};
+  std::atomic<bool> history_on_{false};
+  std::mutex metadata_mutex_;
+  bool has_metadata_ = false;
+  std::vector<std::string> compile_contexts_;
+  std::string user_metadata_;
+  std::vector<Annotation> annotations_;
+  // Stacks of allocated blocks (RecordContext::STATE and above), for snapshots' frames.
+  std::mutex stacks_mutex_;
+  std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> stacks_;
+  std::atomic<bool> any_stacks_{false};
+
+  std::mutex observers_mutex_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+  std::vector<OomRejectionObserverType> oom_rejection_observers_;
+
+  std::mutex ipc_mutex_;
+  std::unordered_map<std::string, std::weak_ptr<void>> ipc_;
+
+  std::mutex uncached_mutex_;
+  std::unordered_set<void*> uncached_;
+  std::atomic<bool> any_uncached_{false};
+};
+
+// Never destroyed: tensors freed while the process exits still reach it.
+AllocwatchAllocator* g_allocator = nullptr;
+
+void delete_block(void* ptr) { g_allocator->free(ptr); }
+
+void delete_uncached(void* ptr) {
+  if (ptr != nullptr && !g_allocator->uncached_free(ptr)) g_allocator->free(ptr);
+}
+
+// _set_allocator_settings and torch._C._accelerator_setAllocatorSettings reach a device's
+// settings through one hook, PyTorch's CUDA parser's until now: it keeps running (PyTorch's
+// pinned memory and graph capture read its keys), then allocwatch applies the keys it knows.
+// The environment was parsed before (install() asks for both parsers first), so the hook sees
+// only run-time changes: the layering of ALLOCWATCH_ALLOC_CONF over PYTORCH_CUDA_ALLOC_CONF
+// stays as install() made it.
+void register_settings_hook() {
+  using c10::CachingAllocator::AcceleratorAllocatorConfig;
+  (void)AcceleratorAllocatorConfig::instance();
+  (void)cca::CUDAAllocatorConfig::instance();
+  AcceleratorAllocatorConfig::registerDeviceConfigParserHook(
+      [](const std::string& settings) {
+        cca::CUDAAllocatorConfig::instance().parseArgs(settings);
+        g_allocator->apply_settings(settings);
+      },
+      {"expandable_large_page_mb", "expandable_grow_mb", "expandable_chunk_mb",
+       "reuse_free_pages"});
+}
+
+void copy_message(const std::string& text, char* out, std::size_t capacity) {
+  if (capacity == 0) return;
+  const std::size_t n = std::min(text.size(), capacity - 1);
+  text.copy(out, n);
+  out[n] = '\0';
+}
+
+}  // namespace
+
+extern "C" {
+
+// Makes allocwatch's allocator PyTorch's CUDA allocator, before CUDA is initialised;
+// `core_library` is allocator_ext/_core's path. Returns 0, or -1 with the reason in `error`.
+__attribute__((visibility("default"))) int allocwatch_native_install(const char* core_library,
+                                                                      char* error,
+                                                                      std::size_t capacity) {
+  try {
+    if (g_allocator != nullptr) return 0;
+    void* library = dlopen(core_library, RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(library != nullptr, "cannot load ", core_library, ": ", dlerror());
+    using Factory = shim::TorchBackend* (*)(int, std::size_t);
+    auto factory = reinterpret_cast<Factory>(dlsym(library, "allocwatch_torch_backend"));
+    TORCH_CHECK(factory != nullptr, core_library, " has no allocwatch_torch_backend (an older "
+                "allocwatch build?): reinstall allocwatch");
+    g_core = factory(shim::kTorchBackendVersion, sizeof(std::string));
+    TORCH_CHECK(g_core != nullptr, "the core library in ", core_library, " is of another "
+                "version or C++ ABI than this back end: run `allocwatch native build`");
+    cca::CUDAAllocator* current = cca::allocator.load();
+    TORCH_CHECK(current == nullptr || !current->initialized(),
+                "CUDA is already initialised: the allocator can only be changed before");
+    auto* ours = new AllocwatchAllocator();
+    // What PyTorch's BackendStaticInitializer does for its own: the allocator c10 hands out
+    // for CUDA (torch.empty, torch.accelerator.*) and the one CUDACachingAllocator's functions
+    // call (torch.cuda.memory.*, cuDNN, NCCL, CUDA graphs).
+    c10::SetAllocator(c10::DeviceType::CUDA, ours, /*priority=*/0);
+    if (c10::GetAllocator(c10::DeviceType::CUDA) != ours) {
+      delete ours;
+      TORCH_CHECK(false, "PyTorch keeps another CUDA allocator registered with a higher "
+                  "priority: allocwatch's was not installed");
+    }
+    g_allocator = ours;
+    register_settings_hook();
+    cca::allocator.store(g_allocator);
+    return 0;
+  } catch (const std::exception& e) {
+    copy_message(e.what(), error, capacity);
+    return -1;
+  }
+}
+
+// The settings string PyTorch's per_process_memory_fraction and friends came in, applied as a
+// run-time change would be (install() calls it for the environment's PyTorch keys).
+__attribute__((visibility("default"))) int allocwatch_native_apply_settings(const char* settings,
+                                                                             char* error,
+                                                                             std::size_t capacity) {
+  try {
+    TORCH_CHECK(g_allocator != nullptr, "the native back end is not installed");
+    g_allocator->apply_settings(settings);
+    return 0;
+  } catch (const std::exception& e) {
+    copy_message(e.what(), error, capacity);
+    return -1;
+  }
+}
+
+}  // extern "C"

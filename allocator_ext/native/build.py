@@ -1,0 +1,257 @@
+"""Builds the native back end (backend.cpp) against the torch installed here: once per torch
+build and C++ ABI, cached, and locked so that the workers of one job starting together build
+it once and the others wait for it.
+
+Needs a C++ compiler (``$CXX``, else g++), torch's headers and libraries, and the CUDA runtime
+headers that CUDA builds of torch bring from PyPI (``nvidia-cuda-runtime``; CUDA 13 also
+``nvidia-cuda-crt``), or a CUDA toolkit's. No nvcc and no torch.utils.cpp_extension. A failed
+build is remembered with its reason, so that every later process falls back at once instead of
+compiling again; ``allocwatch native build`` retries it (and prebuilds for a container image).
+
+Where: ``$ALLOCWATCH_NATIVE_DIR``, else ``$XDG_CACHE_HOME/allocwatch/native``, else
+``~/.cache/allocwatch/native``; a folder that cannot be written falls back to the temporary
+directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "backend.cpp"
+CSRC = HERE.parent / "csrc"
+# Host-only stand-ins for CUDA headers that PyPI's runtime wheel lacks (cuda_include_dirs).
+STAND_INS = HERE / "stand_ins"
+# Everything the back end's translation unit includes from this package.
+SOURCES = (SOURCE, CSRC / "torch_backend.h", *sorted((CSRC / "core").glob("*.h")),
+           *sorted(STAND_INS.glob("crt/*.h")))
+LIBRARY_NAME = "allocwatch_native.so"
+FAILED_NAME = "failed.txt"
+LOG_NAME = "build.log"
+COMPILE_TIMEOUT_S = 600
+WAIT_FOR_OTHERS_S = 900
+
+
+class BuildError(RuntimeError):
+    """The back end cannot be built here; the message says why and what would help."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One build: its cache key, the compiler command ("{output}" stands for the library being
+    written) and a line saying what it builds against."""
+
+    key: str
+    command: tuple[str, ...]
+    describe: str
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("ALLOCWATCH_NATIVE_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "allocwatch" / "native"
+
+
+def _writable(folder: Path) -> Path:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+        return folder
+    except OSError:
+        fallback = Path(tempfile.gettempdir()) / f"allocwatch-native-{os.getuid()}"
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+
+
+def _nvidia_roots() -> list[Path]:
+    try:
+        import nvidia  # the namespace package of NVIDIA's PyPI wheels
+    except ImportError:
+        return []
+    return [Path(p) for p in getattr(nvidia, "__path__", [])]
+
+
+def _header_version(include: Path) -> str | None:
+    text = (include / "cuda_runtime_api.h").read_text(errors="replace")
+    found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", text)
+    return str(int(found.group(1)) // 1000) if found else None
+
+
+def cuda_include_dirs(cuda_version: str) -> list[str]:
+    """The CUDA runtime headers for torch's CUDA version: a folder with cuda_runtime_api.h of
+    that major version (PyPI's wheels first, then a toolkit), and one with crt/host_config.h
+    (which CUDA 13 ships apart, in nvidia-cuda-crt)."""
+    major = cuda_version.split(".")[0]
+    candidates: list[Path] = []
+    configured = os.environ.get("ALLOCWATCH_CUDA_INCLUDE")
+    if configured:
+        candidates.append(Path(configured))
+    for root in _nvidia_roots():
+        candidates += [root / f"cu{major}" / "include", root / "cuda_runtime" / "include",
+                       root / "cuda_crt" / "include", root / "cuda_nvcc" / "include"]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(Path(home) / "include")
+    candidates += sorted(Path("/usr/local").glob(f"cuda-{major}*/include"), reverse=True)
+    runtime = [c for c in candidates if (c / "cuda_runtime_api.h").is_file()]
+    matching = [c for c in runtime if _header_version(c) == major]
+    if not matching:
+        found = ", ".join(f"{c} (CUDA {_header_version(c)})" for c in runtime) or "none"
+        raise BuildError(
+            f"no CUDA {major} runtime headers (found: {found}): "
+            f"pip install 'nvidia-cuda-runtime{'' if int(major) >= 13 else '-cu' + major}"
+            f"=={major}.*', or set ALLOCWATCH_CUDA_INCLUDE")
+    include = matching[0]
+    dirs = [str(include)]
+    if not (include / "crt" / "host_config.h").is_file():
+        # CUDA 13 ships crt/ apart (nvidia-cuda-crt, which torch does not depend on): NVIDIA's
+        # where installed, else allocwatch's host-only stand-ins, so that torch's own
+        # dependencies are enough to build.
+        crt = [c for c in candidates if (c / "crt" / "host_config.h").is_file()]
+        dirs.append(str(crt[0]) if crt else str(STAND_INS))
+    return dirs
+
+
+def compiler() -> str:
+    name = os.environ.get("CXX") or "g++"
+    path = shutil.which(name)
+    if path is None:
+        raise BuildError(f"no C++ compiler ({name} not found): install one (apt-get install "
+                         f"g++), or build once where there is one with `allocwatch native build` "
+                         f"and share {cache_dir()}")
+    return path
+
+
+def plan(torch: Any, extra_includes: Sequence[str] = (), link: bool = True,
+         cuda_version: str | None = None) -> Plan:
+    """The build for `torch`. For the ABI test, which compiles against a CPU build's headers:
+    extra_includes come first (stand-ins for headers that CPU builds lack), link=False
+    compiles an object only, and cuda_version names the CUDA runtime headers to use."""
+    cxx = compiler()
+    cuda = cuda_version or torch.version.cuda
+    if cuda is None:
+        raise BuildError(f"torch {torch.__version__} is a CPU build: no CUDA allocator to replace")
+    torch_dir = Path(torch.__file__).resolve().parent
+    lib = torch_dir / "lib"
+    if link and not any(lib.glob("libc10_cuda.so*")):
+        raise BuildError(f"torch {torch.__version__} has no libc10_cuda in {lib}")
+    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    includes = [*extra_includes, str(torch_dir / "include"), *cuda_include_dirs(str(cuda)),
+                str(CSRC)]
+    command = [cxx, "-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall", "-Wno-unused-parameter",
+               "-Wsuggest-override"]
+    command += [f"-I{d}" for d in includes]
+    if link:
+        command += ["-shared", str(SOURCE), "-o", "{output}", f"-L{lib}", "-lc10", "-lc10_cuda",
+                    f"-Wl,-rpath,{lib}", "-ldl"]
+    else:
+        command += ["-c", str(SOURCE), "-o", "{output}"]
+    identity = "|".join([torch.__version__, str(torch.version.git_version), str(cuda),
+                         f"abi{abi}", _sources_digest(), " ".join(command)])
+    key = (f"torch{torch.__version__.replace('+', '-')}-cuda{cuda}-abi{abi}-"
+           f"{hashlib.sha256(identity.encode()).hexdigest()[:12]}")
+    return Plan(key=key, command=tuple(command),
+                describe=f"torch {torch.__version__} (CUDA {cuda}, C++ ABI {abi})")
+
+
+@contextmanager
+def _locked(path: Path, wait_s: float) -> Iterator[None]:
+    with open(path, "a+") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() > deadline:
+                    raise BuildError(f"another process has been building the native back end "
+                                     f"for over {wait_s:.0f} s (lock {path})") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _compile(p: Plan, folder: Path) -> Path:
+    target = folder / LIBRARY_NAME
+    partial = folder / f".{LIBRARY_NAME}.{os.getpid()}"
+    command = [part.replace("{output}", str(partial)) for part in p.command]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"compiling the native back end took over {COMPILE_TIMEOUT_S} s") from None
+    except OSError as e:
+        raise BuildError(f"cannot run the compiler: {e}") from None
+    (folder / LOG_NAME).write_text(" ".join(command) + "\n" + done.stdout + done.stderr)
+    if done.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        errors = [line for line in done.stderr.splitlines() if "error" in line][:3]
+        raise BuildError(f"compiling the native back end for {p.describe} failed ("
+                         f"{folder / LOG_NAME}): {' / '.join(errors) or done.stderr[-400:]}")
+    os.replace(partial, target)  # readers see the whole library or none
+    return target
+
+
+def ensure_built(p: Plan, root: Path | None = None, force: bool = False,
+                 wait_s: float = WAIT_FOR_OTHERS_S) -> Path:
+    """The library of plan `p`, built now if no process built it before. A remembered failure
+    raises BuildError at once, unless `force` (which also rebuilds a library already there)."""
+    folder = _writable(root or cache_dir()) / p.key
+    target, failed = folder / LIBRARY_NAME, folder / FAILED_NAME
+    if not force:
+        if target.is_file():
+            return target
+        if failed.is_file():
+            raise BuildError(failed.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder.parent / f"{p.key}.lock", wait_s):
+        if not force:  # another process may have finished while this one waited
+            if target.is_file():
+                return target
+            if failed.is_file():
+                raise BuildError(failed.read_text())
+        failed.unlink(missing_ok=True)
+        try:
+            return _compile(p, folder)
+        except BuildError as e:
+            failed.write_text(str(e))
+            raise
+
+
+def library(force: bool = False) -> Path:
+    """The back end for the torch installed here, built if need be."""
+    import torch
+
+    return ensure_built(plan(torch), force=force)

@@ -1,0 +1,1 @@
+"""Studies on the GPU, and the shells that run a GPU session."""

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The GPU checks of the PyTorch integration, the agent, tuning and reliability, in parts that
+# fit the device tool's 10-minute calls. Run from the repository root on a GPU machine:
+#   OUT=/some/folder bash bench/gpu/gpu_checks.sh PART...
+# Parts (each prints its command; a part that fails is reported and the next still runs):
+#   install      python -m pip install --no-build-isolation --no-deps -e .
+#   tests        the gpu-marked tests (tests/*/test_*gpu*.py; the torchrun ones need 2 GPUs)
+#   torchrun     only the torchrun tests (2 GPUs)
+#   soak-start   starts bench/gpu/gpu_soak.py (10 min, sidecar SIGKILLed every 60 s) in its own
+#                session on the last GPU, so other parts can use GPU 0 meanwhile
+#   soak-wait    waits for it and copies its JSON and log to $OUT
+#   overhead     bench/sidecar/agent_overhead.py (in-process A/B blocks) for allocwatch's allocator and
+#                PyTorch's
+#   hotpath      bench/gpu/torch_bench.py hotpath --rounds 31
+#   corehotpath  bench/native/run_hotpath.sh: the core's hot path on the simulated device, on this
+#                host's CPU (the bar of 100 ns a pair holds on the H200 machine's host)
+#   train        bench/gpu/torch_bench.py train (transformer), then the convnet
+#   steptime     step times against expandable segments, 6 rounds each (mean step time, paired
+#                by round): transformer, then convnet
+#   lockstep     bench/gpu/step_lockstep.py --suite: transformer, moe and convnet against
+#                expandable segments, uncapped and at 1.03 x, on fresh shapes after warm-up:
+#                the two processes take turns step by step (steadier than steptime)
+#   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
+#                expandable segments, both capped at 1.03 x the workload's peak requested bytes
+#   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
+#                (one unmap over several mappings; pieces of one allocation mapped by offset)
+#   agentcpu     bench/sidecar/agent_cpu_cost.py --source pytorch, then allocwatch: the agent's CPU
+#                share and its sample's time with CUDA tensors and NVML
+#   cap          bench/gpu/torch_bench.py train --fraction-of-peak 1.03 (transformer)
+#   policy       bench/gpu/policy_under_cap.py --fraction-of-peak 1.03 (POLICY_FRACTION overrides)
+# Everything printed is also in $OUT/checks.log.
+set -u -o pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$repo"
+: "${OUT:?set OUT to the folder whose files come back}"
+mkdir -p "$OUT"
+PYTHON="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+SOAK_DIR=/tmp/allocwatch-soak
+
+source "$repo/bench/lib/parts.sh"
+
+last_gpu() { echo $(( $(nvidia-smi -L | wc -l) - 1 )); }
+
+soak_start() {
+  rm -rf "$SOAK_DIR" && mkdir -p "$SOAK_DIR"
+  CUDA_VISIBLE_DEVICES="$(last_gpu)" setsid "$PYTHON" bench/gpu/gpu_soak.py --minutes 10 \
+    --kill-every 60 --json "$SOAK_DIR/soak.json" >"$SOAK_DIR/soak.log" 2>&1 < /dev/null &
+  echo "soak running on GPU $(last_gpu), pid $!, log $SOAK_DIR/soak.log"
+}
+
+soak_wait() {
+  while pgrep -f "bench/gpu/gpu_soak.py" >/dev/null; do sleep 5; done
+  cp "$SOAK_DIR/soak.log" "$OUT/soak.log"; tail -30 "$SOAK_DIR/soak.log"
+  cp "$SOAK_DIR/soak.json" "$OUT/soak.json"
+}
+
+run_part() {
+  case "$1" in
+    install) part install "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e . ;;
+    tests) part tests "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+        tests/pytorch/test_torch_gpu.py tests/agent/test_agent_torch_gpu.py \
+        tests/agent/test_agent_torchrun_gpu.py ;;
+    torchrun) part torchrun "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+        tests/agent/test_agent_torchrun_gpu.py ;;
+    soak-start) part soak-start soak_start ;;
+    soak-wait) part soak-wait soak_wait ;;
+    overhead)
+      part "overhead allocwatch" "$PYTHON" bench/sidecar/agent_overhead.py --blocks 80 --steps 50 \
+        --allocator allocwatch --json "$OUT/overhead_allocwatch.json"
+      part "overhead pytorch" "$PYTHON" bench/sidecar/agent_overhead.py --blocks 80 --steps 50 \
+        --allocator pytorch --json "$OUT/overhead_pytorch.json" ;;
+    hotpath) part hotpath "$PYTHON" bench/gpu/torch_bench.py hotpath --rounds 31 \
+        --json "$OUT/hotpath.json" ;;
+    corehotpath) part corehotpath bash bench/native/run_hotpath.sh --json "$OUT/hotpath_core.json" ;;
+    train)
+      part "train transformer" "$PYTHON" bench/gpu/torch_bench.py train --rounds 2 --steps 40 \
+        --json "$OUT/train_transformer.json"
+      part "train convnet" "$PYTHON" bench/gpu/torch_bench.py train --model convnet --rounds 2 \
+        --steps 40 --json "$OUT/train_convnet.json" ;;
+    steptime)
+      part "steptime transformer" "$PYTHON" bench/gpu/torch_bench.py train --rounds 6 --steps 30 \
+        --allocators expandable,allocwatch --json "$OUT/steptime_transformer.json"
+      part "steptime convnet" "$PYTHON" bench/gpu/torch_bench.py train --model convnet --rounds 6 \
+        --steps 30 --allocators expandable,allocwatch --json "$OUT/steptime_convnet.json" ;;
+    lockstep)
+      part "lockstep suite" "$PYTHON" bench/gpu/step_lockstep.py --suite "$OUT/lockstep" ;;
+    caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
+        --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
+    probes)  # never a binary left from an earlier call: the run needs this build
+      rm -rf build/native_probes
+      part "build device_call_costs" bash bench/native/build_native.sh build/native_probes
+      part probes build/native_probes/device_call_costs --quick --json "$OUT/device_costs_quick.json" ;;
+    agentcpu)
+      part "agentcpu pytorch" "$PYTHON" bench/sidecar/agent_cpu_cost.py --seconds 20 --source pytorch \
+        --json "$OUT/agent_cpu_pytorch.json"
+      part "agentcpu allocwatch" "$PYTHON" bench/sidecar/agent_cpu_cost.py --seconds 20 \
+        --source allocwatch --json "$OUT/agent_cpu_allocwatch.json" ;;
+    cap) part cap "$PYTHON" bench/gpu/torch_bench.py train --rounds 1 --steps 40 \
+        --fraction-of-peak 1.03 --allocators expandable,allocwatch --json "$OUT/cap.json" ;;
+    policy) part policy "$PYTHON" bench/gpu/policy_under_cap.py --fraction-of-peak "${POLICY_FRACTION:-1.03}" --steps 40 \
+        --json "$OUT/policy.json" ;;
+    *) echo "unknown part: $1 (the parts are listed at the top of bench/gpu/gpu_checks.sh)"
+       part "unknown part $1" false ;;
+  esac
+}
+
+main() {
+  echo "gpu_checks: $(date -u +%FT%TZ) on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv,noheader
+  for p in "$@"; do run_part "$p"; done
+  echo; echo "=== summary ==="
+  parts_summary
+}
+
+main "$@" 2>&1 | tee -a "$OUT/checks.log"
+exit "${PIPESTATUS[0]}"

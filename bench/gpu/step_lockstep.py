@@ -1,0 +1,393 @@
+"""Step time of allocwatch's allocator against another, two training processes in lockstep, on
+shapes neither has seen.
+
+    python bench/gpu/step_lockstep.py [--model transformer|moe|convnet] [--against expandable]
+                                      [--rounds 8] [--steps 12] [--fraction-of-peak F]
+                                      [--json FILE]                               (on a GPU)
+    python bench/gpu/step_lockstep.py --suite DIR [--rounds 8] [--steps 12]       (on a GPU)
+        every workload (transformer, moe, convnet), uncapped and then under a 1.03 x memory
+        fraction, against expandable segments: DIR/lockstep_<workload>.json each
+
+Runs of one allocator in separate processes, one after another, differ by 10-25 % on the H200
+hosts: the host and the GPU drift between runs, far more than the effect sought. Here two
+processes, one per allocator, train the same allocator_ext.workloads workload and take turns
+step by step on the same GPU and the same CPU cores: step i of one runs right before or after
+step i of the other (who goes first alternates), each alone on the device, so both see the
+same drift and the same shapes.
+
+Each process first warms up untimed: one step at the workload's largest shapes, then --steps
+steps of the warm-up sequence (cuBLAS/cuDNN plans, the allocators' first growth). Then come
+--rounds timed rounds, each --steps steps of shapes drawn afresh from a seed of its own, the
+same seed in both processes and never the warm-up's: what a training run with random shapes
+sees, where a step's exact shapes rarely come back. With --fraction-of-peak F (and in the
+suite's second half) each process then caps itself with set_per_process_memory_fraction at F x
+the peak requested bytes of its warm-up (which met the largest shapes), empties its cache, warms
+up again under the cap, and times fresh rounds; running out of memory is reported.
+
+Reported per round: allocwatch's total step time over the other's; over all rounds the mean of
+those ratios with its standard error and the median of the per-step ratios (the bar: <= 1.00).
+Per step, each allocator's device calls (its num_device_alloc / num_device_free /
+num_sync_all_streams: for allocwatch its core's counts, maps and unmaps with expandable
+segments; for PyTorch torch.cuda.memory_stats()'s), and the median step ratio over the steps
+where allocwatch made device calls against those where it made none: where page moves cost
+step time, these say so. Also each allocator's peak reserved / peak requested.
+
+--self-check runs the same protocol on the CPU with tiny workloads (two processes under
+PyTorch's allocator, no GPU): it checks the plumbing and that the timed shapes are fresh and
+the same in both processes, not the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib.allocators import ALLOCATORS, setup_in_child  # noqa: E402
+from bench.lib.stats import mean_and_stderr  # noqa: E402
+
+TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
+SUITE_FRACTION = 1.03
+WARMUP_SEED = 1
+ROUND_SEED = 1000  # round r draws from seed ROUND_SEED + r: never the warm-up's
+CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+# ------------------------------------------------------------------------------- the child
+
+class Counters:
+    """The memory statistics of the allocator serving this process: allocwatch's core where
+    it is installed (reachable through either back end), else PyTorch's."""
+
+    def __init__(self, torch: Any) -> None:
+        import allocator_ext
+
+        self.torch = torch
+        self.core = allocator_ext.allocator(0) if allocator_ext.installed() else None
+
+    def stats(self) -> dict[str, int]:
+        if self.core is not None:
+            return dict(self.core.stats())
+        if self.torch.cuda.is_available():
+            return dict(self.torch.cuda.memory_stats())
+        return {}
+
+    def reset_peak(self) -> None:
+        if self.core is not None:
+            self.core.reset_peak_stats()
+        elif self.torch.cuda.is_available():
+            self.torch.cuda.reset_peak_memory_stats()
+
+
+def shape_of(batch: tuple) -> list:
+    return [list(t.shape) if hasattr(t, "shape") else t for t in batch]
+
+
+def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
+    """Answers one line per command on stdin: 'cap F', 'seed N', 'step', 'stats'."""
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    torch = setup_in_child()
+    from allocator_ext import workloads
+
+    device = torch.device("cpu" if self_check else "cuda")
+    work = workloads.build(model_name, device, tiny=self_check, seed=0)
+    counters = Counters(torch)
+    warmup_shapes: list = []
+    # allocwatch's pluggable path reports running out of memory as a plain RuntimeError;
+    # any other error is reported as one, not mistaken for out of memory.
+    oom = (torch.cuda.OutOfMemoryError, RuntimeError)
+
+    def failure(e: BaseException) -> str:
+        out_of_memory = (isinstance(e, torch.cuda.OutOfMemoryError)
+                         or "out of memory" in str(e).lower())
+        return f"{'oom' if out_of_memory else 'error'}: {str(e)[:200]!r}"
+
+    def warm_up() -> None:
+        warmup_shapes.clear()
+        workloads.timed_step(work, work.draw(largest=True))
+        work.reseed(WARMUP_SEED)
+        for _ in range(steps):
+            batch = work.draw()
+            warmup_shapes.append(shape_of(batch))
+            workloads.timed_step(work, batch)
+
+    def answer(value: Any) -> None:
+        print(json.dumps(value), flush=True)
+
+    try:
+        warm_up()
+    except oom as e:
+        print(f"{failure(e)} (in the warm-up)", flush=True)
+        return
+    answer("ready")
+    for line in sys.stdin:
+        command, *arg = line.split()
+        try:
+            if command == "cap":
+                peak = counters.stats().get("requested_bytes.all.peak", 0)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    total = torch.cuda.get_device_properties(0).total_memory
+                    torch.cuda.set_per_process_memory_fraction(float(arg[0]) * peak / total)
+                counters.reset_peak()
+                warm_up()
+                answer({"capped_at_bytes": int(float(arg[0]) * peak)})
+            elif command == "seed":
+                work.reseed(int(arg[0]))
+                if arg[1:] == ["reset"]:  # the first round of a phase: peaks of the phase
+                    counters.reset_peak()
+                answer("ok")
+            elif command == "step":
+                batch = work.draw()
+                before = counters.stats()
+                seconds = workloads.timed_step(work, batch)
+                after = counters.stats()
+                answer({"s": seconds, "shape": shape_of(batch),
+                        "calls": {k: after.get(k, 0) - before.get(k, 0) for k in CALLS}})
+            elif command == "stats":
+                s = counters.stats()
+                answer({"peak_reserved": s.get("reserved_bytes.all.peak", 0),
+                        "peak_requested": s.get("requested_bytes.all.peak", 0),
+                        "num_alloc_retries": s.get("num_alloc_retries", 0),
+                        "num_ooms": s.get("num_ooms", 0), "warmup_shapes": warmup_shapes})
+        except oom as e:
+            print(failure(e), flush=True)
+            return
+
+
+# ------------------------------------------------------------------------------ the parent
+
+# Longest wait for one answer: the warm-up comes first (model set-up and, for the native shim,
+# a build); a step of these models takes well under a second.
+READY_TIMEOUT_S = 420.0
+STEP_TIMEOUT_S = 120.0
+
+
+class RoundFailed(Exception):
+    """A training process ran out of memory, failed, hung or ended."""
+
+
+class Trainer:
+    """One training process under one allocator, answering one line per command."""
+
+    def __init__(self, allocator: str, model: str, steps: int, cores: str,
+                 self_check: bool) -> None:
+        self.name = allocator
+        env = dict(os.environ, **ALLOCATORS[allocator])
+        argv = [sys.executable, __file__, "--child", model, str(steps), cores,
+                "1" if self_check else "0"]
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def send(self, what: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(what + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RoundFailed(f"the {self.name} process ended (exit {self.proc.poll()})") from None
+
+    def read(self, timeout: float = STEP_TIMEOUT_S) -> Any:
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                raise RoundFailed(f"the {self.name} process gave no answer within {timeout:.0f} s")
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            raise RoundFailed(f"the {self.name} process ended (exit {self.proc.poll()})")
+        if line.startswith(("oom", "error")):
+            raise RoundFailed(f"{self.name}: {line}")
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise RoundFailed(f"the {self.name} process answered {line[:200]!r}") from None
+
+    def ask(self, what: str, timeout: float = STEP_TIMEOUT_S) -> Any:
+        self.send(what)
+        return self.read(timeout)
+
+    def finish(self) -> None:
+        """Lets the process end (its stdin closed), killing it if it does not within 30 s."""
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def both(trainers: list[Trainer], what: str, timeout: float = STEP_TIMEOUT_S) -> list[Any]:
+    """The same command to both processes at once (they run it side by side, untimed)."""
+    for t in trainers:
+        t.send(what)
+    return [t.read(timeout) for t in trainers]
+
+
+def timed_round(r: int, trainers: list[Trainer], steps: int, reset_peak: bool) -> dict:
+    both(trainers, f"seed {ROUND_SEED + r}" + (" reset" if reset_peak else ""))
+    ours, other = trainers
+    got: dict[str, list[dict]] = {t.name: [] for t in trainers}
+    for i in range(steps):
+        for t in (trainers if (i + r) % 2 == 0 else trainers[::-1]):
+            got[t.name].append(t.ask("step"))
+    mine, theirs = got[ours.name], got[other.name]
+    if [s["shape"] for s in mine] != [s["shape"] for s in theirs]:
+        raise RoundFailed(f"round {r}: the two processes drew different shapes")
+    return {"round": r, "seed": ROUND_SEED + r,
+            "ratio": sum(s["s"] for s in mine) / sum(s["s"] for s in theirs),
+            "step_ratios": [a["s"] / b["s"] for a, b in zip(mine, theirs, strict=True)],
+            "step_times_s": {n: [round(s["s"], 6) for s in v] for n, v in got.items()},
+            "step_device_calls": {n: [s["calls"] for s in v] for n, v in got.items()},
+            "shapes": [s["shape"] for s in mine]}
+
+
+def summarize(rounds: list[dict], ours: str) -> dict:
+    if not rounds:
+        return {}
+    mean, se = mean_and_stderr([r["ratio"] for r in rounds])
+    ratios = [x for r in rounds for x in r["step_ratios"]]
+    moved = [x for r in rounds for x, c in zip(r["step_ratios"], r["step_device_calls"][ours],
+                                               strict=True) if any(c.values())]
+    still = [x for r in rounds for x, c in zip(r["step_ratios"], r["step_device_calls"][ours],
+                                               strict=True) if not any(c.values())]
+    calls = {n: {k: sum(c[k] for r in rounds for c in r["step_device_calls"][n]) for k in CALLS}
+             for n in rounds[0]["step_device_calls"]}
+    return {"mean_ratio": mean, "stderr": se, "median_step_ratio": statistics.median(ratios),
+            "steps_compared": len(ratios), "device_calls_while_timed": calls,
+            "steps_with_device_calls": len(moved),
+            "median_step_ratio_with_device_calls": statistics.median(moved) if moved else None,
+            "median_step_ratio_without_device_calls": statistics.median(still) if still else None}
+
+
+def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int) -> dict:
+    """Timed rounds uncapped (fraction 0) or, after a capped warm-up, under the cap."""
+    phase: dict[str, Any] = {"fraction_of_peak": fraction, "rounds": [], "failures": []}
+    try:
+        if fraction:
+            caps = both(trainers, f"cap {fraction}", READY_TIMEOUT_S)
+            phase["capped_at_bytes"] = {t.name: c["capped_at_bytes"]
+                                        for t, c in zip(trainers, caps, strict=True)}
+        for r in range(rounds):
+            phase["rounds"].append(timed_round(r, trainers, steps, reset_peak=r == 0))
+            rr = phase["rounds"][-1]
+            calls = {n: sum(sum(c.values()) for c in v) for n, v in rr["step_device_calls"].items()}
+            print(f"  round {r}: {trainers[0].name} / {trainers[1].name} total step time "
+                  f"{rr['ratio']:.4f}; device calls while timed {calls}", flush=True)
+        stats = both(trainers, "stats")
+        phase["reserved_over_requested"] = {
+            t.name: s["peak_reserved"] / max(1, s["peak_requested"])
+            for t, s in zip(trainers, stats, strict=True)}
+        phase["num_alloc_retries"] = {t.name: s["num_alloc_retries"]
+                                      for t, s in zip(trainers, stats, strict=True)}
+        warm = stats[0]["warmup_shapes"]
+        phase["timed_shapes_fresh"] = all(r["shapes"] != warm for r in phase["rounds"])
+    except RoundFailed as e:
+        phase["failures"].append(str(e))
+        print(f"  failed: {e}", flush=True)
+    phase.update(summarize(phase["rounds"], trainers[0].name))
+    return phase
+
+
+def run_workload(model: str, ours: str, against: str, fractions: list[float], rounds: int,
+                 steps: int, cores: str, self_check: bool, out: Path | None) -> dict:
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "model": model, "ours": ours,
+                              "against": against, "cores": cores, "steps_per_round": steps,
+                              "phases": []}
+    trainers = [Trainer(a, model, steps, cores, self_check) for a in (ours, against)]
+    try:
+        try:  # both warm up at once; timing starts when both are ready
+            for t in trainers:
+                if t.read(READY_TIMEOUT_S) != "ready":
+                    raise RoundFailed(f"the {t.name} process did not say it was ready")
+        except RoundFailed as e:
+            result["failures"] = [str(e)]
+            print(f"{model}: {e}", flush=True)
+            return result
+        for fraction in fractions:
+            print(f"{model}, " + (f"capped at {fraction} x peak requested" if fraction
+                                  else "uncapped") + ":", flush=True)
+            phase = run_phase(trainers, fraction, rounds, steps)
+            result["phases"].append(phase)
+            if out:  # after every phase, so that a later failure loses nothing measured
+                out.write_text(json.dumps(result, indent=1))
+            if phase.get("mean_ratio") is not None:
+                print(f"{model} {'capped' if fraction else 'uncapped'}: {ours} vs {against} "
+                      f"step time {100 * phase['mean_ratio'] - 100:+.2f} %; median per-step "
+                      f"ratio {phase['median_step_ratio']:.3f} over {phase['steps_compared']} "
+                      f"steps ({phase['steps_with_device_calls']} with device calls by {ours}: "
+                      f"median {phase['median_step_ratio_with_device_calls']}); reserved/"
+                      f"requested " + ", ".join(f"{a} {v:.3f}" for a, v in
+                                               phase["reserved_over_requested"].items()),
+                      flush=True)
+            if phase["failures"]:
+                break
+    finally:
+        for t in trainers:
+            t.finish()
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=TRAINED, default="transformer")
+    p.add_argument("--against", choices=sorted(set(ALLOCATORS) - {"allocwatch"}),
+                   default="expandable", help="the allocator compared with allocwatch's")
+    p.add_argument("--rounds", type=int, default=8, help="timed rounds of fresh shapes")
+    p.add_argument("--steps", type=int, default=12, help="steps per round (and warm-up)")
+    p.add_argument("--cores", default="",
+                   help="CPU cores both processes run on, e.g. 2,3,4,5 (default: the first "
+                        "four this process may use)")
+    p.add_argument("--fraction-of-peak", type=float, default=0.0, metavar="F",
+                   help="cap each process at F x its warm-up's peak requested bytes (e.g. 1.03)")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--suite", metavar="DIR",
+                   help="every workload, uncapped then at 1.03 x: DIR/lockstep_<workload>.json")
+    p.add_argument("--self-check", action="store_true",
+                   help="the protocol on the CPU with tiny workloads (no GPU)")
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]), args.child[2], args.child[3] == "1")
+        return 0
+    if args.fraction_of_peak and args.fraction_of_peak < 1.0:
+        p.error(f"--fraction-of-peak must be at least 1.0 (the workload's own need), got "
+                f"{args.fraction_of_peak}")
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
+    if args.fraction_of_peak and args.against == "cudaMallocAsync":
+        p.error("--fraction-of-peak needs requested bytes, which cudaMallocAsync does not count")
+    cores = args.cores or ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:4])
+    # On the CPU neither side can install allocwatch: the check compares PyTorch with itself.
+    ours, against = ("pytorch", "expandable") if args.self_check else ("allocwatch", args.against)
+    if args.suite:
+        out_dir = Path(args.suite)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        results = [run_workload(m, ours, against, [0.0, SUITE_FRACTION], args.rounds,
+                                args.steps, cores, args.self_check,
+                                out_dir / f"lockstep_{m}.json") for m in TRAINED]
+    else:
+        fractions = [args.fraction_of_peak]
+        results = [run_workload(args.model, ours, against, fractions, args.rounds, args.steps,
+                                cores, args.self_check, Path(args.json) if args.json else None)]
+    ok = all(not r.get("failures") and r["phases"] and not any(ph["failures"]
+                                                              for ph in r["phases"])
+             for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

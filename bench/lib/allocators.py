@@ -1,0 +1,42 @@
+"""The allocators a GPU benchmark compares, and the set-up of a process that runs under one.
+
+Each runs in a fresh process, since the allocator is chosen before CUDA starts: the parent
+starts a child with `dict(os.environ, **ALLOCATORS[name])`, and the child calls
+`setup_in_child()` before anything touches the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ALLOCATORS = {
+    "pytorch": {"PYTORCH_CUDA_ALLOC_CONF": ""},
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    "allocwatch": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1"},
+    # The same core through the native shim built against this torch (allocator_ext/native/).
+    "allocwatch-native": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
+                          "ALLOCWATCH_NATIVE": "1"},
+}
+
+
+def setup_in_child() -> Any:
+    """Installs allocwatch's allocator where the environment asks (and the agent, with
+    ALLOCWATCH_BENCH_AGENT); returns torch."""
+    import torch
+
+    installed = False
+    if os.environ.get("ALLOCWATCH_BENCH_INSTALL") == "1":
+        import allocator_ext
+
+        assert allocator_ext.install(), "allocwatch did not install"
+        if os.environ.get("ALLOCWATCH_NATIVE") == "1":
+            assert allocator_ext.torch_integration.native(), "the native shim did not install"
+        installed = True
+    target = os.environ.get("ALLOCWATCH_BENCH_AGENT")
+    if target:  # the same loop with the agent publishing every second
+        from allocator_ext.agent import start_agent
+
+        start_agent(target, interval=1.0, source="allocwatch" if installed else "pytorch")
+    return torch

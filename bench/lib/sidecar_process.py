@@ -1,0 +1,53 @@
+"""A sidecar in a process of its own, for benchmarks that train beside one (or kill it).
+
+    sidecar = SidecarProcess("allocwatch-soak-", agents_yaml="  expiry_seconds: 120\n")
+    sidecar.start(); ...; sidecar.kill(); sidecar.start(); ...; sidecar.stop()
+
+Its settings file, agents' socket and log live in a fresh temporary folder; metrics on a free
+loopback port. `extra_yaml` adds top-level sections (a policy, say).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class SidecarProcess:
+    def __init__(self, prefix: str, agents_yaml: str = "", extra_yaml: str = ""):
+        self.folder = Path(tempfile.mkdtemp(prefix=prefix))
+        self.socket = self.folder / "run" / "agent.sock"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.config = self.folder / "sidecar.yaml"
+        self.config.write_text(f"agents:\n  unix_socket: {self.socket}\n{agents_yaml}"
+                               f"metrics:\n  address: 127.0.0.1\n  port: {self.port}\n"
+                               + extra_yaml)
+        self.log = self.folder / "sidecar.log"
+        self.target = f"unix://{self.socket}"
+        self.metrics_url = f"http://127.0.0.1:{self.port}/metrics"
+        self._process: subprocess.Popen | None = None
+
+    def start(self) -> SidecarProcess:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "exporter.cli", "sidecar", "--config", str(self.config)],
+            cwd=REPO, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no cleanup, as a crashed or evicted sidecar."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGKILL)
+        self._process.wait()
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            self._process.wait(10)

@@ -1,0 +1,1 @@
+"""Replay studies on recorded traces, and the recording of traces on a GPU."""

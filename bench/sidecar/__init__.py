@@ -1,0 +1,1 @@
+"""The sidecar under load, and what the agent costs a training process."""

@@ -1,0 +1,57 @@
+"""allocwatch native: the native back end (allocator_ext/native/), built for the torch here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "build or inspect the native back end for the installed torch"
+DESCRIPTION = """\
+allocwatch's allocator serves PyTorch through a native back end compiled against the installed
+torch (a C++ compiler, torch's headers and the CUDA runtime headers are needed). The first
+process that needs it builds it, once per torch build, and caches it; `build` does that ahead
+of time, for a container image or a shared cache, and retries a build that failed before.
+
+  allocwatch native build            build (or rebuild) it now; prints where it is
+  allocwatch native status           where it is, or why it cannot be built
+
+The cache: ALLOCWATCH_NATIVE_DIR, else ~/.cache/allocwatch/native."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("native", help=HELP, description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["build", "status"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch
+    except ImportError:
+        print("allocwatch native: torch is not installed", file=sys.stderr)
+        return 1
+    from allocator_ext.native import build
+
+    try:
+        plan = build.plan(torch)
+        folder = build.cache_dir() / plan.key
+        if args.action == "status":
+            library = folder / build.LIBRARY_NAME
+            failed = folder / build.FAILED_NAME
+            if library.is_file():
+                print(f"built for {plan.describe}: {library}")
+                return 0
+            if failed.is_file():
+                print(f"not built, an earlier build failed: {failed.read_text()}")
+                return 1
+            print(f"not built yet for {plan.describe} (the first process that needs it builds "
+                  f"it, or run `allocwatch native build`)")
+            return 1
+        print(f"building for {plan.describe} ...", flush=True)
+        library = build.ensure_built(plan, force=True)
+    except build.BuildError as e:
+        print(f"allocwatch native: {e}", file=sys.stderr)
+        return 1
+    print(f"built: {library}")
+    return 0

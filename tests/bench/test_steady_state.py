@@ -1,0 +1,75 @@
+"""bench/replay/steady_state.py: passes of one trace on one allocator, peak reserved after pass
+2 and after the last, device calls after pass 2 priced against the trace's active time, and
+the bar."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.paths import REPO
+
+from allocator_ext.replay import load_trace, replay
+
+SMALL = REPO / "tests/data/traces/convnet__default.pickle.gz"
+OTHER = REPO / "tests/data/traces/convnet__roundup.pickle.gz"
+
+
+def run_bench(tmp_path: Path, *args: str) -> dict:
+    out_file = tmp_path / "steady.json"
+    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", *args, "--json",
+                          str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    result["stdout"] = out.stdout
+    return result
+
+
+def test_a_few_passes_report_growth_after_pass_2_and_the_calls_that_remain(
+        tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--passes", "4", "--traces", str(SMALL))
+    rows = result["passes"][SMALL.name]
+    s = result["summary"][SMALL.name]
+    assert len(rows) == s["passes"] == 4
+    assert s["peak_reserved_after_pass_2"] == rows[1]["peak_reserved_bytes"]
+    assert s["peak_reserved_after_last_pass"] == rows[-1]["peak_reserved_bytes"]
+    assert s["peak_reserved_last_over_pass_2"] == pytest.approx(
+        rows[-1]["peak_reserved_bytes"] / rows[1]["peak_reserved_bytes"])
+    assert s["call_share_after_pass_2_max"] == max(r["call_share"] for r in rows[2:])
+    assert s["meets_bar"] == (s["peak_reserved_last_over_pass_2"] <= 1.002
+                              and s["call_share_after_pass_2_max"] <= 0.001)
+    # The first pass is what `allocwatch replay` reports.
+    first = replay(load_trace(SMALL)).report
+    assert rows[0]["peak_reserved_bytes"] == first["peak_reserved_bytes"]
+    assert rows[0]["call_share"] == pytest.approx(first["device_call_share"])
+    assert SMALL.name in result["stdout"] and "runs meet the bar" in result["stdout"]
+
+
+def test_pytorchs_settings_settle_after_the_first_pass(tmp_path: Path) -> None:
+    # PyTorch's allocator keeps every segment it made: nothing grows, nothing is asked again.
+    result = run_bench(tmp_path, "--passes", "3", "--config", "native", "--traces", str(SMALL))
+    s = result["summary"][SMALL.name]
+    assert s["peak_reserved_last_over_pass_2"] == 1.0
+    assert s["call_share_after_pass_2_max"] == 0.0 and s["meets_bar"]
+
+
+def test_side_by_side_runs_give_the_same_figures(tmp_path: Path) -> None:
+    args = ["--passes", "3", "--traces", str(SMALL), "--traces", str(OTHER)]
+    alone = run_bench(tmp_path, *args)
+    side_by_side = run_bench(tmp_path, *args, "--jobs", "2")
+    assert alone["passes"] == side_by_side["passes"]
+    assert set(alone["summary"]) == {SMALL.name, OTHER.name}
+
+
+def test_the_long_run_of_the_example_is_a_run_of_its_own(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--passes", "3", "--traces", str(SMALL), "--long-passes", "3")
+    assert set(result["summary"]) == {SMALL.name, "example_trace.pickle.gz x3"}
+
+
+def test_too_few_passes_are_refused() -> None:
+    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", "--passes", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--passes must be at least 3" in out.stderr

@@ -1,0 +1,252 @@
+"""GPU scenarios for the native back end, one per fresh process (the allocator is installed
+before CUDA starts). Run by tests/pytorch/test_native_gpu.py:
+
+    python tests/pytorch/gpu_scenarios.py NAME      prints "PASS NAME: ..." or raises
+
+Each scenario drives PyTorch's own API, as a training script would, and checks that allocwatch's
+core is the one answering (its figures, through allocator_ext._core, agree with PyTorch's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import allocator_ext
+from allocator_ext import _core
+
+MiB = 1 << 20
+
+
+def core_stats(device: int = 0) -> dict[str, int]:
+    a = _core.torch_allocator(device)
+    assert a is not None, "allocwatch's core has no allocator for the device"
+    return a.stats()
+
+
+def installed() -> str:
+    """Every way PyTorch reaches an allocator reaches allocwatch's core."""
+    x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    core = core_stats()["allocated_bytes.all.current"]
+    assert torch.cuda.memory_allocated() == core, (torch.cuda.memory_allocated(), core)
+    acc = torch.accelerator.memory_stats()
+    assert acc["allocated_bytes.all.current"] == core
+    assert acc["active_bytes.all.current"] == core_stats()["active_bytes.all.current"] > 0
+    assert torch.cuda.memory.memory_stats()["reserved_bytes.all.current"] == \
+        core_stats()["reserved_bytes.all.current"]
+    assert torch.cuda.get_allocator_backend() == "native"
+    del x
+    return f"allocated {core} bytes through torch, torch.accelerator and torch.cuda agree"
+
+
+def history_and_snapshot() -> str:
+    """Memory history with stacks; the snapshot opens in torch.cuda._memory_viz."""
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    keep = [torch.randn(1024, 1024, device="cuda") for _ in range(3)]
+    tmp = torch.randn(4096, 4096, device="cuda")
+    del tmp
+    snap = torch.cuda.memory._snapshot()
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    assert allocs and all(e["frames"] for e in allocs), "trace entries without stacks"
+    assert any("history_and_snapshot" in f["name"] for f in allocs[0]["frames"])
+    blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert blocks and any(b["frames"] for b in blocks), "allocated blocks without stacks"
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "snap.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        for view in ("stats", "trace", "segments"):
+            out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", view, str(path)],
+                                 capture_output=True, text=True, timeout=120,
+                                 env={**os.environ, "ALLOCWATCH_RUN": ""})
+            assert out.returncode == 0, (view, out.stderr[-2000:])
+    torch.cuda.memory._record_memory_history(enabled=None)
+    assert torch.cuda.memory._snapshot()["device_traces"][0] == []
+    del keep
+    return f"{len(allocs)} allocations with stacks; _memory_viz stats/trace/segments read it"
+
+
+def out_of_memory() -> str:
+    """PyTorch's exception type and opening words, allocwatch's advice after; observers told."""
+    seen = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(args))
+    with_pattern = re.compile(r"^CUDA out of memory\. Tried to allocate 800000000\.00 GiB\. "
+                              r"GPU 0 has a total capacity of .* allocwatch: ")
+    try:
+        torch.empty(1024 * 1024 * 1024 * 800000000, dtype=torch.int8, device="cuda")
+    except torch.cuda.OutOfMemoryError as e:
+        assert with_pattern.search(str(e)), str(e)
+    else:
+        raise AssertionError("no OutOfMemoryError")
+    assert len(seen) == 1 and seen[0][0] == 0, seen
+    assert core_stats()["num_ooms"] == 1
+    x = torch.ones(1024, device="cuda")
+    assert x.sum().item() == 1024
+    return "torch.cuda.OutOfMemoryError with PyTorch's wording; the observer was called"
+
+
+def mempool() -> str:
+    """torch.cuda.MemPool: use counts, its own plain segments, no-split, release of its cache."""
+    pool = torch.cuda.MemPool()
+    assert pool.use_count() == 1
+    with torch.cuda.use_mem_pool(pool):
+        assert pool.use_count() == 2
+        a = torch.empty(80 * MiB, dtype=torch.uint8, device="cuda")
+        b = torch.empty(80 * MiB, dtype=torch.uint8, device="cuda")
+    assert pool.use_count() == 1
+    segments = torch.cuda.memory.memory_snapshot(pool.id)
+    assert [s["total_size"] for s in segments] == [80 * MiB, 80 * MiB], segments
+    no_split = torch.cuda.MemPool(no_split=True)
+    with torch.cuda.use_mem_pool(no_split):
+        c = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        d = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+    assert all(len(s["blocks"]) == 1 for s in no_split.snapshot())
+    reserved = torch.cuda.memory_reserved()
+    del a, b, c, d, pool, no_split
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= reserved - 160 * MiB
+    return f"pool segments {[s['total_size'] >> 20 for s in segments]} MiB, released with the pool"
+
+
+def graph_trees() -> str:
+    """torch.compile(mode="reduce-overhead"): checkpointed pool state and live-allocation
+    checks of CUDA graph trees, with results equal to eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                torch.nn.Linear(512, 256)).cuda()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for step in range(6):
+        x = torch.randn(64 if step % 2 else 32, 256, device="cuda")
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-3, atol=1e-3)
+    torch.cuda.synchronize()
+    return "6 steps of two shapes through CUDA graph trees match eager"
+
+
+def checkpoint_state() -> str:
+    """getCheckpointState / setCheckpointPoolState as TestBlockStateAbsorption drives them."""
+    pool = torch.cuda.graph_pool_handle()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=pool)
+        small = [torch.empty(512, dtype=torch.uint8, device="cuda") for _ in range(11)]
+        out = small[5].add_(2)
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+
+    def segments() -> list[tuple[int, int, list[tuple[int, str]]]]:
+        return [(x["address"], x["total_size"], [(b["size"], b["state"]) for b in x["blocks"]])
+                for x in torch.cuda.memory._snapshot()["segments"]
+                if tuple(x["segment_pool_id"]) == tuple(g.pool())]
+
+    before = segments()
+    state = torch._C._cuda_getCheckpointState(0, g.pool())
+    torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+    assert segments() == before, (before, segments())
+    assert torch._C._cuda_checkPoolLiveAllocations(0, g.pool(), {t.untyped_storage().data_ptr()
+                                                                 for t in small})
+    del out
+    return f"{len(before)} segment(s) of the graph's pool restored to the same layout"
+
+
+def cudnn_benchmark() -> str:
+    """cuDNN benchmark mode (cacheInfo) through the back end: same results as without it."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1).cuda()
+    results = {}
+    for benchmark in (False, True):
+        torch.backends.cudnn.benchmark = benchmark
+        results[benchmark] = [conv(torch.randn(4, 16, side, side, device="cuda",
+                                               generator=torch.Generator("cuda").manual_seed(side)))
+                              .float().sum().item() for side in (32, 48, 64)]
+    for a, b in zip(results[False], results[True], strict=True):
+        assert abs(a - b) <= 1e-3 * max(1.0, abs(a)), (a, b)
+    return "benchmark mode ran 3 shapes, sums match"
+
+
+def fraction_and_settings() -> str:
+    """Memory fraction get and set; _set_allocator_settings with PyTorch's keys and allocwatch's,
+    changing only the keys named; a bad key is a ValueError."""
+    assert torch.cuda.get_per_process_memory_fraction() == 1.0
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    assert torch.cuda.get_per_process_memory_fraction() == 0.25
+    limit = core_stats()["memory_limit_bytes"]
+    assert abs(limit - 0.25 * torch.cuda.get_device_properties(0).total_memory) < MiB
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    a = _core.torch_allocator(0)
+    before = a.config()
+    torch.cuda.memory._set_allocator_settings("max_split_size_mb:64")
+    torch.cuda.memory._set_allocator_settings("expandable_chunk_mb:8")
+    after = a.config()
+    assert after["max_split_size"] == 64 * MiB and after["expandable_chunk"] == 8 * MiB
+    assert after["expandable_segments"] == before["expandable_segments"]  # not named: unchanged
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_chunk_mb:3")
+    except ValueError as e:
+        assert "expandable_chunk_mb:3" in str(e), str(e)
+    else:
+        raise AssertionError("a bad value was accepted")
+    assert a.config()["expandable_chunk"] == 8 * MiB
+    return f"fraction 0.25 = {limit >> 20} MiB; settings named changed, others kept"
+
+
+def raw_alloc_statistics() -> str:
+    """torch.cuda.caching_allocator_alloc goes through the core and counts in its statistics."""
+    start = torch.cuda.memory_stats()["requested_bytes.all.allocated"]
+    ptr = torch.cuda.caching_allocator_alloc(MiB)
+    assert torch.cuda.memory_stats()["requested_bytes.all.allocated"] - start == MiB
+    torch.cuda.caching_allocator_delete(ptr)
+    torch.cuda.memory.caching_allocator_enable(False)
+    ptr = torch.cuda.caching_allocator_alloc(MiB)  # uncached: not counted
+    assert torch.cuda.memory_stats()["requested_bytes.all.allocated"] - start == MiB
+    torch.cuda.caching_allocator_delete(ptr)
+    torch.cuda.memory.caching_allocator_enable(True)
+    return "raw allocations counted; uncached ones not"
+
+
+def _ipc_child(queue: object, done: object) -> None:
+    t = queue.get()  # type: ignore[attr-defined]
+    done.put(float(t.sum().item()))  # type: ignore[attr-defined]
+
+
+def ipc() -> str:
+    """torch.multiprocessing passing CUDA tensors: served for plain segments; for expandable
+    segments served, or refused with the setting that avoids it."""
+    import torch.multiprocessing as mp
+
+    # The receiving processes run allocwatch too, as under `allocwatch run`.
+    autostart = Path(allocator_ext.__file__).resolve().parent / "_autostart"
+    os.environ["ALLOCWATCH_RUN"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(autostart), os.environ.get("PYTHONPATH", "")])
+    ctx = mp.get_context("spawn")
+    results = {}
+    for settings in ("expandable_segments:False", "expandable_segments:True"):
+        torch.cuda.memory._set_allocator_settings(settings)
+        queue, done = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=_ipc_child, args=(queue, done))
+        child.start()
+        t = torch.full((MiB,), 2.0, device="cuda")
+        try:
+            queue.put(t)
+            results[settings] = f"sum {done.get(timeout=120)}"
+        except RuntimeError as e:
+            assert "expandable_segments:False" in str(e), str(e)
+            results[settings] = "refused, naming expandable_segments:False"
+            child.terminate()
+        child.join(60)
+    assert results["expandable_segments:False"] == f"sum {2.0 * MiB}", results
+    return json.dumps(results)
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    assert allocator_ext.install(), "install() fell back to PyTorch's allocator"
+    assert allocator_ext.torch_integration.native(), "the native back end did not install"
+    print(f"PASS {name}: {globals()[name]()}", flush=True)
