@@ -1,12 +1,14 @@
 """A small training script for the deploy tests: it stands in for an example's `train.py`.
 
-torch here is a CPU build, so `allocwatch run` keeps PyTorch's allocator (it says so) and its
-agent has no CUDA device to report. To publish a real allocator's figures this script runs what
-a training step asks of a GPU allocator -- a transformer-like pattern of weights, activations
-of varying size and their release -- through allocwatch's core on the simulated device, and
-publishes it with an agent of its own (allocator_ext.start_agent, the in-code way), on the
-address the container's environment gives (ALLOCWATCH_TARGET). Its memory history is recorded
-from the start, so that a snapshot of it replays.
+torch here is a CPU build: under `allocwatch run` it would keep PyTorch's allocator (saying so),
+whose agent has no CUDA device to report. To publish a real allocator's figures this script
+runs what a training step asks of a GPU allocator -- a transformer-like pattern of weights,
+activations of varying size and their release -- through allocwatch's core on the simulated
+device, and publishes it with an agent of its own (allocator_ext.start_agent, the in-code way),
+on the address the container's environment gives (ALLOCWATCH_TARGET). It does not import torch,
+so `allocwatch run`'s hook, which acts when a program imports torch, leaves it alone and this
+agent is the process's only one (tests/pytorch/test_startup_hook.py tests the hook itself).
+Its memory history is recorded from the start, so that a snapshot of it replays.
 
     python train_sim.py [--seconds S] [--stop-file F]
 """

@@ -1,10 +1,11 @@
 """An example's pod run on this machine as its rendered manifest gives it: each container's
 command and environment, its user (runAsUser/runAsGroup, through util-linux's setpriv), and its
 volumes as directories of one root (an emptyDir with the kubelet's mode 0777, a ConfigMap's
-files). What the machine cannot be is replaced, and said: `allocwatch` and `torchrun` are this
-interpreter's (`python -m exporter.cli`, `python -m torch.distributed.run`, what the two
-commands are), the downward API's fields get the values given, and the sidecar's metrics port a
-free one on loopback (a shared machine)."""
+files). What the machine cannot be is replaced, and said: `allocwatch` and `torchrun` are the
+given interpreter's (`python -m exporter.cli`, `python -m torch.distributed.run`, what the two
+commands are; or `allocwatch` the console script beside it, as an image installs it), the
+downward API's fields get the values given (the job's name from the label its controller
+adds), and the sidecar's metrics port a free one on loopback (a shared machine)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,6 @@ import yaml
 
 from support.deploy import DEPLOY, SIDECAR, find_sidecar, kustomize_build, pod_templates
 
-COMMANDS = {
-    "allocwatch": [sys.executable, "-m", "exporter.cli"],
-    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-}
 FIELDS = {
     "metadata.name": "llm-pretrain-x7k2p",
     "metadata.namespace": "training",
@@ -38,16 +35,16 @@ RUN_AS = Path(__file__).with_name("run_as.py")
 
 
 @functools.cache
-def _usable(as_user: tuple[str, ...]) -> bool:
-    probe = subprocess.run([*as_user, sys.executable, "-c",
+def _usable(as_user: tuple[str, ...], python: str) -> bool:
+    probe = subprocess.run([*as_user, python, "-c",
                             "import grpc, prometheus_client, yaml, exporter.cli"],
                            capture_output=True, timeout=60)
     return probe.returncode == 0
 
 
-def interpreter_usable_by(as_user: list[str]) -> bool:
+def interpreter_usable_by(as_user: list[str], python: str) -> bool:
     """Whether the user can run this interpreter with its packages."""
-    return _usable(tuple(as_user))
+    return _usable(tuple(as_user), python)
 
 
 def setpriv() -> str:
@@ -60,10 +57,17 @@ def setpriv() -> str:
 
 
 class LocalPod:
-    def __init__(self, root: Path, example: str = "job", metrics_port: int = 0):
-        resources = kustomize_build(DEPLOY / "examples" / example)
-        [(_, template)] = [t for r in resources for t in pod_templates(r)][:1]
-        self.labels: dict[str, str] = dict(template["metadata"].get("labels", {}))
+    def __init__(self, root: Path, example: str = "job", metrics_port: int = 0, *,
+                 deploy: Path = DEPLOY, python: str = sys.executable, as_users: bool = True,
+                 console_script: bool = False):
+        resources = kustomize_build(deploy / "examples" / example)
+        [(workload, template)] = [(r, t) for r in resources for _, t in pod_templates(r)][:1]
+        self.python = python
+        self.as_users = as_users  # False: every container as this process's user
+        self.console_script = console_script  # True: `allocwatch` is the script beside python
+        # The pod's labels: its template's, and the one its controller adds (the job's name).
+        self.labels: dict[str, str] = {**template["metadata"].get("labels", {}),
+                                       "batch.kubernetes.io/job-name": workload["metadata"]["name"]}
         self.spec = template["spec"]
         self.sidecar = find_sidecar(self.spec)
         assert self.sidecar is not None
@@ -126,8 +130,17 @@ class LocalPod:
             if isinstance(new, str):
                 new = [new]
             for w in new:
-                out.extend(COMMANDS.get(w, [self.host_path(container, w)]))
+                out.extend(self.commands().get(w, [self.host_path(container, w)]))
         return out
+
+    def commands(self) -> dict[str, list[str]]:
+        """`allocwatch` and `torchrun` as this interpreter runs them (in an image, both are the
+        console scripts of the one environment allocwatch is installed in; here torch, and so
+        its torchrun script, comes from the system's site-packages)."""
+        allocwatch = ([str(Path(self.python).with_name("allocwatch"))] if self.console_script
+                      else [self.python, "-m", "exporter.cli"])
+        return {"allocwatch": allocwatch,
+                "torchrun": [self.python, "-m", "torch.distributed.run"]}
 
     def env(self, container: Mapping[str, Any], **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
@@ -137,7 +150,7 @@ class LocalPod:
             else:
                 path = entry["valueFrom"]["fieldRef"]["fieldPath"]
                 if path.startswith("metadata.labels["):
-                    env[entry["name"]] = self.labels.get(path.split("'")[1], "llm-pretrain")
+                    env[entry["name"]] = self.labels.get(path.split("'")[1], "")
                 else:
                     env[entry["name"]] = FIELDS[path]
         env.update(extra)
@@ -151,15 +164,15 @@ class LocalPod:
 
     def as_user(self, container: Mapping[str, Any], argv: list[str]) -> list[str]:
         user = self.user(container)
-        if user is None:
+        if user is None or not self.as_users:
             return argv
         uid, gid = user
         as_user = [setpriv(), f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
-        if interpreter_usable_by(as_user):
+        if interpreter_usable_by(as_user, self.python):
             return [*as_user, *argv]
         # This interpreter lies where the user cannot read it: import first, then drop to it.
-        assert argv[:2] == [sys.executable, "-m"], argv
-        return [sys.executable, str(RUN_AS), str(uid), str(gid), *argv[2:]]
+        assert argv[:2] == [self.python, "-m"], argv
+        return [self.python, str(RUN_AS), str(uid), str(gid), *argv[2:]]
 
     def start(self, container: Mapping[str, Any], argv: list[str], cwd: Path,
               **env: str) -> subprocess.Popen:
