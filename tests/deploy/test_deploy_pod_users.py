@@ -2,8 +2,9 @@
 65532:65532 (no supplementary group, its securityContext), the trainer as root (its image's
 user), one shared emptyDir between them. The agent connects; a snapshot is taken from the
 sidecar's side (`kubectl exec -c allocwatch-sidecar -- allocwatch ctl snapshot`, as 65532),
-downloaded, and replayed. Before the sidecar made the snapshot directory, the trainer wrote it
-as root:root 0750 and the download was refused (409, Permission denied)."""
+downloaded, and replayed, and `ctl diagnose --replay` does the same. Before the sidecar made
+the snapshot directory, the trainer wrote it as root:root 0750 and the download was refused
+(409, Permission denied)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,11 @@ def test_a_snapshot_is_taken_downloaded_and_replayed_under_the_manifests_users(
         assert replayed.returncode == 0, replayed.stderr
         result = json.loads(replayed.stdout)
         assert result["events_replayed"] > 10 and result["peak_reserved_bytes"] > 0
+
+        # `ctl diagnose --replay` takes a snapshot of its own through the same download.
+        diagnosed = ctl(pod, "diagnose", "--agent", agent, "--window", "0.5", "--replay")
+        assert diagnosed.returncode == 0, diagnosed.stdout + diagnosed.stderr
+        assert "snapshot: replayed: " in diagnosed.stdout, diagnosed.stdout
 
         stop_file.touch()
         assert trainer.wait(timeout=60) == 0

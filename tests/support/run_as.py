@@ -1,9 +1,10 @@
 """python run_as.py UID GID MODULE ARG...: MODULE's main() run under UID:GID, with no
 supplementary group, for a machine where that user cannot reach this interpreter's files (its
 Python lives under a home directory only root may enter). Everything the sidecar and `ctl`
-import, ours and the standard library's lazy imports, is imported first, as the caller; then the
-process drops to the user for good, before it opens a single file or socket of the test. Where
-the user can run the interpreter itself, support.pod uses setpriv instead."""
+import (with `ctl diagnose --replay`'s replay), ours and the standard library's lazy imports,
+is imported first, as the caller; then the process drops to the user for good, before it opens
+a single file or socket of the test. Where the user can run the interpreter itself,
+support.pod uses setpriv instead."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ def preload() -> None:
     import exporter
 
     for module in pkgutil.walk_packages(exporter.__path__, "exporter."):
+        importlib.import_module(module.name)
+    # What `ctl diagnose --replay` imports: the replay of a downloaded snapshot.
+    import allocator_ext.replay
+
+    for module in pkgutil.walk_packages(allocator_ext.replay.__path__, "allocator_ext.replay."):
         importlib.import_module(module.name)
     for name in LAZY_STDLIB:
         importlib.import_module(name)
