@@ -18,32 +18,32 @@ from allocator_ext.replay.trace import parse_snapshot
 MiB = 1 << 20
 
 
+def joined(ranges: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Address ranges, contiguous ones joined."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and out[-1][1] == lo:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi])
+    return {(lo, hi) for lo, hi in out}
+
+
 def state(snapshot: dict) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
     """(mapped ranges joined where contiguous, live blocks and the size asked for each) of a
     snapshot's segments."""
-    ranges = sorted((s["address"], s["address"] + s["total_size"]) for s in snapshot["segments"])
-    joined: list[list[int]] = []
-    for lo, hi in ranges:
-        if joined and joined[-1][1] == lo:
-            joined[-1][1] = hi
-        else:
-            joined.append([lo, hi])
+    ranges = [(s["address"], s["address"] + s["total_size"]) for s in snapshot["segments"]]
     live = {(b["address"], b["requested_size"]) for s in snapshot["segments"]
             for b in s["blocks"] if b["state"] == "active_allocated"}
-    return {(lo, hi) for lo, hi in joined}, live
+    return joined(ranges), live
 
 
 def rebuilt(prologue: list[dict]) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
-    ranges = sorted((e["addr"], e["addr"] + e["size"]) for e in prologue
-                    if e["action"] in ("segment_alloc", "segment_map"))
-    joined: list[list[int]] = []
-    for lo, hi in ranges:
-        if joined and joined[-1][1] == lo:
-            joined[-1][1] = hi
-        else:
-            joined.append([lo, hi])
+    """The same, of the entries the agent puts in front of a history."""
+    ranges = [(e["addr"], e["addr"] + e["size"]) for e in prologue
+              if e["action"] in ("segment_alloc", "segment_map")]
     live = {(e["addr"], e["size"]) for e in prologue if e["action"] == "alloc"}
-    return {(lo, hi) for lo, hi in joined}, live
+    return joined(ranges), live
 
 
 def workload(allocator, rng: random.Random, steps: int, live: list[int]) -> None:
