@@ -69,6 +69,15 @@ def check_plot_target(path: str | None) -> None:
     directory = Path(path).parent
     if not directory.is_dir():
         raise ValueError(f"--plot {path}: there is no directory {directory}")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    # matplotlib picks the format by the suffix: refuse here what it would refuse (or, with no
+    # suffix, write under another name) only after the replays.
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in FigureCanvasBase.get_supported_filetypes():
+        what = f"matplotlib cannot write .{suffix} files" if suffix else \
+            "the file's suffix must name its format"
+        raise ValueError(f"--plot {path}: {what} (.png, .svg, .pdf, …)")
 
 
 @contextmanager

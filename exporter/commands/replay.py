@@ -36,6 +36,15 @@ it, it is freed at the first free after it, where the recorded run began unwindi
 error. The report says of each recorded out-of-memory error whether it recurred. The memory
 fraction and device total the run was capped with are read from the trace where it kept them
 (bench/replay/record_traces.py does); --memory-fraction and --device-memory override them.
+A trace that keeps no cap (PyTorch's own snapshot) replays with none, so its errors cannot
+recur: the cap line then says which --device-memory reproduces them (what the run had reserved
+plus the device's free memory at each error), or that a memory fraction was in force.
+
+Times are the trace's active time, as trace_seconds counts it (each gap between events counted
+up to 100 ms, so that data loading and pauses do not count). --plot draws memory on that clock:
+what the program requested, what the replay allocated and reserved beside what the recorded
+run reserved, the cap, and where the allocator retried or ran out of memory and where each
+recorded out-of-memory error was (red: recurred; green: served).
 
 Exit status: 0 when the replay ran (even with out-of-memory errors: see num_ooms), 2 for a bad
 argument or an unreadable, corrupt or mid-run trace."""
@@ -83,12 +92,18 @@ def human_report(r: dict) -> str:
         for oom in r["recorded_ooms"][:SHOWN_OOMS]:
             outcome = "recurred" if oom["recurred"] else "survived"
             lines.append(f"  event {oom['event_index']:<9d} {format_size(oom['size'])} on "
-                         f"stream {oom['stream']} at {oom['time_s']:.2f} s: {outcome}")
+                         f"stream {oom['stream']} at {_active_time(oom['time_s'])}: "
+                         f"{outcome}")
         if len(r["recorded_ooms"]) > SHOWN_OOMS:
             lines.append(f"  … and {len(r['recorded_ooms']) - SHOWN_OOMS} more (see --json)")
     if r["unknown_actions"]:
         lines.append(f"unknown actions    {r['unknown_actions']} (counted, not replayed)")
     return "\n".join(lines)
+
+
+def _active_time(seconds: float) -> str:
+    """A moment on the trace's active clock, as the plot's axis shows it."""
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
 
 
 def load_costs(path: str) -> Any:

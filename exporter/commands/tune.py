@@ -49,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # their value written on them: an outlier (max_split_size_mb on some traces reserves 4×) would
 # otherwise squash the differences that matter (9.5 and 10.3 GiB).
 CLIP_RATIO = 1.5
+TITLE_WIDTH = 95  # characters a title line holds at its font size on the chart's width
 
 
 def chart(ranked: list[Any], best: Any, peak_requested: int, title: str) -> Any:
@@ -61,10 +62,13 @@ def chart(ranked: list[Any], best: Any, peak_requested: int, title: str) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gib = float(1 << 30)
+    from allocator_ext.replay.plot import memory_unit, wrap
+
     rows = ranked[::-1]  # best at the top
-    base = peak_requested / gib
-    values = [c.report["peak_reserved_bytes"] / gib for c in rows]
+    unit_name, unit = memory_unit(max(peak_requested,
+                                      *(c.report["peak_reserved_bytes"] for c in rows)))
+    base = peak_requested / unit
+    values = [c.report["peak_reserved_bytes"] / unit for c in rows]
     inside = [v for v in values if v <= CLIP_RATIO * base] or values
     left = min(base, *values)
     right = left + 1.25 * max(max(inside) - left, 0.01 * base)
@@ -76,8 +80,8 @@ def chart(ranked: list[Any], best: Any, peak_requested: int, title: str) -> Any:
     pad = 0.005 * (right - left)
     for bar, value, candidate in zip(bars, values, rows, strict=True):
         r = candidate.report
-        label = (f"{value:.2f} GiB, {r['num_ooms']} OOMs" if r["num_ooms"]
-                 else f"{value:.2f} GiB  ({r['reserved_ratio']:.3f}×)")
+        label = (f"{value:.2f} {unit_name}, {r['num_ooms']} OOMs" if r["num_ooms"]
+                 else f"{value:.2f} {unit_name}  ({r['reserved_ratio']:.3f}×)")
         middle = bar.get_y() + bar.get_height() / 2
         if value > right:  # cut at the axis: say so, and write the value inside the bar
             ax.text(right - pad, middle, f"{label} ▶", va="center", ha="right", fontsize=8,
@@ -87,10 +91,11 @@ def chart(ranked: list[Any], best: Any, peak_requested: int, title: str) -> Any:
     if left < base:
         ax.axvline(base, color="0.3", ls="--", lw=1)
     ax.set_xlim(left, right)
-    ax.set_xlabel(f"peak reserved (GiB), from the trace's peak requested ({base:.2f} GiB"
+    ax.set_xlabel(f"peak reserved ({unit_name}), from the trace's peak requested "
+                  f"({base:.2f} {unit_name}"
                   f"{', dashed' if left < base else ''})\ngreen: recommended · red: ran out "
                   "of memory · ▶: beyond the axis", fontsize=9)
-    ax.set_title(title, fontsize=10, loc="left")
+    ax.set_title(wrap(title, TITLE_WIDTH), fontsize=10, loc="left")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
@@ -190,7 +195,7 @@ def _write_plot(args: argparse.Namespace, ranked: list[Any], best: Any, peak: in
     import matplotlib.pyplot as plt
 
     try:
-        fig.savefig(args.plot)
+        fig.savefig(args.plot, bbox_inches="tight")
     except OSError as err:
         print(f"allocwatch tune: --plot {args.plot}: cannot write it: {err.strerror or err}",
               file=sys.stderr)

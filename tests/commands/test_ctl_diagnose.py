@@ -3,6 +3,7 @@ mistakes seen from counters, the snapshot replayed under candidates, and --apply
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -160,22 +161,94 @@ def test_the_snapshot_step_proposes_only_a_setting_under_which_a_recorded_oom_do
         ) -> None:
     from support.capped_run import record_capped_run
 
-    from allocator_ext.replay.cap import resolve_cap
     from allocator_ext.replay.trace import parse_snapshot
     from allocator_ext.replay.tune import tune
+    from exporter.commands.ctl.diagnose import Replayed, replay_cap
 
     snapshot, stats = record_capped_run()  # PyTorch's settings ran out of memory under a cap
     trace = parse_snapshot(snapshot)
-    cap = resolve_cap(trace)
+    cap, described, can_recur = replay_cap(trace, gpu_bytes=80 << 30)
+    assert can_recur and described.startswith("the cap the snapshot keeps (256.00 MiB allowed")
     ranked = tune(trace, cap.device_memory, cap.memory_fraction,
                   candidates=[(s, s, True) for s in ("native", f"native,{EXPANDABLE}")])
     healthy = device(reserved=100 * MiB, allocated=95 * MiB)
     healthy["settings"]["config_string"] = "native"
-    d = diagnose("a", healthy, healthy, 1.0, ranked)
+    d = diagnose("a", healthy, healthy, 1.0, Replayed(ranked, described, can_recur))
     snapshot_step = d.steps[-1]
     assert f"holds {stats['num_ooms']} out-of-memory error(s)" in snapshot_step.finding
     assert f"recorded OOMs recurred: {stats['num_ooms']} of" in snapshot_step.finding
     assert snapshot_step.proposal == d.recommendation == f"native,{EXPANDABLE}"
+
+
+@pytest.fixture
+def capped_agent(tmp_path: Path, request: pytest.FixtureRequest):
+    """An agent whose allocator (PyTorch's settings, history recorded from the start) ran
+    out of memory several times: on a full 256 MiB device, or under a memory fraction of a
+    1 GiB one (request.param)."""
+    from support.capped_run import run_capped_steps
+
+    fraction = request.param
+    running = start_control_sidecar(tmp_path)
+    allocator = ae.Allocator(ae.SimDevice(capacity=(1 << 30) if fraction else 256 * MiB),
+                             "native")
+    if fraction:
+        allocator.set_memory_fraction(fraction)
+    allocator.record_history(True, 1_000_000)
+    agent = connect_agent(running, tmp_path, {0: allocator}, rank=0)
+    (address,) = running.sidecar.admin.addresses()
+    run_capped_steps(allocator)
+    time.sleep(0.2)  # a report with these figures
+    yield address, allocator.stats()
+    agent.stop()
+    running.stop()
+
+
+@pytest.mark.parametrize("capped_agent", [None], indirect=True)
+def test_diagnose_replays_a_live_snapshot_under_what_the_process_could_reserve(
+        capped_agent, capsys: pytest.CaptureFixture[str]) -> None:
+    """A live snapshot keeps no cap; its out-of-memory events keep the GPU's free memory,
+    which, with what the process had reserved, is the cap under which they recur."""
+    address, stats = capped_agent
+    assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+    out = capsys.readouterr().out
+    ooms = stats["num_ooms"]
+    assert f"the snapshot holds {ooms} out-of-memory error(s), which each replay makes again" \
+        in out
+    assert ("replayed under 256.0 MiB, what the process could reserve at its out-of-memory "
+            "errors") in out
+    native = measured(out, "native")
+    assert native.startswith(f"native: peak reserved "
+                             f"{stats['reserved_bytes.all.peak'] / MiB:.1f} MiB")
+    assert native.endswith(f"retries {stats['num_alloc_retries']}, OOMs {ooms} "
+                           f"(recorded OOMs recurred: {ooms} of {ooms})")
+    [proposal] = [line for line in out.splitlines() if line.startswith("recommendation: ")]
+    chosen = proposal.removeprefix("recommendation: ")
+    assert chosen != "native"
+    assert measured(out, chosen).endswith(f"OOMs 0 (recorded OOMs recurred: 0 of {ooms})")
+
+
+def measured(out: str, candidate: str) -> str:
+    """What the snapshot step says it measured under `candidate`."""
+    found = re.search(rf"(?:^|[:;] ){re.escape(candidate)}(: peak reserved [^;—]*[^;— ])", out,
+                      re.MULTILINE)
+    assert found, (candidate, out)
+    return candidate + found.group(1)
+
+
+@pytest.mark.parametrize("capped_agent", [0.25], indirect=True)
+def test_diagnose_proposes_nothing_from_a_snapshot_whose_errors_a_memory_fraction_made(
+        capped_agent, capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU had room at each error: the process's memory fraction failed them, and the
+    snapshot does not keep it, so no replay here can say which setting avoids them."""
+    address, stats = capped_agent
+    assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+    out = capsys.readouterr().out
+    [step] = [line for line in out.splitlines() if line.startswith("5. snapshot: ")]
+    assert (f"the snapshot holds {stats['num_ooms']} out-of-memory error(s), but the GPU had "
+            "room for the requests that failed: a per-process memory fraction") in step
+    assert "none is proposed" in step
+    assert "would apply" not in out.split("5. snapshot: ")[1].split("\n")[1]
+    assert "lowest peak reserved" not in step and "do best" not in step
 
 
 def test_diagnose_refuses_to_replay_a_snapshot_with_no_events(

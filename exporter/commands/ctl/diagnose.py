@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -56,6 +55,17 @@ class Diagnosis:
     trouble: bool = False
 
 
+@dataclasses.dataclass
+class Replayed:
+    """The agent's snapshot replayed under each candidate: `allocwatch tune`'s ranking, best
+    first (allocator_ext.replay.tune.Candidate, each named by its settings string), and the cap
+    the replays ran under."""
+
+    ranked: list[Any]
+    cap: str                     # what the cap is, and where it comes from
+    ooms_can_recur: bool = True  # False: the snapshot's errors cannot recur under that cap
+
+
 def _delta(before: dict[str, Any], after: dict[str, Any], name: str) -> int:
     return max(0, after["counters"][name] - before["counters"][name])
 
@@ -81,11 +91,11 @@ def peak_fragmentation(before: dict[str, Any], after: dict[str, Any]
 
 
 def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: float,
-             replayed: Sequence[Any] | None = None,
+             replayed: Replayed | None = None,
              replay_note: str | None = None) -> Diagnosis:
     """`before`/`after`: one device's figures (the admin API's device view) `window` s apart.
-    `replayed`: the snapshot's candidates as `allocwatch tune` ranks them, best first
-    (allocator_ext.replay.tune.Candidate), each named by its settings string."""
+    `replayed`: the agent's snapshot replayed under the candidates (None: not replayed, and
+    `replay_note` says why)."""
     counters, settings = after["counters"], after["settings"]
     steps: list[Step] = []
     reserved, allocated = after["reserved_bytes"], after["allocated_bytes"]
@@ -155,12 +165,13 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
                      recommendation, needs_help)
 
 
-def _snapshot_step(ranked: Sequence[Any] | None, in_force: str, note: str | None) -> Step:
-    if ranked is None:
+def _snapshot_step(replayed: Replayed | None, in_force: str, note: str | None) -> Step:
+    if replayed is None:
         return Step("snapshot", note or "not replayed (add --replay to replay this agent's "
                     "snapshot under each candidate setting)")
     from allocator_ext.replay.tune import recommended
 
+    ranked = replayed.ranked
     recorded = len(ranked[0].report["recorded_ooms"])
     lines = []
     for c in ranked:
@@ -170,7 +181,12 @@ def _snapshot_step(ranked: Sequence[Any] | None, in_force: str, note: str | None
                      f"OOMs {r['num_ooms']}"
                      + (f" (recorded OOMs recurred: {r['recorded_ooms_recurred']} of {recorded})"
                         if recorded else ""))
-    finding = "replayed: " + "; ".join(lines)
+    finding = f"replayed under {replayed.cap}: " + "; ".join(lines)
+    if recorded and not replayed.ooms_can_recur:
+        return Step("snapshot", f"the snapshot holds {recorded} out-of-memory error(s), but the "
+                    "GPU had room for the requests that failed: a per-process memory fraction, "
+                    "which the snapshot does not keep, failed them, and without it no replay "
+                    "can say which setting avoids them, so none is proposed; " + finding)
     if recorded:
         finding = (f"the snapshot holds {recorded} out-of-memory error(s), which each replay "
                    "makes again: a candidate under which one recurs is not proposed; " + finding)
@@ -234,11 +250,10 @@ def candidates(current: str) -> list[str]:
 
 
 def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
-                    ) -> tuple[list[Any] | None, str | None]:
+                    ) -> tuple[Replayed | None, str | None]:
     """The agent's snapshot replayed under each candidate, ranked as `allocwatch tune` ranks
     them (or None and why not)."""
     from allocator_ext.replay import TraceError, load_trace
-    from allocator_ext.replay.cap import resolve_cap
     from allocator_ext.replay.tune import tune
 
     answer = client.post("/v1/snapshot", {"agent": agent, "frames": False})
@@ -255,17 +270,39 @@ def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
         except TraceError as err:
             return None, (f"{where} cannot be replayed: {err} (record the allocator's history "
                           "from the start of the process)")
-    # The cap the snapshot kept, else the GPU's size where the agent knows it.
-    cap = resolve_cap(trace)
-    capacity = (device["device_memory"] or {}).get("total_bytes", 0)
-    if not cap.device_memory and capacity:
-        cap = resolve_cap(trace, device_memory=capacity)
+    cap, described, can_recur = replay_cap(trace, (device["device_memory"] or {}).get(
+        "total_bytes", 0))
     settings = candidates(device["settings"]["config_string"])
     try:
-        return tune(trace, cap.device_memory, cap.memory_fraction,
-                    candidates=[(s, s, True) for s in settings]), None
+        ranked = tune(trace, cap.device_memory, cap.memory_fraction,
+                      candidates=[(s, s, True) for s in settings])
     except (TraceError, ValueError) as err:
         return None, f"{where} cannot be replayed: {err}"
+    return Replayed(ranked, described, can_recur), None
+
+
+def replay_cap(trace: Any, gpu_bytes: int) -> tuple[Any, str, bool]:
+    """The cap to replay an agent's snapshot under, what it is, and whether the snapshot's
+    out-of-memory errors can recur under it: the cap the snapshot keeps; else what the process
+    could reserve at its errors (reserved plus the GPU's free memory at each); else the GPU's
+    size where the agent knows it (`gpu_bytes`; 0: unknown)."""
+    from allocator_ext.replay.cap import memory_at_recorded_ooms, resolve_cap
+    from allocator_ext.replay.replayer import recorded_figures
+
+    cap = resolve_cap(trace)
+    if cap.device_memory or cap.memory_fraction is not None:
+        return cap, f"the cap the snapshot keeps ({cap.describe()})", True
+    at_errors = memory_at_recorded_ooms(trace)
+    if at_errors is not None:
+        return (resolve_cap(trace, device_memory=at_errors),
+                f"{human_bytes(at_errors)}, what the process could reserve at its out-of-memory "
+                "errors (reserved plus the GPU's free memory at each)", True)
+    # No error, or a memory fraction failed them (the GPU had room): they cannot recur.
+    can_recur = recorded_figures(trace).num_ooms == 0
+    if gpu_bytes:
+        return resolve_cap(trace, device_memory=gpu_bytes), \
+            f"the GPU's {human_bytes(gpu_bytes)}", can_recur
+    return cap, "no cap (the agent reports no GPU size)", can_recur
 
 
 def print_diagnosis(d: Diagnosis, out: TextIO) -> None:
