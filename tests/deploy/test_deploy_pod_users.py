@@ -103,7 +103,8 @@ def test_a_snapshot_is_taken_downloaded_and_replayed_under_the_manifests_users(
         # `ctl diagnose --replay` takes a snapshot of its own through the same download.
         diagnosed = ctl(pod, "diagnose", "--agent", agent, "--window", "0.5", "--replay")
         assert diagnosed.returncode == 0, diagnosed.stdout + diagnosed.stderr
-        assert "snapshot: replayed: " in diagnosed.stdout, diagnosed.stdout
+        [step] = [line for line in diagnosed.stdout.splitlines() if "snapshot: " in line]
+        assert "snapshot: replayed under " in step and "peak reserved " in step, diagnosed.stdout
 
         stop_file.touch()
         assert trainer.wait(timeout=60) == 0
