@@ -7,8 +7,11 @@ agent, every pod template must carry the sidecar, and nothing of the user's may 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,9 @@ from support.deploy import (
     trainer_additions,
     validate_strict,
 )
+from support.net import free_port
+from support.pod import LocalPod, stop
+from support.waiting import wait_for
 
 WORKLOADS = {
     "Job": DEPLOY / "examples/job/job.yaml",
@@ -40,6 +46,7 @@ USER_ENV = {"name": "HF_HOME", "value": "/data/hf"}
 USER_VOLUME = {"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}
 USER_MOUNT = {"name": "data", "mountPath": "/data"}
 USER_INIT = {"name": "fetch-weights", "image": "busybox:1.36", "command": ["true"]}
+TRAIN_TORCH = Path(__file__).with_name("train_torch.py")
 USER_SIDE_CONTAINER = {"name": "tensorboard", "image": "tensorflow/tensorflow:2.16.1"}
 
 
@@ -170,3 +177,58 @@ def test_the_examples_name_the_image_to_rewrite(example: str) -> None:
     [image] = kustomization["images"]
     assert image["name"] == canonical_sidecar()["image"].split(":")[0]
     assert "newName" in image
+
+
+def test_a_pod_the_component_made_starts_the_agent_through_its_environment_alone(
+        tmp_path: Path) -> None:
+    """The bare Job's own `torchrun ... train.py`, with nothing but the Component's environment
+    (ALLOCWATCH_RUN=1, the installed .pth file): the worker's import of torch starts the agent,
+    which connects to the sidecar as the pod's one agent; torchrun's launcher starts none.
+    torch here is a CPU build, so allocwatch's allocator does not install (the worker says so)
+    and the agent's source is PyTorch's allocator: it is the start-up that is tested here."""
+    user_dir = tmp_path / "user"
+    user_dir.mkdir()
+    (user_dir / "job.yaml").write_text(yaml.safe_dump(bare("Job")))
+    (user_dir / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(DEPLOY / "base", user_dir), "job.yaml"],
+        "components": [component_from(user_dir)]}))
+    work = tmp_path / "pod"
+    pod = LocalPod(work / "volumes", user_dir, metrics_port=free_port(), as_users=False)
+    stop_file = work / "stop"
+    argv = pod.argv(pod.trainer, replace={
+        "--nproc-per-node=8": ["--nproc-per-node=1", "--standalone"],
+        "train.py": [str(TRAIN_TORCH), str(stop_file)]})
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]  # no `allocwatch run`
+
+    sidecar = pod.start(pod.sidecar, pod.argv(pod.sidecar), cwd=work)
+    trainer = None
+    try:
+        wait_for(lambda: (pod.socket_dir() / "agent.sock").exists() or sidecar.poll() is not None,
+                 timeout=60, what="the sidecar's socket")
+        assert sidecar.poll() is None, stop(sidecar)
+        # PYTHONPATH emptied: the hook can come from the installed .pth file alone.
+        trainer = pod.start(pod.trainer, argv, cwd=work, PYTHONPATH="")
+
+        def connected() -> list[dict]:
+            out = pod.run(pod.sidecar, pod.argv({"command": ["allocwatch", "ctl", "agents",
+                                                             "--json"]}), cwd=work,
+                          ALLOCWATCH_ADMIN=f"unix://{pod.socket_dir() / 'admin.sock'}")
+            agents = json.loads(out.stdout)["agents"] if out.returncode == 0 else []
+            exited = [{}] if trainer.poll() is not None else []  # ends the wait, then fails
+            return [a for a in agents if a["connected"]] or exited
+
+        agents = wait_for(connected, timeout=120, interval=0.5, what="the worker's agent")
+        assert trainer.poll() is None, stop(trainer)
+        [agent] = agents
+        stop_file.touch()
+        assert trainer.wait(timeout=60) == 0
+        log = stop(trainer)
+        worker_pid = int(re.search(r"worker pid (\d+)", log).group(1))
+        assert agent["pid"] == worker_pid and agent["backend"] == "pytorch", (agent, log)
+        assert agent["pod"] == "llm-pretrain-x7k2p" and agent["job"] == "llm-pretrain"
+        assert "keeping PyTorch's CUDA allocator" in log
+        assert "cuda initialised: False" in log
+    finally:
+        print(stop(sidecar))
+        if trainer is not None:
+            print(stop(trainer))

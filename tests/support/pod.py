@@ -57,10 +57,13 @@ def setpriv() -> str:
 
 
 class LocalPod:
-    def __init__(self, root: Path, example: str = "job", metrics_port: int = 0, *,
+    def __init__(self, root: Path, example: str | Path = "job", metrics_port: int = 0, *,
                  deploy: Path = DEPLOY, python: str = sys.executable, as_users: bool = True,
                  console_script: bool = False):
-        resources = kustomize_build(deploy / "examples" / example)
+        """`example`: an example's name, or the directory of any kustomization (a user's, with
+        the Component); its first pod template is the pod."""
+        directory = example if isinstance(example, Path) else deploy / "examples" / example
+        resources = kustomize_build(directory)
         [(workload, template)] = [(r, t) for r in resources for _, t in pod_templates(r)][:1]
         self.python = python
         self.as_users = as_users  # False: every container as this process's user
