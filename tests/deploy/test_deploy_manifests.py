@@ -308,6 +308,22 @@ def test_every_example_starts_the_agent_as_copied(example: str) -> None:
             assert "allocwatch run -- torchrun" in words, f"{where}: the command says so, too"
 
 
+WORKLOAD_KINDS = ("Job", "PyTorchJob", "JobSet")
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_each_examples_opening_comment_names_its_own_kind(example: str) -> None:
+    """What a user reads first describes the workload below it, not another example's."""
+    [manifest] = [p for p in (DEPLOY / "examples" / example).glob("*.yaml")
+                  if p.name != "kustomization.yaml"]
+    text = manifest.read_text()
+    [kind] = {r["kind"] for r in yaml.safe_load_all(text) if r and r["kind"] in WORKLOAD_KINDS}
+    opening = " ".join(line for line in text.split("\napiVersion:")[0].splitlines()
+                       if line.startswith("#")).split(".")[0]
+    named = set(re.findall(r"\b(" + "|".join(WORKLOAD_KINDS) + r")\b", opening))
+    assert named == {kind}, f"{manifest.name} opens with {opening!r}"
+
+
 def test_both_injections_start_the_agent_through_the_environment() -> None:
     patch = kyverno_pod_patch()
     [every] = patch["spec"]["containers"]
