@@ -211,9 +211,7 @@ def test_a_pod_the_component_made_starts_the_agent_through_its_environment_alone
         trainer = pod.start(pod.trainer, argv, cwd=work, PYTHONPATH="")
 
         def connected() -> list[dict]:
-            out = pod.run(pod.sidecar, pod.argv({"command": ["allocwatch", "ctl", "agents",
-                                                             "--json"]}), cwd=work,
-                          ALLOCWATCH_ADMIN=f"unix://{pod.socket_dir() / 'admin.sock'}")
+            out = pod.ctl("agents", "--json")
             agents = json.loads(out.stdout)["agents"] if out.returncode == 0 else []
             exited = [{}] if trainer.poll() is not None else []  # ends the wait, then fails
             return [a for a in agents if a["connected"]] or exited

@@ -43,14 +43,6 @@ def pod() -> Iterator[LocalPod]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def ctl(pod: LocalPod, *args: str) -> subprocess.CompletedProcess:
-    """`kubectl exec POD -c allocwatch-sidecar -- allocwatch ctl ...`: as the sidecar's user,
-    at ctl's default address as the sidecar's mounts place it here."""
-    admin = pod.host_path(pod.sidecar, "unix:///run/allocwatch/admin.sock")
-    return pod.run(pod.sidecar, pod.argv({"command": ["allocwatch", "ctl", *args]}),
-                   cwd=pod.root, ALLOCWATCH_ADMIN=admin)
-
-
 def test_a_snapshot_is_taken_downloaded_and_replayed_under_the_manifests_users(
         pod: LocalPod) -> None:
     assert pod.user(pod.sidecar) == (SIDECAR_UID, SIDECAR_UID) and pod.user(pod.trainer) is None
@@ -70,7 +62,7 @@ def test_a_snapshot_is_taken_downloaded_and_replayed_under_the_manifests_users(
         trainer = pod.start(pod.trainer, argv, cwd=work)
 
         def simulated_agent() -> str | None:
-            out = ctl(pod, "agents", "--json")
+            out = pod.ctl("agents", "--json")
             agents = json.loads(out.stdout)["agents"] if out.returncode == 0 else []
             found = [a["agent"] for a in agents
                      if a["connected"] and a["backend"] == "allocwatch" and a["devices"]]
@@ -81,7 +73,7 @@ def test_a_snapshot_is_taken_downloaded_and_replayed_under_the_manifests_users(
 
         # Into the sidecar's own scratch (its root filesystem is read-only), then `kubectl cp`.
         out_file = Path(pod.host_path(pod.sidecar, "/tmp/snapshot.pickle.gz"))
-        taken = ctl(pod, "snapshot", "--agent", agent, "-o", str(out_file))
+        taken = pod.ctl("snapshot", "--agent", agent, "-o", str(out_file))
         assert taken.returncode == 0, taken.stdout + taken.stderr
         assert out_file.stat().st_size > 0
 
@@ -101,7 +93,7 @@ def test_a_snapshot_is_taken_downloaded_and_replayed_under_the_manifests_users(
         assert result["events_replayed"] > 10 and result["peak_reserved_bytes"] > 0
 
         # `ctl diagnose --replay` takes a snapshot of its own through the same download.
-        diagnosed = ctl(pod, "diagnose", "--agent", agent, "--window", "0.5", "--replay")
+        diagnosed = pod.ctl("diagnose", "--agent", agent, "--window", "0.5", "--replay")
         assert diagnosed.returncode == 0, diagnosed.stdout + diagnosed.stderr
         [step] = [line for line in diagnosed.stdout.splitlines() if "snapshot: " in line]
         assert "snapshot: replayed under " in step and "peak reserved " in step, diagnosed.stdout

@@ -136,8 +136,7 @@ def test_from_a_fresh_clone_to_a_scrape_of_the_example_job(installed) -> None:
         info = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
         assert re.search(r'torch_cuda_allocator_info\{[^}]*training_job="llm-pretrain"', info)
         # README, "In a training job": `allocwatch ctl agents`, as the sidecar's container runs it.
-        agents = pod.run(pod.sidecar, [allocwatch, "ctl", "agents", "--json"], cwd=work,
-                         ALLOCWATCH_ADMIN=f"unix://{pod.socket_dir() / 'admin.sock'}")
+        agents = pod.ctl("agents", "--json")
         assert agents.returncode == 0, agents.stderr
         pods = {a["pod"] for a in json.loads(agents.stdout)["agents"]}
         assert pods == {"llm-pretrain-x7k2p"}  # the downward API's pod name, on every agent

@@ -190,6 +190,13 @@ class LocalPod:
                               text=True, timeout=timeout,
                               env=self.env(container, **self._home(container), **env))
 
+    def ctl(self, *args: str) -> subprocess.CompletedProcess:
+        """`kubectl exec POD -c allocwatch-sidecar -- allocwatch ctl ARGS`: as the sidecar's user,
+        at ctl's default address as the sidecar's mounts place it here."""
+        admin = self.host_path(self.sidecar, "unix:///run/allocwatch/admin.sock")
+        return self.run(self.sidecar, self.argv({"command": ["allocwatch", "ctl", *args]}),
+                        cwd=self.root, ALLOCWATCH_ADMIN=admin)
+
     def _home(self, container: Mapping[str, Any]) -> dict[str, str]:
         """A user's HOME: the container's writable scratch (its root filesystem is read-only)."""
         if self.user(container) is None:
