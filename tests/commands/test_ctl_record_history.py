@@ -5,7 +5,8 @@ viewer (`python -m torch.cuda._memory_viz`) and replayed by `allocwatch replay`.
 Here the agent's source is allocwatch's core on the simulated device (its history is the core's
 trace ring buffer). With PyTorch's allocator the agent calls
 torch.cuda.memory._record_memory_history, which a CPU build of torch cannot run: the last test
-checks the call against a stand-in for torch, and tests/gpu has the real one."""
+checks the call against a stand-in for torch, and tests/agent/test_agent_torch_gpu.py has the
+real one, with PyTorch's allocator and with the native back end (on a GPU)."""
 
 from __future__ import annotations
 
