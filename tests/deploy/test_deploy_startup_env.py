@@ -64,6 +64,26 @@ def test_under_allocwatch_run_as_well_the_hook_is_on_the_path_once() -> None:
     assert Path(hook).resolve() == HOOK.resolve() and on_path == "1"
 
 
+def test_reached_by_two_paths_the_hook_is_on_the_path_once_and_runs_once(tmp_path: Path) -> None:
+    """`allocwatch run` puts the folder's resolved path on PYTHONPATH; the .pth file adds the
+    path its site directory gives, which differs where a symlink leads there. Either way one
+    hook: it must not chain to itself, and a site's own sitecustomize still runs, once."""
+    link = tmp_path / "elsewhere" / "_autostart"
+    link.parent.mkdir()
+    link.symlink_to(HOOK.parent, target_is_directory=True)
+    site_own = tmp_path / "site"
+    site_own.mkdir()
+    (site_own / "sitecustomize.py").write_text("print('the site\\'s own')\n")
+    code = (WHICH_HOOK + "; print(sum(type(f).__name__ == '_AfterTorchImport' "
+            "for f in sys.meta_path))")
+    out = python(code, ALLOCWATCH_RUN="1",
+                 PYTHONPATH=os.pathsep.join([str(link), str(site_own)]))
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    site_line, hook, on_path, finders = out.stdout.split("\n")[:4]
+    assert site_line == "the site's own" and Path(hook).resolve() == HOOK.resolve()
+    assert (on_path, finders) == ("1", "1"), out.stdout
+
+
 def test_the_line_cannot_fail_where_the_package_is_not_found() -> None:
     """A broken or half-removed install must never stop the interpreter or print a line."""
     code = (
@@ -71,7 +91,9 @@ def test_the_line_cannot_fail_where_the_package_is_not_found() -> None:
         "sys.path[:] = [p for p in sys.path if 'site-packages' not in p and p]\n"
         "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__]\n"
         "before = list(sys.path)\n"
-        f"exec(open({str(PTH)!r}).read())\n"
+        "def addpackage(line):\n"  # site runs the line inside a function: its scope rules
+        "    exec(line)\n"
+        f"addpackage(open({str(PTH)!r}).read())\n"
         "print(sys.path == before)\n"
     )
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
