@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 from support.paths import REPO
@@ -38,6 +39,20 @@ def test_the_pth_file_is_installed_beside_the_packages() -> None:
     assert installed[0].read_text() == PTH.read_text()
     # site executes a .pth line only when it starts with "import" and is one line
     assert PTH.read_text().startswith("import ") and PTH.read_text().count("\n") == 1
+
+
+def test_the_wheel_a_training_image_installs_carries_the_start_up(tmp_path: Path) -> None:
+    """A trainer image's `pip install` of the wheel (docs/deploy.md#the-training-image) is all
+    that ALLOCWATCH_RUN=1 needs: the .pth file at the wheel's root, which pip puts in
+    site-packages, and the hook inside the package."""
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                            "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+                           capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stdout + built.stderr
+    [wheel] = tmp_path.glob("allocwatch-*.whl")
+    with zipfile.ZipFile(wheel) as contents:
+        assert contents.read(PTH.name) == PTH.read_bytes()
+        assert contents.read("allocator_ext/_autostart/sitecustomize.py") == HOOK.read_bytes()
 
 
 def test_without_the_variable_nothing_changes() -> None:
