@@ -27,20 +27,38 @@
 namespace allocwatch::torch_shim {
 
 // Bumped whenever TorchBackend changes: a back end built for another version is refused.
-constexpr int kTorchBackendVersion = 1;
+constexpr int kTorchBackendVersion = 2;
+
+// Text copied into a fixed buffer, cut to fit: errors cross between the libraries as plain
+// bytes, never as objects whose memory one library allocates and the other frees.
+template <std::size_t N>
+void copy_text(char (&to)[N], const char* text) {
+  std::size_t n = 0;
+  if (text != nullptr) {
+    while (n + 1 < N && text[n] != '\0') {
+      to[n] = text[n];
+      ++n;
+    }
+  }
+  to[n] = '\0';
+}
 
 struct Failure {
   enum Kind { none = 0, invalid_argument = 1, other = 2 };
   Kind kind = none;
-  std::string message;
+  char message[2048] = {};
+  void set(Kind k, const char* text) {
+    kind = k;
+    copy_text(message, text);
+  }
   explicit operator bool() const { return kind != none; }
 };
 
-// Why a request could not be met (CachingAllocator's OutOfMemoryError, field by field).
+// Why a request could not be met (the core's OutOfMemoryReport, field by field).
 struct OutOfMemory {
   std::size_t requested = 0, alloc_size = 0, device_free = 0, device_total = 0;
   std::size_t allocated = 0, reserved = 0, limit = 0;
-  std::string advice;
+  char advice[1024] = {};
 };
 
 // The settings an allocator runs with, as PyTorch's snapshots report them.
@@ -83,12 +101,14 @@ class TorchBackend {
   virtual std::pair<int, std::size_t> block_of(const void* ptr) = 0;
 
   // --- private pools: CUDA graphs and torch.cuda.MemPool ---
+  // The pools PyTorch's callers make (CUDA graphs', torch.cuda.MemPool's) have plain
+  // segments, as PyTorch's default makes them: their users and PyTorch's own tests expect
+  // its layout there (docs/torch.md).
   virtual void begin_allocate_to_pool(int device, MempoolId pool,
                                       std::function<bool(StreamId)> filter, Failure* failure) = 0;
   virtual void end_allocate_to_pool(int device, MempoolId pool, Failure* failure) = 0;
   virtual void release_pool(int device, MempoolId pool, Failure* failure) = 0;
-  virtual void create_or_incref_pool(int device, MempoolId pool, bool plain_segments,
-                                     Failure* failure) = 0;
+  virtual void create_or_incref_pool(int device, MempoolId pool, Failure* failure) = 0;
   virtual int pool_use_count(int device, MempoolId pool) = 0;
   virtual void set_pool_no_split(int device, MempoolId pool, Failure* failure) = 0;
   virtual bool check_pool_live_allocations(int device, MempoolId pool,

@@ -411,7 +411,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
                 "): create the pool without one, or run without allocwatch's allocator "
                 "(ALLOCWATCH_DISABLE=1 or allocwatch run --keep-pytorch-allocator)");
     shim::Failure failure;
-    g_core->create_or_incref_pool(device, pool_id(mempool_id), /*plain_segments=*/true, &failure);
+    g_core->create_or_incref_pool(device, pool_id(mempool_id), &failure);
     check(failure);
   }
 

@@ -47,7 +47,12 @@ def installed() -> str:
 
 
 def history_and_snapshot() -> str:
-    """Memory history with stacks; the snapshot opens in torch.cuda._memory_viz."""
+    """Memory history with stacks; the snapshot opens in torch.cuda._memory_viz: its views that
+    work offline as commands (stats, trace, trace_plot, segment_plot), and the flamegraph views
+    (segments, memory) as the lines they hand to flamegraph.pl, which _memory_viz downloads
+    from the network on first use (the GPU machine has none)."""
+    from torch.cuda import _memory_viz
+
     torch.cuda.memory._record_memory_history(max_entries=100000)
     keep = [torch.randn(1024, 1024, device="cuda") for _ in range(3)]
     tmp = torch.randn(4096, 4096, device="cuda")
@@ -58,18 +63,23 @@ def history_and_snapshot() -> str:
     assert any("history_and_snapshot" in f["name"] for f in allocs[0]["frames"])
     blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
     assert blocks and any(b["frames"] for b in blocks), "allocated blocks without stacks"
+    for view in (_memory_viz.segments, _memory_viz.memory):
+        lines = view(snap, format_flamegraph=lambda lines: lines)
+        assert "history_and_snapshot" in lines, (view.__name__, lines[:500])
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "snap.pickle"
         torch.cuda.memory._dump_snapshot(str(path))
-        for view in ("stats", "trace", "segments"):
-            out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", view, str(path)],
-                                 capture_output=True, text=True, timeout=120,
+        for view in ("stats", "trace", "trace_plot", "segment_plot"):
+            html = ["-o", str(Path(d) / f"{view}.html")] if "plot" in view else []
+            out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", view, str(path),
+                                  *html], capture_output=True, text=True, timeout=120,
                                  env={**os.environ, "ALLOCWATCH_RUN": ""})
             assert out.returncode == 0, (view, out.stderr[-2000:])
     torch.cuda.memory._record_memory_history(enabled=None)
     assert torch.cuda.memory._snapshot()["device_traces"][0] == []
     del keep
-    return f"{len(allocs)} allocations with stacks; _memory_viz stats/trace/segments read it"
+    return (f"{len(allocs)} allocations with stacks; _memory_viz stats/trace/trace_plot/"
+            f"segment_plot read it, segments/memory give flamegraph lines")
 
 
 def out_of_memory() -> str:
@@ -199,6 +209,7 @@ def fraction_and_settings() -> str:
 
 def raw_alloc_statistics() -> str:
     """torch.cuda.caching_allocator_alloc goes through the core and counts in its statistics."""
+    torch.cuda.init()  # memory_stats() is empty until CUDA is initialised
     start = torch.cuda.memory_stats()["requested_bytes.all.allocated"]
     ptr = torch.cuda.caching_allocator_alloc(MiB)
     assert torch.cuda.memory_stats()["requested_bytes.all.allocated"] - start == MiB

@@ -85,10 +85,11 @@ void CachingAllocator::delete_block(Block* block) {
 BlockPool& CachingAllocator::get_pool(std::size_t size, StreamId stream) {
   // During a CUDA graph capture, allocations on the capturing stream come from the graph's
   // private pool: the graph bakes in their addresses, so nothing else may reuse them.
+  // The latest pool first: use_mem_pool contexts nest, and the innermost one serves.
   if (!captures_underway_.empty()) {
-    for (auto& [id, filter] : captures_underway_) {
-      if (filter(stream)) {
-        PrivatePool& p = *graph_pools_.at(id);
+    for (auto it = captures_underway_.rbegin(); it != captures_underway_.rend(); ++it) {
+      if (it->second(stream)) {
+        PrivatePool& p = *graph_pools_.at(it->first);
         return is_small_request(size) ? p.small_blocks : p.large_blocks;
       }
     }
@@ -96,7 +97,7 @@ BlockPool& CachingAllocator::get_pool(std::size_t size, StreamId stream) {
   return is_small_request(size) ? small_blocks_ : large_blocks_;
 }
 
-void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream) {
+void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemoryReport* oom) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Recycle blocks whose cross-stream uses have finished. Querying events is illegal while a
   // graph is being captured, so that waits until no capture is underway.
@@ -128,7 +129,12 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream) {
             (captures_underway_.empty() && (release_cached_blocks(), true) &&
              alloc_block(p, true));
   }
-  if (!found) raise_out_of_memory(p);
+  if (!found) {
+    OutOfMemoryReport report = out_of_memory(p);
+    if (oom == nullptr) throw OutOfMemoryError(std::move(report));
+    *oom = std::move(report);
+    return nullptr;
+  }
   const bool split = should_split(p.block, size) && !(owner != nullptr && owner->no_split);
   return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
 }
@@ -198,6 +204,10 @@ bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
       total_allocated_memory_ + p.alloc_size > allowed_memory_maximum_) {
     return false;
   }
+  // More than the whole device can never be served: fail without device calls. (An
+  // expandable segment would create pages until the device ran out, thousands of calls, and
+  // then release them all.) The retries around this still run, as PyTorch's do.
+  if (p.alloc_size > device_total_) return false;
   if (config_.expandable_segments) {
     p.block = try_allocate_expandable_block(p.stream, p.pool, p.size);
     return p.block != nullptr;
@@ -478,24 +488,20 @@ std::size_t CachingAllocator::largest_free_block() const {
   return largest;
 }
 
-void CachingAllocator::raise_out_of_memory(const AllocParams& p) {
+OutOfMemoryReport CachingAllocator::out_of_memory(const AllocParams& p) {
   MemoryInfo info = device_->memory_info();
   trace_.record(TraceAction::oom, info.free, p.size, p.stream);
   stats_.num_ooms += 1;
-  const auto allocated =
-      static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current);
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.by_pool[kAggregate].current);
-  Text msg;
-  msg << "CUDA out of memory. Tried to allocate " << format_size(p.alloc_size)
-      << " (request of " << format_size(p.orig_size) << "). GPU " << device_->index()
-      << " has a total capacity of " << format_size(info.total) << " of which "
-      << format_size(info.free) << " is free. ";
-  if (set_fraction_) msg << format_size(allowed_memory_maximum_) << " allowed; ";
-  msg << "Of the allocated memory " << format_size(allocated)
-      << " is allocated by PyTorch (allocwatch), and " << format_size(reserved - allocated)
-      << " is reserved but unallocated.";
+  OutOfMemoryReport r;
+  r.requested = p.orig_size;
+  r.device_free = info.free;
+  r.device_total = info.total;
+  r.allocated = static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current);
+  r.reserved = static_cast<std::size_t>(stats_.reserved_bytes.by_pool[kAggregate].current);
+  r.alloc_size = p.alloc_size;
+  r.limit = set_fraction_ ? allowed_memory_maximum_ : 0;
   Text advice;
-  if (reserved > allocated + allocated / 20) {
+  if (r.reserved > r.allocated + r.allocated / 20) {
     if (!config_.expandable_segments) {
       advice << "Reserved but unallocated memory is large: try expandable_segments:True "
              << "(allocwatch's default) to avoid fragmentation. ";
@@ -504,10 +510,19 @@ void CachingAllocator::raise_out_of_memory(const AllocParams& p) {
     }
   }
   advice << "Settings in force: " << config_.to_string() << ".";
-  msg << " " << advice.str();
-  throw OutOfMemoryError(msg.str(), p.orig_size, info.free, info.total, allocated, reserved,
-                         p.alloc_size, set_fraction_ ? allowed_memory_maximum_ : 0,
-                         advice.str());
+  r.advice = advice.str();
+  Text msg;
+  msg << "CUDA out of memory. Tried to allocate " << format_size(p.alloc_size)
+      << " (request of " << format_size(p.orig_size) << "). GPU " << device_->index()
+      << " has a total capacity of " << format_size(info.total) << " of which "
+      << format_size(info.free) << " is free. ";
+  if (set_fraction_) msg << format_size(allowed_memory_maximum_) << " allowed; ";
+  msg << "Of the allocated memory " << format_size(r.allocated)
+      << " is allocated by PyTorch (allocwatch), and "
+      << format_size(r.reserved > r.allocated ? r.reserved - r.allocated : 0)
+      << " is reserved but unallocated. " << r.advice;
+  r.message = msg.str();
+  return r;
 }
 
 // --- events ---
@@ -579,11 +594,14 @@ void CachingAllocator::synchronize_and_free_events() {
 
 // --- graph pools ---
 
-void CachingAllocator::begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter) {
+void CachingAllocator::begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter,
+                                              bool plain_segments) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = graph_pools_.find(id);
   if (it == graph_pools_.end()) {
-    graph_pools_.emplace(id, std::make_unique<PrivatePool>());
+    auto pool = std::make_unique<PrivatePool>();
+    pool->plain_segments = plain_segments;
+    graph_pools_.emplace(id, std::move(pool));
   } else {
     // Another capture shares this pool; it must still be alive.
     if (it->second->use_count <= 0) throw std::logic_error("allocwatch: private pool already released");
