@@ -169,6 +169,10 @@ class CoreTorchBackend final : public TorchBackend {
                    [&] { return hot(device).check_pool_live_allocations(pool, expected); });
   }
 
+  void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs) override {
+    torch_shim::set_capture_graphs(std::move(graphs));
+  }
+
   PoolCheckpoint checkpoint_pool(int device, MempoolId pool, Failure* failure) override {
     return guarded(failure, [&] { return hot(device).checkpoint_pool(pool); });
   }

@@ -15,11 +15,13 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/allocator.h"
+#include "core/capture_graphs.h"
 #include "core/checkpoint.h"
 #include "core/history.h"
 #include "core/trace.h"
@@ -114,6 +116,9 @@ class TorchBackend {
   virtual bool check_pool_live_allocations(int device, MempoolId pool,
                                            const std::vector<std::uintptr_t>& expected,
                                            Failure* failure) = 0;
+  // How the allocators ask about captures, to reuse blocks the capture's graph has ordered
+  // (PyTorch's graph_capture_record_stream_reuse; capture_graphs.h).
+  virtual void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs) = 0;
   virtual PoolCheckpoint checkpoint_pool(int device, MempoolId pool, Failure* failure) = 0;
   virtual CheckpointRestore restore_pool(int device, const PoolCheckpoint& checkpoint,
                                          const ContextHandle& context, Failure* failure) = 0;

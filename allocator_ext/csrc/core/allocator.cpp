@@ -78,6 +78,7 @@ Block* CachingAllocator::new_block(StreamId stream, std::size_t size, BlockPool*
 void CachingAllocator::delete_block(Block* block) {
   // Records are keyed by the block's address, which the arena hands out again.
   if (!block_to_capture_stream_uses_.empty()) block_to_capture_stream_uses_.erase(block);
+  if (!freed_in_capture_.empty()) freed_in_capture_.erase(block);
   block->~Block();
   block_arena_.put(block);
 }
@@ -104,6 +105,8 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemo
   if (captures_underway_.empty() &&
       (!events_.empty() || !needs_events_deferred_until_no_capture_.empty())) {
     process_events_locked();
+  } else if (!freed_in_capture_.empty()) {
+    reuse_freed_in_capture(stream);
   }
 
   const std::size_t size = round_size(orig_size, config_.roundup_power2_divisions);
@@ -350,8 +353,10 @@ void CachingAllocator::free_allocated(Block* block) {
   if (!block->stream_uses.empty()) {
     // Used on other streams: the block may be reused only once their work up to now is done.
     if (!captures_underway_.empty()) {
-      // Events recorded during capture cannot be queried; record them after the capture.
+      // Events recorded during capture cannot be queried; record them after the capture,
+      // unless the capture's graph orders the uses first (reuse_freed_in_capture).
       needs_events_deferred_until_no_capture_.push_back(block);
+      note_freed_in_capture(block);
     } else {
       // Uses recorded during a capture that has ended are ordinary uses now: the block's
       // memory must not carry that record into whatever block is made there next.
@@ -556,6 +561,7 @@ void CachingAllocator::insert_events_deferred_until_no_capture() {
     if (block->event_count == 0) free_block(block);
   }
   needs_events_deferred_until_no_capture_.clear();
+  freed_in_capture_.clear();
 }
 
 void CachingAllocator::process_events() {

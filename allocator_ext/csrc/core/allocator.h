@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "block.h"
+#include "capture_graphs.h"
 #include "checkpoint.h"
 #include "config.h"
 #include "device.h"
@@ -145,6 +146,10 @@ class CachingAllocator {
   // check that no tensor of a recorded graph is still alive).
   bool check_pool_live_allocations(MempoolId id, const std::vector<std::uintptr_t>& expected) const;
 
+  // Reuse during a capture of blocks freed while other streams used them, where the capture's
+  // graph orders those uses (capture_graphs.h; nullptr: they wait for the capture's end).
+  void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs);
+
   // --- checkpoints of a private pool's layout (checkpoint.cpp) ---
   PoolCheckpoint checkpoint_pool(MempoolId id);
   CheckpointRestore restore_pool(const PoolCheckpoint& checkpoint);
@@ -239,6 +244,10 @@ class CachingAllocator {
     return config_.expandable_segments && config_.reuse_free_pages;
   }
 
+  // Blocks freed during a capture while other streams used them (pools.cpp).
+  void note_freed_in_capture(Block* block);
+  void reuse_freed_in_capture(StreamId stream);
+
   // Events.
   void insert_events(Block* block);
   void insert_events_deferred_until_no_capture();
@@ -270,6 +279,10 @@ class CachingAllocator {
   std::map<MempoolId, PrivatePool*> graph_pools_freeable_;
   std::vector<Block*> needs_events_deferred_until_no_capture_;
   std::unordered_map<Block*, std::vector<StreamId>> block_to_capture_stream_uses_;
+  std::shared_ptr<CaptureGraphs> capture_graphs_;
+  // Of the blocks in needs_events_deferred_until_no_capture_, those whose last uses the
+  // capture's graph knows: the nodes that used them last, on every stream they were used on.
+  std::unordered_map<Block*, std::vector<std::uintptr_t>> freed_in_capture_;
   // Outstanding events per stream, oldest first, so one slow stream does not hold up others.
   std::map<StreamId, std::deque<std::pair<EventId, Block*>>> events_;
 

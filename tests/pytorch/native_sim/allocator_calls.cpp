@@ -4,7 +4,9 @@
 // against the same torch as the back end; every C++ exception stops here, as a return code
 // with its message.
 #include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -69,6 +71,30 @@ int aw_alloc(std::size_t bytes, char* message, std::size_t capacity) {
 }
 
 void aw_free_all() { g_held.clear(); }
+
+// The allocations held, by index (the last: aw_held() - 1).
+int aw_held() { return static_cast<int>(g_held.size()); }
+std::uintptr_t aw_address(int index) { return reinterpret_cast<std::uintptr_t>(g_held.at(index).get()); }
+void aw_free(int index) { g_held.at(index).clear(); }
+
+// torch.cuda.stream(s): the stream the next allocations are made on (0: the default stream).
+void aw_use_stream(long stream) {
+  c10::cuda::setCurrentCUDAStream(
+      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream), 0));
+}
+
+// tensor.record_stream(s)
+int aw_record_stream(int index, long stream, char* message, std::size_t capacity) {
+  return call([&] {
+    cca::recordStream(g_held.at(index),
+                      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream), 0));
+  }, message, capacity);
+}
+
+// torch.cuda.memory._set_allocator_settings(text)
+int aw_settings(const char* text, char* message, std::size_t capacity) {
+  return call([&] { c10::CachingAllocator::setAllocatorSettings(text); }, message, capacity);
+}
 
 int aw_raw_alloc(std::size_t bytes, void** out, char* message, std::size_t capacity) {
   return call([&] { *out = cca::raw_alloc(bytes); }, message, capacity);

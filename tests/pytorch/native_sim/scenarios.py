@@ -26,6 +26,11 @@ class Calls:
         self.lib = ctypes.CDLL(path)
         self.lib.aw_name.restype = ctypes.c_char_p
         self.lib.aw_stat.restype = ctypes.c_longlong
+        self.lib.aw_address.restype = ctypes.c_size_t
+        self.lib.aw_use_stream.argtypes = [ctypes.c_long]
+        self.lib.aw_record_stream.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_char_p,
+                                              ctypes.c_size_t]
+        self.lib.aw_settings.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         self.lib.aw_oom_call.restype = ctypes.c_longlong
         self.lib.aw_set_fraction.argtypes = [ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t]
         self.lib.aw_alloc.argtypes = [ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
@@ -141,6 +146,54 @@ def nested_pools_serve_the_innermost(c: Calls) -> str:
     counts = [c.pool_segments(p)[0] for p in (outer, middle, inner)]
     assert counts == [2, 2, 1], counts
     return f"segments per pool {counts}"
+
+
+def _capture_with_a_side_stream(c: Calls, settings: bytes) -> tuple[int, int, int]:
+    """test_graph_capture_reclaim_2_streams's capture: data1 is read on s2 (record_stream) and
+    freed; data2 is allocated before s1 joins s2, data3 after. Their addresses."""
+    graph = ctypes.CDLL(None)  # the stand-in runtime's scripted capture (LD_PRELOAD)
+    s1, s2 = 0x10000, 0x20000
+    c.ok("aw_settings", settings)
+    c.ok("aw_begin_pool", 5, 0)
+    graph.stand_in_capture_begin(s1, 77)
+    c.lib.aw_use_stream(s1)
+    c.ok("aw_alloc", 32)  # sink1
+    c.ok("aw_alloc", 32)
+    data1 = c.lib.aw_held() - 1
+    data1_ptr = c.lib.aw_address(data1)
+    graph.stand_in_wait(s2, s1)  # s2.wait_stream(s1)
+    c.lib.aw_use_stream(s2)
+    c.ok("aw_alloc", 32)  # buf2
+    graph.stand_in_node(s2)  # torch.add(data1, 2.0, out=buf2)
+    c.ok("aw_record_stream", data1, s2)
+    c.lib.aw_use_stream(s1)
+    c.lib.aw_free(data1)
+    c.ok("aw_alloc", 32)
+    data2_ptr = c.lib.aw_address(c.lib.aw_held() - 1)
+    graph.stand_in_wait(s1, s2)  # s1.wait_stream(s2)
+    graph.stand_in_node(s1)  # sink1.fill_(1.0)
+    c.ok("aw_alloc", 32)
+    data3_ptr = c.lib.aw_address(c.lib.aw_held() - 1)
+    graph.stand_in_capture_end(s1)
+    graph.stand_in_capture_end(s2)
+    c.lib.aw_use_stream(0)
+    c.ok("aw_end_pool", 5, 0)
+    return data1_ptr, data2_ptr, data3_ptr
+
+
+def reuse_in_a_capture_once_the_graph_orders_the_uses(c: Calls) -> str:
+    """graph_capture_record_stream_reuse:True: a block freed while another stream used it is
+    not reused before the capture joins that stream's work, and is reused after."""
+    data1, data2, data3 = _capture_with_a_side_stream(c, b"graph_capture_record_stream_reuse:True")
+    assert data2 != data1 and data3 == data1, (data1, data2, data3)
+    return "data1's block: not reused before the join, reused after"
+
+
+def no_reuse_in_a_capture_without_the_setting(c: Calls) -> str:
+    """Without graph_capture_record_stream_reuse such a block waits for the capture's end."""
+    data1, data2, data3 = _capture_with_a_side_stream(c, b"graph_capture_record_stream_reuse:False")
+    assert data1 not in (data2, data3), (data1, data2, data3)
+    return "data1's block waits for the capture's end"
 
 
 def raw_allocations_are_counted(c: Calls) -> str:
