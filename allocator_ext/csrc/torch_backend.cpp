@@ -52,7 +52,7 @@ class CoreTorchBackend final : public TorchBackend {
       TraceContextScope scope(context);
       return hot(device).malloc(size, stream, &report);
     });
-    if (ptr == nullptr && oom != nullptr && report.alloc_size > 0) {
+    if (ptr == nullptr && oom != nullptr) {  // out of memory, or the failure says what else
       oom->requested = report.requested;
       oom->alloc_size = report.alloc_size;
       oom->device_free = report.device_free;

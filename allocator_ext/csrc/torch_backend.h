@@ -45,10 +45,12 @@ void copy_text(char (&to)[N], const char* text) {
   to[n] = '\0';
 }
 
+// Both are made on every allocation and filled only when it fails: the buffers are written
+// before they are read, and left unset until then (zeroing them would cost the hot path).
 struct Failure {
   enum Kind { none = 0, invalid_argument = 1, other = 2 };
   Kind kind = none;
-  char message[2048] = {};
+  char message[2048];  // set with kind
   void set(Kind k, const char* text) {
     kind = k;
     copy_text(message, text);
@@ -60,7 +62,7 @@ struct Failure {
 struct OutOfMemory {
   std::size_t requested = 0, alloc_size = 0, device_free = 0, device_total = 0;
   std::size_t allocated = 0, reserved = 0, limit = 0;
-  char advice[1024] = {};
+  char advice[1024];  // set with the rest, on out of memory
 };
 
 // The settings an allocator runs with, as PyTorch's snapshots report them.
