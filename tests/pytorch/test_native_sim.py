@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent / "native_sim"
 SCENARIOS = HERE / "scenarios.py"
 CAPACITY = 2 << 30  # scenarios.py's CAPACITY
 NAMES = ["out_of_memory", "out_of_memory_under_fraction", "out_of_memory_in_a_private_pool",
-         "private_pools_have_plain_segments", "nested_pools_serve_the_innermost",
+         "private_pools_have_plain_segments", "empty_cache_leaves_no_segment",
+         "nested_pools_serve_the_innermost",
          "reuse_in_a_capture_once_the_graph_orders_the_uses",
          "no_reuse_in_a_capture_without_the_setting", "raw_allocations_are_counted"]
 

@@ -72,6 +72,10 @@ int aw_alloc(std::size_t bytes, char* message, std::size_t capacity) {
 
 void aw_free_all() { g_held.clear(); }
 
+int aw_empty_cache(char* message, std::size_t capacity) {
+  return call([&] { cca::emptyCache(); }, message, capacity);
+}
+
 // The allocations held, by index (the last: aw_held() - 1).
 int aw_held() { return static_cast<int>(g_held.size()); }
 std::uintptr_t aw_address(int index) { return reinterpret_cast<std::uintptr_t>(g_held.at(index).get()); }

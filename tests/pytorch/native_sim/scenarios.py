@@ -129,6 +129,22 @@ def private_pools_have_plain_segments(c: Calls) -> str:
     return "a graph pool of 3 large + 1 small plain segments"
 
 
+def empty_cache_leaves_no_segment(c: Calls) -> str:
+    """torch.cuda.empty_cache() with nothing allocated: the snapshot has no segment left, of
+    the ordinary pools' expandable segments or of a released private pool."""
+    c.ok("aw_begin_pool", 9, 0)
+    c.ok("aw_alloc", MiB)
+    c.ok("aw_end_pool", 9, 0)  # and released: nothing uses the pool any more
+    for size in (512, MiB, 30 * MiB):
+        c.ok("aw_alloc", size)
+    assert c.pool_segments((0, 0))[0] >= 3
+    c.lib.aw_free_all()
+    c.ok("aw_empty_cache")
+    assert c.pool_segments((0, 0)) == (0, 0), c.pool_segments((0, 0))
+    assert c.stat("segment.all.current") == 0
+    return "no segment after empty_cache"
+
+
 def nested_pools_serve_the_innermost(c: Calls) -> str:
     """torch.cuda.use_mem_pool contexts nest: the latest pool begun serves the thread."""
     outer, middle, inner = (0, 11), (0, 12), (0, 13)
