@@ -82,23 +82,46 @@ def history_and_snapshot() -> str:
             f"segment_plot read it, segments/memory give flamegraph lines")
 
 
+def _expect_out_of_memory(what: str, allocate: object) -> str:
+    """Runs `allocate`, which must raise torch.cuda.OutOfMemoryError; says on stdout where it is
+    (a crash report then shows how far it got)."""
+    print(f"out_of_memory: {what}", flush=True)
+    try:
+        allocate()  # type: ignore[operator]
+    except torch.cuda.OutOfMemoryError as e:
+        print(f"out_of_memory: {what}: raised", flush=True)
+        return str(e)
+    raise AssertionError(f"{what}: no OutOfMemoryError")
+
+
 def out_of_memory() -> str:
-    """PyTorch's exception type and opening words, allocwatch's advice after; observers told."""
+    """PyTorch's exception type and opening words, allocwatch's advice after; observers told;
+    the same under a memory fraction and inside a CUDA graph's capture; the device works on."""
     seen = []
     torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(args))
     with_pattern = re.compile(r"^CUDA out of memory\. Tried to allocate 800000000\.00 GiB\. "
                               r"GPU 0 has a total capacity of .* allocwatch: ")
-    try:
-        torch.empty(1024 * 1024 * 1024 * 800000000, dtype=torch.int8, device="cuda")
-    except torch.cuda.OutOfMemoryError as e:
-        assert with_pattern.search(str(e)), str(e)
-    else:
-        raise AssertionError("no OutOfMemoryError")
+    message = _expect_out_of_memory("800000000 GiB", lambda: torch.empty(
+        1024 * 1024 * 1024 * 800000000, dtype=torch.int8, device="cuda"))
+    assert with_pattern.search(message), message
     assert len(seen) == 1 and seen[0][0] == 0, seen
     assert core_stats()["num_ooms"] == 1
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    message = _expect_out_of_memory("a third of the device under a fraction of 0.25", lambda:
+                                    torch.empty(total // 3, dtype=torch.int8, device="cuda"))
+    assert " allowed; " in message, message
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+    def in_a_capture() -> None:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.zeros(2**40, device="cuda")
+
+    _expect_out_of_memory("4 TiB inside a CUDA graph's capture", in_a_capture)
     x = torch.ones(1024, device="cuda")
     assert x.sum().item() == 1024
-    return "torch.cuda.OutOfMemoryError with PyTorch's wording; the observer was called"
+    return (f"torch.cuda.OutOfMemoryError with PyTorch's wording, 3 times; the observer was "
+            f"called {len(seen)} times")
 
 
 def mempool() -> str:
