@@ -58,6 +58,7 @@ class InstallError(RuntimeError):
 
 
 def installed() -> bool:
+    """Whether install() made allocwatch's allocator PyTorch's in this process."""
     return _installed
 
 

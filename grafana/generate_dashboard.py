@@ -24,8 +24,6 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Label matchers shared by the queries: per pod (sidecar series) and per rank (allocator series).
 POD = 'namespace=~"$namespace", pod=~"$pod"'
 RANK = POD + ', rank=~"$rank", cuda_device=~"$device"'
-# Totals only: where the sidecar shows a pool split, the split series carry `pool`.
-TOTAL = RANK + ', pool=""'
 RATE = "[$__rate_interval]"
 BY_RANK = "rank {{rank}} · cuda:{{cuda_device}}"
 
@@ -42,7 +40,7 @@ def per_rank_join(device_series: str) -> str:
     """
     return (
         f"max by (namespace, pod, rank, cuda_device, gpu_uuid) "
-        f"(0 * torch_cuda_allocator_reserved_bytes{{{TOTAL}}})\n"
+        f"(0 * torch_cuda_allocator_reserved_bytes{{{RANK}}})\n"
         f"+ on (namespace, pod, gpu_uuid) group_left ()\n"
         f"max by (namespace, pod, gpu_uuid) ({device_series})"
     )
@@ -51,7 +49,7 @@ def per_rank_join(device_series: str) -> str:
 DCGM_FB_USED_BYTES = (
     # dcgm-exporter labels the GPU `UUID` and reports framebuffer memory in MiB.
     f"max by (namespace, pod, rank, cuda_device, gpu_uuid) "
-    f"(0 * torch_cuda_allocator_reserved_bytes{{{TOTAL}}})\n"
+    f"(0 * torch_cuda_allocator_reserved_bytes{{{RANK}}})\n"
     f"+ on (gpu_uuid) group_left ()\n"
     'max by (gpu_uuid) (label_replace(DCGM_FI_DEV_FB_USED, "gpu_uuid", "$1", "UUID", "(.*)")) * '
     "1048576"
@@ -172,8 +170,8 @@ ROWS: list[tuple[str, list[dict]]] = [
                 "capacity.",
                 "bytes",
                 [
-                    (f"torch_cuda_allocator_allocated_bytes{{{TOTAL}}}", by_rank("allocated")),
-                    (f"torch_cuda_allocator_reserved_bytes{{{TOTAL}}}", by_rank("reserved")),
+                    (f"torch_cuda_allocator_allocated_bytes{{{RANK}}}", by_rank("allocated")),
+                    (f"torch_cuda_allocator_reserved_bytes{{{RANK}}}", by_rank("reserved")),
                     (
                         per_rank_join(f"allocwatch_gpu_memory_used_bytes{{{POD}}}"),
                         by_rank("device used"),
@@ -186,24 +184,41 @@ ROWS: list[tuple[str, list[dict]]] = [
                 overrides=[dashed(".*device total")],
             ),
             timeseries(
-                "Fragmentation ratio",
-                "(reserved − allocated) ÷ reserved. High between steps is normal (freed "
-                "activations "
-                "stay cached); what matters is how low it gets at each step's peak. The dashed "
-                "line "
-                "is the AllocwatchFragmentationHigh threshold, applied to the 15-minute minimum.",
+                "Peak fragmentation",
+                "1 − peak allocated ÷ peak reserved of each report interval: what the cache holds "
+                "beyond its most-used moment (0 for a cache that strands nothing). Intervals "
+                "without a step's peak read higher; the 15-minute minimum is what the "
+                "AllocwatchFragmentationHigh alert reads, and the dashed line its threshold.",
                 "percentunit",
                 [
-                    (f"torch_cuda_allocator_fragmentation_ratio{{{TOTAL}}}", BY_RANK),
+                    (f"torch_cuda_allocator_peak_fragmentation_ratio{{{RANK}}}", BY_RANK),
                     (
-                        f"sum(torch_cuda_allocator_reserved_bytes{{{TOTAL}}} - "
-                        f"torch_cuda_allocator_allocated_bytes{{{TOTAL}}})\n"
-                        f"/ (sum(torch_cuda_allocator_reserved_bytes{{{TOTAL}}}) > 0)",
-                        "all selected ranks, weighted by reserved memory",
+                        f"min_over_time(torch_cuda_allocator_peak_fragmentation_ratio"
+                        f"{{{RANK}}}[15m])",
+                        by_rank("15-minute minimum"),
                     ),
                 ],
                 maximum=1,
                 threshold=0.25,
+                overrides=[dashed(".*15-minute minimum")],
+            ),
+            timeseries(
+                "Unused share of the cache",
+                "(reserved − allocated) ÷ reserved right now (torch_cuda_allocator_"
+                "fragmentation_ratio). High between steps for any healthy cache: freed "
+                "activations stay cached for the next step. Peak fragmentation says what is "
+                "stranded.",
+                "percentunit",
+                [
+                    (f"torch_cuda_allocator_fragmentation_ratio{{{RANK}}}", BY_RANK),
+                    (
+                        f"sum(torch_cuda_allocator_reserved_bytes{{{RANK}}} - "
+                        f"torch_cuda_allocator_allocated_bytes{{{RANK}}})\n"
+                        f"/ (sum(torch_cuda_allocator_reserved_bytes{{{RANK}}}) > 0)",
+                        "all selected ranks, weighted by reserved memory",
+                    ),
+                ],
+                maximum=1,
             ),
             timeseries(
                 "Unused reserved memory",
@@ -211,8 +226,8 @@ ROWS: list[tuple[str, list[dict]]] = [
                 "bytes",
                 [
                     (
-                        f"torch_cuda_allocator_reserved_bytes{{{TOTAL}}} - "
-                        f"torch_cuda_allocator_allocated_bytes{{{TOTAL}}}",
+                        f"torch_cuda_allocator_reserved_bytes{{{RANK}}} - "
+                        f"torch_cuda_allocator_allocated_bytes{{{RANK}}}",
                         BY_RANK,
                     )
                 ],
@@ -224,15 +239,15 @@ ROWS: list[tuple[str, list[dict]]] = [
                 "bytes",
                 [
                     (
-                        f"torch_cuda_allocator_peak_allocated_bytes{{{TOTAL}}}",
+                        f"torch_cuda_allocator_peak_allocated_bytes{{{RANK}}}",
                         by_rank("peak allocated"),
                     ),
                     (
-                        f"torch_cuda_allocator_peak_reserved_bytes{{{TOTAL}}}",
+                        f"torch_cuda_allocator_peak_reserved_bytes{{{RANK}}}",
                         by_rank("peak reserved"),
                     ),
-                    (f"torch_cuda_allocator_requested_bytes{{{TOTAL}}}", by_rank("requested")),
-                    (f"torch_cuda_allocator_active_bytes{{{TOTAL}}}", by_rank("active")),
+                    (f"torch_cuda_allocator_requested_bytes{{{RANK}}}", by_rank("requested")),
+                    (f"torch_cuda_allocator_active_bytes{{{RANK}}}", by_rank("active")),
                 ],
             ),
             timeseries(
@@ -245,24 +260,44 @@ ROWS: list[tuple[str, list[dict]]] = [
                         per_rank_join(f"allocwatch_process_gpu_memory_used_bytes{{{POD}}}"),
                         by_rank("process (NVML)"),
                     ),
-                    (f"torch_cuda_allocator_reserved_bytes{{{TOTAL}}}", by_rank("reserved")),
+                    (f"torch_cuda_allocator_reserved_bytes{{{RANK}}}", by_rank("reserved")),
                 ],
             ),
             timeseries(
                 "Segments and inactive split memory",
                 "Segments: device allocations the cache holds. Inactive split: free pieces of "
-                "split "
-                "blocks, the part of the cache that fragmentation leaves unusable for large "
-                "requests.",
+                "split blocks, the part of the cache that fragmentation leaves unusable for large "
+                "requests. Largest free block: the biggest request the cache serves without a "
+                "device call (allocwatch's allocator only).",
                 "bytes",
                 [
                     (
-                        f"torch_cuda_allocator_inactive_split_bytes{{{TOTAL}}}",
+                        f"torch_cuda_allocator_inactive_split_bytes{{{RANK}}}",
                         by_rank("inactive split"),
                     ),
-                    (f"torch_cuda_allocator_segments{{{TOTAL}}}", by_rank("segments")),
+                    (
+                        f"torch_cuda_allocator_largest_free_block_bytes{{{RANK}}}",
+                        by_rank("largest free block"),
+                    ),
+                    (f"torch_cuda_allocator_segments{{{RANK}}}", by_rank("segments")),
                 ],
                 overrides=[unit_override(".*segments", "short")],
+            ),
+            timeseries(
+                "Reserved and allocated by pool",
+                "The pool breakdown (small: requests up to 1 MiB, in 2 MiB segments; large: the "
+                "rest), under names of its own: the two pools add up to the totals above.",
+                "bytes",
+                [
+                    (
+                        f"torch_cuda_allocator_pool_reserved_bytes{{{RANK}}}",
+                        by_rank("{{pool}} reserved"),
+                    ),
+                    (
+                        f"torch_cuda_allocator_pool_allocated_bytes{{{RANK}}}",
+                        by_rank("{{pool}} allocated"),
+                    ),
+                ],
             ),
         ],
     ),
@@ -424,9 +459,16 @@ ROWS: list[tuple[str, list[dict]]] = [
             timeseries(
                 "Agents connected",
                 "Training processes connected to each sidecar (runbooks AllocwatchAgentGone, "
-                "AllocwatchNoAgentConnected).",
+                "AllocwatchNoAgentConnected), and agents whose series labels coincided with a "
+                "live agent's: each is shown apart, with an agent_slot label.",
                 "short",
-                [(f"allocwatch_agents_connected{{{POD}}}", "{{pod}}")],
+                [
+                    (f"allocwatch_agents_connected{{{POD}}}", "{{pod}}"),
+                    (
+                        f"allocwatch_agent_series_collisions_total{{{POD}}}",
+                        "{{pod}} label collisions",
+                    ),
+                ],
             ),
             timeseries(
                 "Time since each agent's last report",
@@ -483,7 +525,7 @@ ROWS: list[tuple[str, list[dict]]] = [
                 "bytes",
                 [
                     (DCGM_FB_USED_BYTES, by_rank("framebuffer used (dcgm)")),
-                    (f"torch_cuda_allocator_reserved_bytes{{{TOTAL}}}", by_rank("reserved")),
+                    (f"torch_cuda_allocator_reserved_bytes{{{RANK}}}", by_rank("reserved")),
                 ],
             ),
         ],

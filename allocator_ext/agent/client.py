@@ -21,6 +21,7 @@ from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.commands import execute
 from allocator_ext.agent.oom_snapshots import OomSnapshots
 from allocator_ext.agent.outbox import Outbox
+from allocator_ext.agent.peaks import interval_peaks, largest_free_block
 from allocator_ext.agent.sources import Source
 from allocator_ext.agent.tls import TlsSettings
 from exporter.protocol.handshake import incompatibility, local_version
@@ -148,7 +149,11 @@ class Agent:
             entry = report.devices.add(
                 cuda_device=device, gpu_uuid=uuid,
                 allocator=convert.allocator_stats(stats),
-                settings=self.source.settings(device))
+                settings=self.source.settings(device),
+                interval_peaks=interval_peaks(self.source, device, stats))
+            largest = largest_free_block(self.source, device)
+            if largest is not None:
+                entry.allocator.largest_free_block_bytes = largest
             self.oom_snapshots.observe(self.source, device, stats)
             gpu = self.nvml.find(uuid=uuid, index=device) if self.nvml is not None else None
             if gpu is not None:

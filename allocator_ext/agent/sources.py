@@ -5,6 +5,11 @@
   the process uses. torch is imported here only, and only when this source is used.
 
 Commands (set_config, reclaim, reset_peaks, snapshot) go through the same interface.
+
+Two figures only some sources have are optional methods, not part of Source (the agent asks
+with getattr): `interval_peaks(device)`, the allocated and reserved bytes at their highest
+since the previous call, without resetting the process's own peaks; and
+`largest_free_block(device)`, the largest cached free block in bytes.
 """
 
 from __future__ import annotations
@@ -117,6 +122,15 @@ class AllocatorSource:
 
     def reset_peaks(self, device: int) -> None:
         self._allocator(device).reset_peak_stats()
+
+    def interval_peaks(self, device: int) -> tuple[int, int]:
+        """(allocated, reserved) bytes at their highest since the previous call: the core keeps
+        these apart from its '.peak' statistics, which stay the user's."""
+        peaks = self._allocator(device).take_interval_peaks()
+        return int(peaks["allocated_bytes"]), int(peaks["reserved_bytes"])
+
+    def largest_free_block(self, device: int) -> int:
+        return int(self._allocator(device).largest_free_block())
 
     def snapshot(self, device: int) -> dict[str, Any]:
         return dict(self._allocator(device).snapshot())

@@ -171,9 +171,16 @@ py::dict counters_dict(const SimDevice& d) {
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "allocwatch's caching allocator core (C++), on the simulated device";
+  m.doc() =
+      "allocwatch's caching allocator core (C++17): Allocator, which follows PyTorch's "
+      "CUDACachingAllocator rule for rule, on a SimDevice (a simulated GPU) or serving PyTorch "
+      "(torch_allocator). Sizes and addresses are int bytes; streams are int ids (0: the "
+      "default stream).";
 
   static py::exception<OutOfMemoryError> oom(m, "OutOfMemoryError", PyExc_MemoryError);
+  oom.attr("__doc__") =
+      "The device cannot hold a request even after freeing cached blocks. Attributes: "
+      "requested, device_free, device_total, allocated, reserved (bytes).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -193,8 +200,12 @@ PYBIND11_MODULE(_core, m) {
   });
 
   m.def("round_size", [](std::size_t size) { return round_size(size, RoundupDivisions{}); },
-        "PyTorch's rounding of a request (default settings).");
-  m.def("segment_size_for", &segment_size_for, "Size of a new segment for a rounded request.");
+        py::arg("size"),
+        "The size PyTorch's default settings round a request of `size` bytes to: a multiple "
+        "of 512 B, at least 512 B.");
+  m.def("segment_size_for", &segment_size_for, py::arg("size"),
+        "The size of the segment (device allocation) made for a rounded request of `size` "
+        "bytes: 2 MiB up to 1 MiB, 20 MiB below 10 MiB, else the request rounded up to 2 MiB.");
   m.def(
       "parse_config",
       [](const std::string& text, std::optional<std::string> base) {
@@ -216,7 +227,8 @@ PYBIND11_MODULE(_core, m) {
   m.attr("NATIVE_CONFIG") = AllocatorConfig::native().to_string();
   m.attr("DEFAULT_CONFIG") = AllocatorConfig::allocwatch().to_string();
 
-  py::class_<Device, std::shared_ptr<Device>>(m, "Device");
+  py::class_<Device, std::shared_ptr<Device>>(
+      m, "Device", "What the allocator asks of a GPU; SimDevice is the one made from Python.");
 
   py::class_<PoolCheckpoint>(m, "PoolCheckpoint",
                              "A private pool's layout, as Allocator.checkpoint_pool saved it.")
@@ -224,31 +236,44 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("segments",
                              [](const PoolCheckpoint& c) { return segments_list(c.segments); });
 
-  py::class_<SimDevice, Device, std::shared_ptr<SimDevice>>(m, "SimDevice")
+  py::class_<SimDevice, Device, std::shared_ptr<SimDevice>>(
+      m, "SimDevice",
+      "A simulated GPU: a capacity, an address space, streams whose events complete when the "
+      "caller says (or at once, with set_auto_complete(True)), and a counter of every device "
+      "call. What replay and the tests run the allocator on.")
       .def(py::init<std::size_t, int>(), py::arg("capacity") = 0, py::arg("index") = 0,
            "A simulated GPU with `capacity` bytes (0: unlimited).")
-      .def_property("capacity", &SimDevice::capacity, &SimDevice::set_capacity)
-      .def_property_readonly("used", &SimDevice::used)
-      .def_property_readonly("outstanding_events", &SimDevice::outstanding_events)
+      .def_property("capacity", &SimDevice::capacity, &SimDevice::set_capacity,
+                    "Device memory in bytes (0: unlimited); may be changed at any time.")
+      .def_property_readonly("used", &SimDevice::used, "Bytes of device memory in use.")
+      .def_property_readonly("outstanding_events", &SimDevice::outstanding_events,
+                             "Events recorded and not yet completed.")
       .def("memory_info",
            [](SimDevice& d) {
              MemoryInfo i = d.memory_info();
              return py::make_tuple(i.free, i.total);
-           })
+           },
+           "(free, total) bytes, as cudaMemGetInfo reports them.")
       .def("plan_addresses", &SimDevice::plan_addresses, py::arg("plan"),
            "Addresses for the next segment allocations: a list of (size, address).")
       .def("complete_stream", &SimDevice::complete_stream, py::arg("stream"),
            "Complete every event recorded on `stream` so far.")
-      .def("synchronize", &SimDevice::synchronize)
-      .def("set_auto_complete", &SimDevice::set_auto_complete, py::arg("on"))
+      .def("synchronize", &SimDevice::synchronize, "Complete every event on every stream.")
+      .def("set_auto_complete", &SimDevice::set_auto_complete, py::arg("on"),
+           "With True, every event completes as soon as it is recorded.")
       .def("counters", &counters_dict, "Count and bytes of every kind of device call.")
-      .def("reset_counters", &SimDevice::reset_counters);
+      .def("reset_counters", &SimDevice::reset_counters, "Set every call counter to 0.");
 
-  py::class_<CachingAllocator, std::shared_ptr<CachingAllocator>>(m, "Allocator")
+  py::class_<CachingAllocator, std::shared_ptr<CachingAllocator>>(
+      m, "Allocator",
+      "allocwatch's caching allocator on one device. `config`: settings in "
+      "PYTORCH_CUDA_ALLOC_CONF syntax ('native' for PyTorch's defaults, keys after it override "
+      "them; None for allocwatch's defaults); a bad key or value raises ValueError naming it.")
       .def(py::init([](std::shared_ptr<Device> device, std::optional<std::string> config) {
              return std::make_shared<CachingAllocator>(std::move(device), config_from(config));
            }),
-           py::arg("device"), py::arg("config") = py::none(), py::keep_alive<1, 2>())
+           py::arg("device"), py::arg("config") = py::none(), py::keep_alive<1, 2>(),
+           "An allocator on `device` (a SimDevice) with `config`'s settings.")
       .def(
           "malloc",
           [](CachingAllocator& a, std::size_t size, StreamId stream, const py::object& context) {
@@ -256,23 +281,31 @@ PYBIND11_MODULE(_core, m) {
             return reinterpret_cast<std::uintptr_t>(a.malloc(size, stream));
           },
           py::arg("size"), py::arg("stream") = 0, py::arg("context") = py::none(),
-          "A block of `size` bytes; `context` (any object) goes with the trace entries the "
-          "call records.")
+          "Allocate `size` bytes for use on `stream`; returns the address. `context` (any "
+          "object) goes with the trace entries the call records. Raises OutOfMemoryError (a "
+          "MemoryError) when the device cannot hold it even after freeing cached blocks; its "
+          "message states the request, capacity, free, allocated and reserved memory.")
       .def(
           "free",
           [](CachingAllocator& a, std::uintptr_t ptr, const py::object& context) {
             TraceContextScope scope(context_from(context));
             a.free(reinterpret_cast<void*>(ptr));
           },
-          py::arg("ptr"), py::arg("context") = py::none())
+          py::arg("ptr"), py::arg("context") = py::none(),
+          "Give back the block at `ptr` (an address malloc returned) to the cache; it is reused "
+          "once every stream it was recorded on has passed this point. ValueError for an "
+          "address the allocator did not hand out.")
       .def(
           "record_stream",
           [](CachingAllocator& a, std::uintptr_t ptr, StreamId s) {
             a.record_stream(reinterpret_cast<void*>(ptr), s);
           },
-          py::arg("ptr"), py::arg("stream"))
+          py::arg("ptr"), py::arg("stream"),
+          "Mark the block at `ptr` as used on `stream` too (torch.Tensor.record_stream): its "
+          "free waits for that stream's work.")
       .def("block_size",
-           [](CachingAllocator& a, std::uintptr_t ptr) { return a.block_size(reinterpret_cast<void*>(ptr)); })
+           [](CachingAllocator& a, std::uintptr_t ptr) { return a.block_size(reinterpret_cast<void*>(ptr)); },
+           py::arg("ptr"), "The rounded size of the allocated block at `ptr`; 0 if none.")
       .def("largest_free_block", &CachingAllocator::largest_free_block,
            "The largest cached free block of the large pool (PyTorch's cacheInfo), 0 if none.")
       .def("empty_cache", &CachingAllocator::empty_cache,
@@ -283,36 +316,72 @@ PYBIND11_MODULE(_core, m) {
           "capture_underway", [](const CachingAllocator&) { return CachingAllocator::captures_underway(); },
           "Whether a CUDA graph capture is allocating to a private pool of any allocator in "
           "this process (reclaims release nothing meanwhile).")
-      .def("process_events", &CachingAllocator::process_events)
-      .def("set_memory_fraction", &CachingAllocator::set_memory_fraction, py::arg("fraction"))
-      .def("set_memory_limit", &CachingAllocator::set_memory_limit, py::arg("bytes"))
-      .def_property_readonly("memory_limit", &CachingAllocator::memory_limit)
-      .def("config", [](CachingAllocator& a) { return config_dict(a.config()); })
-      .def("config_string", [](CachingAllocator& a) { return a.config().to_string(); })
+      .def("process_events", &CachingAllocator::process_events,
+           "Return to the cache the freed blocks whose stream events have completed.")
+      .def("set_memory_fraction", &CachingAllocator::set_memory_fraction, py::arg("fraction"),
+           "As torch.cuda.set_per_process_memory_fraction: cap reserved memory at `fraction` "
+           "(0-1] of the device's total.")
+      .def("set_memory_limit", &CachingAllocator::set_memory_limit, py::arg("bytes"),
+           "The same cap in bytes (0: no cap).")
+      .def_property_readonly("memory_limit", &CachingAllocator::memory_limit,
+                             "The cap on reserved memory in bytes; 0 when none is set.")
+      .def("config", [](CachingAllocator& a) { return config_dict(a.config()); },
+           "Every setting in force, as a dict (max_split_size -1: unlimited; 'string': the "
+           "settings string).")
+      .def("config_string", [](CachingAllocator& a) { return a.config().to_string(); },
+           "The settings in force in PYTORCH_CUDA_ALLOC_CONF syntax, every key included.")
       .def("set_config", &CachingAllocator::set_config, py::arg("update"),
            "Change the named settings only; a bad key or value raises ValueError and changes "
            "nothing.")
-      .def("stats", &CachingAllocator::stats)
-      .def("reset_peak_stats", &CachingAllocator::reset_peak_stats)
-      .def("reset_accumulated_stats", &CachingAllocator::reset_accumulated_stats)
+      .def("stats", &CachingAllocator::stats,
+           "Every key of torch.cuda.memory_stats(), flat, with its meaning "
+           "('allocated_bytes.all.current', 'reserved_bytes.large_pool.peak', "
+           "'num_alloc_retries', ...), plus pending_events, pending_free_bytes, "
+           "num_gc_reclaims, gc_reclaimed_bytes and num_empty_cache_calls.")
+      .def("reset_peak_stats", &CachingAllocator::reset_peak_stats,
+           "Set every '.peak' statistic to its current value "
+           "(torch.cuda.reset_peak_memory_stats).")
+      .def("reset_accumulated_stats", &CachingAllocator::reset_accumulated_stats,
+           "Set the cumulative statistics ('.allocated', '.freed', the num_* counters) to 0.")
+      .def(
+          "take_interval_peaks",
+          [](CachingAllocator& a) {
+            const IntervalPeaks p = a.take_interval_peaks();
+            py::dict d;
+            d["allocated_bytes"] = p.allocated_bytes;
+            d["reserved_bytes"] = p.reserved_bytes;
+            return d;
+          },
+          "{'allocated_bytes', 'reserved_bytes'} at their highest since the previous call, "
+          "then a new interval from the current values. Separate from the '.peak' statistics, "
+          "which it never resets: the agent reads it once per report.")
       .def(
           "begin_allocate_to_pool",
           [](CachingAllocator& a, std::pair<std::uint64_t, std::uint64_t> id, StreamId stream) {
             a.begin_allocate_to_pool(id, [stream](StreamId s) { return s == stream; });
           },
-          py::arg("pool_id"), py::arg("stream"))
-      .def("end_allocate_to_pool", &CachingAllocator::end_allocate_to_pool)
-      .def("release_pool", &CachingAllocator::release_pool)
+          py::arg("pool_id"), py::arg("stream"),
+          "Start serving allocations on `stream` from the private pool `pool_id` (a pair of "
+          "ints), as during CUDA graph capture.")
+      .def("end_allocate_to_pool", &CachingAllocator::end_allocate_to_pool, py::arg("pool_id"),
+           "Stop allocating to the private pool `pool_id`; its blocks stay reserved for it.")
+      .def("release_pool", &CachingAllocator::release_pool, py::arg("pool_id"),
+           "Release the private pool `pool_id`: its free blocks become releasable.")
       .def("create_or_incref_pool", &CachingAllocator::create_or_incref_pool,
            py::arg("pool_id"), py::arg("plain_segments") = false,
            "Make a private pool (torch.cuda.MemPool's), or share it: its use count + 1.")
-      .def("pool_use_count", &CachingAllocator::pool_use_count, py::arg("pool_id"))
-      .def("set_pool_no_split", &CachingAllocator::set_pool_no_split, py::arg("pool_id"))
+      .def("pool_use_count", &CachingAllocator::pool_use_count, py::arg("pool_id"),
+           "How many users share the pool `pool_id`; 0 for a pool that does not exist.")
+      .def("set_pool_no_split", &CachingAllocator::set_pool_no_split, py::arg("pool_id"),
+           "Blocks of the pool `pool_id` are never split (PyTorch's MemPool option).")
       .def("empty_pool_cache", &CachingAllocator::empty_pool_cache, py::arg("pool_id"),
            "Release the cached blocks of a pool nothing uses any more; bytes released.")
       .def("check_pool_live_allocations", &CachingAllocator::check_pool_live_allocations,
-           py::arg("pool_id"), py::arg("expected"))
-      .def("checkpoint_pool", &CachingAllocator::checkpoint_pool, py::arg("pool_id"))
+           py::arg("pool_id"), py::arg("expected"),
+           "Whether the pool's allocated blocks are exactly those at the addresses `expected` "
+           "(CUDA graph trees' check that no tensor of a recorded graph is still alive).")
+      .def("checkpoint_pool", &CachingAllocator::checkpoint_pool, py::arg("pool_id"),
+           "The layout of the private pool `pool_id` (a PoolCheckpoint), for restore_pool.")
       .def(
           "restore_pool",
           [](CachingAllocator& a, const PoolCheckpoint& checkpoint) {
@@ -322,7 +391,9 @@ PYBIND11_MODULE(_core, m) {
             out["allocated"] = r.allocated;
             return out;
           },
-          py::arg("checkpoint"))
+          py::arg("checkpoint"),
+          "Bring a private pool back to a checkpoint's layout; {'freed', 'allocated'}: the "
+          "blocks freed and allocated to get there.")
       .def(
           "segment_of",
           [](CachingAllocator& a, std::uintptr_t ptr) {
@@ -330,7 +401,8 @@ PYBIND11_MODULE(_core, m) {
             return py::make_tuple(s.base, s.size, s.expandable);
           },
           py::arg("ptr"), "(base, size, expandable) of the allocation holding an allocated block.")
-      .def("clear_history", &CachingAllocator::clear_history)
+      .def("clear_history", &CachingAllocator::clear_history,
+           "Drop the recorded events; recording goes on if it was on.")
       .def(
           "set_trace_skipped",
           [](CachingAllocator& a, const std::vector<std::string>& actions) {
@@ -349,16 +421,26 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("observer"), "Called with each trace event's dict, recorded or not.")
       .def("record_history", &CachingAllocator::record_history, py::arg("enabled"),
-           py::arg("max_entries") = 100000)
+           py::arg("max_entries") = 100000,
+           "Start (or stop) recording allocator events in a ring buffer of `max_entries`, as "
+           "torch.cuda.memory._record_memory_history; snapshot() includes them.")
       .def("trace",
            [](CachingAllocator& a) {
              py::list out;
              for (const TraceEntry& e : a.trace()) out.append(trace_entry_dict(e));
              return out;
-           })
-      .def_property_readonly("trace_wrapped", &CachingAllocator::trace_wrapped)
-      .def("snapshot", &snapshot_dict)
-      .def("check_invariants", &CachingAllocator::check_invariants);
+           },
+           "The recorded events, oldest first (the layout of a device trace of "
+           "torch.cuda.memory._snapshot()).")
+      .def_property_readonly("trace_wrapped", &CachingAllocator::trace_wrapped,
+                             "Whether the ring buffer dropped its oldest events.")
+      .def("snapshot", &snapshot_dict,
+           "Segments, blocks, recorded events and settings in the layout of "
+           "torch.cuda.memory._snapshot(), which PyTorch's memory viewer and `allocwatch "
+           "replay` read.")
+      .def("check_invariants", &CachingAllocator::check_invariants,
+           "Recount every segment: '' when all invariants hold, else the first violation "
+           "(linear in the number of blocks; for tests).");
 
   // The allocators serving PyTorch through the pluggable path (torch_shim.cpp).
   m.def("torch_configure", &torch_shim::configure, py::arg("settings"),
@@ -367,11 +449,14 @@ PYBIND11_MODULE(_core, m) {
       "torch_allocator",
       [](int device) { return torch_shim::get(device, false); }, py::arg("device"),
       "The allocator serving PyTorch on `device`, or None before torch has used it.");
-  m.def("torch_devices", [] {
+  m.def(
+      "torch_devices",
+      [] {
     std::vector<int> devices;
     auto all = torch_shim::all();
     for (std::size_t i = 0; i < all.size(); ++i)
       if (all[i]) devices.push_back(static_cast<int>(i));
     return devices;
-  });
+      },
+      "The CUDA devices on which an allocator serves PyTorch.");
 }

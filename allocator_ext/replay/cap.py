@@ -9,6 +9,13 @@ unless told otherwise:
   ``--device-memory`` is given (a fraction of another device's total is not the recorded cap);
 - the device: ``--device-memory`` if given, else, with a fraction in force, the recorded device
   total (the fraction is a fraction of it), else none (unlimited).
+
+A trace that holds out-of-memory errors but no cap (PyTorch's own snapshot of a run, taken
+when it failed) replays with none, as every trace does unless told: its errors cannot recur, so
+the cap's description says so and what to give. PyTorch's `oom` event keeps the device's free
+memory after the allocator's flush, so what the run could reserve at each error is its reserved
+memory then plus that; where the device still had room for the request's segment, a memory
+fraction the snapshot does not keep was in force instead.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import allocator_ext as ae
+from allocator_ext.replay.replayer import recorded_figures
 from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import Trace
 
@@ -29,6 +38,7 @@ class ReplayCap:
     memory_fraction: float | None
     device_memory_from: str | None  # ARGUMENT, RECORDING or None (no cap)
     memory_fraction_from: str | None
+    note: str | None = None  # why the trace's out-of-memory errors cannot recur without a cap
 
     def sources(self) -> dict[str, Any]:
         return {"device_memory": self.device_memory_from,
@@ -38,7 +48,8 @@ class ReplayCap:
         """One line for a report: the cap and where each part came from."""
         device = f"{format_size(self.device_memory)} device (from the {self.device_memory_from})"
         if self.memory_fraction is None:
-            return device if self.device_memory else "none"
+            return device if self.device_memory else "none" + (f": {self.note}"
+                                                                if self.note else "")
         fraction = (f"memory fraction {self.memory_fraction:g} (from the "
                     f"{self.memory_fraction_from})")
         if not self.device_memory:
@@ -60,4 +71,33 @@ def resolve_cap(trace: Trace, device_memory: int | None = None,
                          fraction_from)
     if fraction is not None and limits.device_total_bytes:
         return ReplayCap(limits.device_total_bytes, fraction, RECORDING, fraction_from)
-    return ReplayCap(0, fraction, None, fraction_from)
+    return ReplayCap(0, fraction, None, fraction_from,
+                     None if fraction is not None else _uncapped_ooms_note(trace))
+
+
+def memory_at_recorded_ooms(trace: Trace) -> int | None:
+    """What the recorded run could reserve at its out-of-memory errors: at each, its reserved
+    memory (after the allocator's flush) plus the device's free memory then; the least of them.
+    None where the trace holds no error, or where the device still had room for the failed
+    request's segment at one (a memory fraction failed it, not the device)."""
+    # The trace reader keeps an oom event's device_free where other events have an address.
+    ooms = [e for e in trace.events if e.action == "oom"]
+    if not ooms or any(ae.segment_size_for(e.size) <= e.addr for e in ooms):
+        return None
+    reserved = recorded_figures(trace).reserved_at_ooms
+    return min(r + e.addr for r, e in zip(reserved, ooms, strict=True))
+
+
+def _uncapped_ooms_note(trace: Trace) -> str | None:
+    ooms = recorded_figures(trace).num_ooms
+    if not ooms:
+        return None
+    held = (f"the trace holds {ooms} out-of-memory error(s) but keeps no cap, and without one "
+            "none can recur")
+    memory = memory_at_recorded_ooms(trace)
+    if memory is None:
+        return (f"{held}; the device had room for a failed request, so a memory fraction was in "
+                "force: give it with --memory-fraction and the device's total with "
+                "--device-memory")
+    return (f"{held}: give --device-memory {memory} ({format_size(memory)}, what the recorded "
+            "run could reserve at its errors: reserved plus the device's free memory at each)")

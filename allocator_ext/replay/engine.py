@@ -3,6 +3,7 @@ memory over time for a plot. How events are replayed is the Replayer's (replayer
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,28 +15,49 @@ from allocator_ext.replay.trace import Trace, TraceEvent
 
 @dataclass
 class Timeline:
-    """Requested, allocated and reserved bytes after each step, for plots."""
+    """The replay's memory after each step, for plots, on the trace's active clock (the time
+    `trace_seconds` reports): requested, allocated and reserved bytes and what the recorded run
+    reserved; the steps at which the allocator retried or ran out of memory; its cap."""
 
     time_s: list[float] = field(default_factory=list)
+    event_index: list[int] = field(default_factory=list)  # the last event each step replayed
     requested: list[int] = field(default_factory=list)
     allocated: list[int] = field(default_factory=list)
     reserved: list[int] = field(default_factory=list)
     recorded_reserved: list[int] = field(default_factory=list)
+    retries_at: list[int] = field(default_factory=list)  # steps (indices above) that retried
+    ooms_at: list[int] = field(default_factory=list)     # steps that ran out of memory
+    cap_bytes: int = 0                 # what the allocator may reserve (0: no cap)
+    memory_fraction: float | None = None
 
     def recorder(self, replayer: Replayer) -> Callable[[TraceEvent], None]:
         """A Replayer `after_step` callback that appends the replayer's figures."""
-        events = replayer.trace.events
-        t0 = events[0].time_us if events else 0
+        self.cap_bytes = replayer.allocator.memory_limit or replayer.device_memory
+        self.memory_fraction = replayer.memory_fraction
+        clock = replayer.active_s
+        counts = {"num_alloc_retries": 0, "num_ooms": 0}
+        marks = {"num_alloc_retries": self.retries_at, "num_ooms": self.ooms_at}
 
-        def record(event: TraceEvent) -> None:
+        def record(_event: TraceEvent) -> None:
             s = replayer.allocator.stats()
-            self.time_s.append((event.time_us - t0) / 1e6)
+            last = replayer.position - 1
+            for key, seen in counts.items():
+                if s[key] > seen:
+                    marks[key].append(len(self.time_s))
+                    counts[key] = s[key]
+            self.time_s.append(clock[last])
+            self.event_index.append(last)
             self.requested.append(replayer.requested)
             self.allocated.append(s["allocated_bytes.all.current"])
             self.reserved.append(s["reserved_bytes.all.current"])
             self.recorded_reserved.append(replayer.recorded_reserved)
 
         return record
+
+    def step_of_event(self, event_index: int) -> int:
+        """The step that replayed event `event_index`: the first whose last event is at or
+        after it."""
+        return min(bisect.bisect_left(self.event_index, event_index), len(self.event_index) - 1)
 
 
 @dataclass

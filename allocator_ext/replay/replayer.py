@@ -32,8 +32,8 @@ from allocator_ext.replay.trace import (
     Trace,
     TraceError,
     TraceEvent,
+    active_times,
     free_completes_at_once,
-    trace_seconds,
 )
 
 # Pending frees wait on events of streams that exist only in the replay.
@@ -50,6 +50,7 @@ class RecordedFigures:
     peak_reserved_bytes: int
     num_segment_alloc: int
     num_ooms: int
+    reserved_at_ooms: tuple[int, ...]  # reserved at each out-of-memory error, after the flush
 
 
 @dataclass
@@ -60,13 +61,14 @@ class RecordedOom:
     size: int
     stream: int
     device_free: int  # the recorded device's free memory at that moment
-    time_s: float     # since the trace's first event
+    time_s: float     # on the trace's active clock (trace.active_times), as trace_seconds
+    time_us: int      # the recorded timestamp, to find it in the run's own logs
     recurred: bool | None = None  # None until the replay reaches it
 
     def as_dict(self) -> dict[str, Any]:
         return {"event_index": self.event_index, "size": self.size, "stream": self.stream,
                 "device_free": self.device_free, "time_s": self.time_s,
-                "recurred": self.recurred}
+                "time_us": self.time_us, "recurred": self.recurred}
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ class PassResult:
 
 
 def recorded_figures(trace: Trace) -> RecordedFigures:
-    reserved = peak = segments = ooms = 0
+    reserved = peak = segments = 0
+    at_ooms: list[int] = []
     for e in trace.events:
         if e.action in SEGMENT_GROWS:
             reserved += e.size
@@ -88,8 +91,8 @@ def recorded_figures(trace: Trace) -> RecordedFigures:
         elif e.action in SEGMENT_SHRINKS:
             reserved -= e.size
         elif e.action == "oom":
-            ooms += 1
-    return RecordedFigures(peak, segments, ooms)
+            at_ooms.append(reserved)
+    return RecordedFigures(peak, segments, len(at_ooms), tuple(at_ooms))
 
 
 def check_starts_empty(trace: Trace) -> None:
@@ -195,8 +198,8 @@ class Replayer:
         self._empty_cache_at = _allocator_releases(events)
         self._free_at_once = [e.action == "free_requested" and free_completes_at_once(events, i)
                               for i, e in enumerate(events)]
-        t0 = events[0].time_us if events else 0
-        self.ooms = [RecordedOom(i, e.size, e.stream, e.addr, (e.time_us - t0) / 1e6)
+        self.active_s = active_times(trace)  # each event's time, as the report counts it
+        self.ooms = [RecordedOom(i, e.size, e.stream, e.addr, self.active_s[i], e.time_us)
                      for i, e in enumerate(events) if e.action == "oom"]
         self._oom_at = {o.event_index: o for o in self.ooms}
 
@@ -354,7 +357,7 @@ class Replayer:
         """The replay's figures so far (DESIGN.md's `replay --json` fields and more)."""
         stats = self.allocator.stats()
         estimate, calls = costs.price(self.device.counters())
-        trace_s = trace_seconds(self.trace)
+        trace_s = self.active_s[-1]
         peak_reserved = stats["reserved_bytes.all.peak"]
         reached = [o for o in self.ooms if o.recurred is not None]
         return {

@@ -94,13 +94,23 @@ def peak_requested_bytes(trace: Trace) -> int:
     return peak
 
 
-def trace_seconds(trace: Trace) -> float:
-    """The trace's active time: gaps between events, each capped (idle time is not work)."""
+def active_times(trace: Trace) -> list[float]:
+    """Each event's time on the trace's active clock, in seconds from its first event: the gaps
+    between events counted up to ACTIVE_GAP_CAP_US each (idle time is not work)."""
+    times: list[float] = []
     total = 0
-    times = [e.time_us for e in trace.events]
-    for a, b in zip(times, times[1:], strict=False):
-        total += min(max(b - a, 0), ACTIVE_GAP_CAP_US)
-    return total / 1e6
+    previous = trace.events[0].time_us if trace.events else 0
+    for e in trace.events:
+        total += min(max(e.time_us - previous, 0), ACTIVE_GAP_CAP_US)
+        previous = e.time_us
+        times.append(total / 1e6)
+    return times
+
+
+def trace_seconds(trace: Trace) -> float:
+    """The trace's active time (see active_times): what replay reports and plots against."""
+    times = active_times(trace)
+    return times[-1] if times else 0.0
 
 
 def free_completes_at_once(events: list[TraceEvent], i: int) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 import allocator_ext as ae
 from allocator_ext.replay.engine import replay
+from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import Trace
 
 RECORDED = "recorded settings"
@@ -115,7 +116,12 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
     survivors = [c for c in ranked if survives(c)]
     lines = []
     recorded_ooms = len(r["recorded_ooms"])
-    if recorded_ooms:
+    if recorded_ooms and not r["device_memory"] and r["memory_fraction"] is None:
+        lines.append(
+            f"The recorded run ran out of memory {recorded_ooms} time(s), but these replays "
+            "had no cap, so no error could recur: the ranking does not say whether another "
+            "setting would have avoided them (the cap line says which cap to give).")
+    elif recorded_ooms:
         recurs = [c.name for c in ranked if c.report["recorded_ooms_recurred"]]
         lines.append(
             f"The recorded run ran out of memory {recorded_ooms} time(s); replayed, the failed "
@@ -127,8 +133,8 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
                      f"least bad, '{best.name}', failed {r['num_ooms']} time(s).")
         return " ".join(lines)
     lines.append(
-        f"'{best.name}' reserves the least at its peak ({r['peak_reserved_bytes'] / 2**30:.2f}"
-        f" GiB, {r['reserved_ratio']:.3f} x what the program requested) of the "
+        f"'{best.name}' reserves the least at its peak ({format_size(r['peak_reserved_bytes'])}"
+        f", {r['reserved_ratio']:.3f} x what the program requested) of the "
         f"{len(survivors)} candidates that never ran out of memory, with "
         f"{r['num_alloc_retries']} retries and device calls costing "
         f"{100 * r['device_call_share']:.2f} % of the trace's active time.")
@@ -140,10 +146,14 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
             lines.append(
                 f"Its device calls are costly, though: '{cheaper.name}' keeps them at "
                 f"{100 * cheaper.report['device_call_share']:.2f} % for "
-                f"{more / 2**30:.2f} GiB more reserved memory.")
+                f"{format_size(more)} more reserved memory.")
     pytorch = next((c for c in ranked if c.settings == "native"), None)
-    if pytorch is not None and pytorch is not best:
+    if pytorch is not None and pytorch is not best and not survives(pytorch):
+        # What it reserved stopped short of its failed requests: no saving to compare.
+        lines.append(f"PyTorch's defaults ran out of memory {pytorch.report['num_ooms']} "
+                     "time(s) here.")
+    elif pytorch is not None and pytorch is not best:
         saved = pytorch.report["peak_reserved_bytes"] - r["peak_reserved_bytes"]
-        lines.append(f"Against PyTorch's defaults it saves {saved / 2**30:.2f} GiB of reserved "
-                     f"memory ({pytorch.report['num_ooms']} out-of-memory errors there).")
+        lines.append(f"Against PyTorch's defaults it saves {format_size(saved)} of reserved "
+                     "memory.")
     return " ".join(lines)

@@ -116,7 +116,8 @@ def main() -> int:
     p.add_argument("--worker", metavar="TARGET", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.self_check and args.minutes == 10.0:
-        args.minutes, args.kill_every = 0.4, 4.0
+        # Long enough for two kills even where the worker takes seconds to start (a loaded machine).
+        args.minutes, args.kill_every = 0.75, 4.0
     if args.worker:
         return worker(args.worker, args.minutes * 60, args.self_check)
 

@@ -7,7 +7,11 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from exporter.protocol.figures import fragmentation_ratio
+from exporter.protocol.figures import (
+    fragmentation_ratio,
+    peak_fragmentation_ratio,
+    report_peaks,
+)
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.sidecar.registry import AgentState, Outcome, outcome_name
 
@@ -38,6 +42,7 @@ def agent_view(state: AgentState) -> dict[str, Any]:
         if device.HasField("device_memory"):
             memory = {"total_bytes": device.device_memory.total_bytes,
                       "used_bytes": device.device_memory.used_bytes}
+        peak_reserved, peak_allocated, window = report_peaks(device)
         devices.append({
             "cuda_device": device.cuda_device, "gpu_uuid": device.gpu_uuid,
             **_pool_view(stats.all),
@@ -46,12 +51,19 @@ def agent_view(state: AgentState) -> dict[str, Any]:
             "pending_events": stats.pending_events,
             "fragmentation_ratio": fragmentation_ratio(stats.all.reserved_bytes,
                                                        stats.all.allocated_bytes),
+            "peak_fragmentation_ratio": peak_fragmentation_ratio(peak_reserved, peak_allocated),
+            "interval_peaks": {"window": window, "allocated_bytes": peak_allocated,
+                               "reserved_bytes": peak_reserved},
+            "largest_free_block_bytes": (stats.largest_free_block_bytes
+                                         if stats.HasField("largest_free_block_bytes")
+                                         else None),
             "counters": {name: getattr(stats, name) for name in _COUNTER_FIELDS},
             "settings": settings_view(device.settings),
             "device_memory": memory,
         })
     return {
-        "agent": state.key, "connected": state.connected, "rank": ident.rank,
+        "agent": state.key, "connected": state.connected, "series_slot": state.series_slot,
+        "rank": ident.rank,
         "local_rank": ident.local_rank, "world_size": ident.world_size, "host": ident.host,
         "pid": ident.pid, "job": ident.training_job, "pod": ident.pod,
         "backend": ident.backend, "protocol": state.protocol,

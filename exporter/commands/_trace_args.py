@@ -1,41 +1,83 @@
-"""What `replay` and `tune` share: the trace and cap arguments, and a progress bar on a
+"""What `replay` and `tune` share: the trace, cap and plot arguments, and a progress bar on a
 terminal."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+from exporter.commands._arguments import fraction
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="the snapshot file (.pickle or .pickle.gz)")
     p.add_argument("--device-memory", metavar="SIZE",
-                   help="cap the simulated device: a size (80GiB, 1.5G) or a multiple of the "
-                        "trace's peak requested bytes (1.03x); default: the recorded device's "
-                        "total where the trace recorded a memory fraction, else no cap")
-    p.add_argument("--memory-fraction", type=float, metavar="F",
+                   help="cap the simulated device: a size in powers of 1024 (80GiB, 80G, "
+                        "1.5T, 123456789; KB/MB/GB/TB are refused as ambiguous) or a multiple "
+                        "of the trace's peak requested bytes (1.03x); default: the recorded "
+                        "device's total where the trace recorded a memory fraction, else no cap")
+    p.add_argument("--memory-fraction", type=fraction, metavar="F",
                    help="as torch.cuda.set_per_process_memory_fraction(F); default: the "
                         "fraction the trace recorded (bench/replay/record_traces.py keeps it in "
                         "the snapshot), unless --device-memory is given")
 
 
 def device_memory_arg(text: str | None, peak_requested: int) -> int | None:
-    """A size, or a multiple of the trace's peak requested bytes ("1.03x"); None if not given."""
+    """A size, or a multiple of the trace's peak requested bytes ("1.03x"); None when none is
+    given. ValueError naming --device-memory for anything else, a cap of 0 bytes included
+    (leaving the option out means the trace's own cap, or none)."""
     from allocator_ext.replay.sizes import parse_size
 
-    if not text:
+    if text is None:
         return None
     if text.strip().lower().endswith("x"):
         try:
             factor = float(text.strip()[:-1])
         except ValueError:
-            raise ValueError(f"not a multiple: {text!r} (example: 1.03x)") from None
+            raise ValueError(f"--device-memory: not a multiple: {text!r} (example: 1.03x)") \
+                from None
         if factor <= 0:
             raise ValueError(f"--device-memory {text}: the multiple must be positive")
-        return int(factor * peak_requested)
-    return parse_size(text)
+        cap = int(factor * peak_requested)
+    else:
+        try:
+            cap = parse_size(text)
+        except ValueError as err:
+            raise ValueError(f"--device-memory: {err}") from None
+    if cap <= 0:
+        raise ValueError(f"--device-memory {text}: a cap of 0 bytes leaves the device no memory "
+                         "(leave the option out for the trace's own cap, or none)")
+    return cap
+
+
+def add_plot_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--plot", metavar="FILE.png",
+                   help=f"{what} (needs matplotlib: pip install 'allocwatch[plot]')")
+
+
+def check_plot_target(path: str | None) -> None:
+    """Before any replay runs: the plot can be drawn and written. ValueError saying why not."""
+    if path is None:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"--plot {path}: drawing needs matplotlib, which is not installed "
+                         "(pip install 'allocwatch[plot]')")
+    directory = Path(path).parent
+    if not directory.is_dir():
+        raise ValueError(f"--plot {path}: there is no directory {directory}")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    # matplotlib picks the format by the suffix: refuse here what it would refuse (or, with no
+    # suffix, write under another name) only after the replays.
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in FigureCanvasBase.get_supported_filetypes():
+        what = f"matplotlib cannot write .{suffix} files" if suffix else \
+            "the file's suffix must name its format"
+        raise ValueError(f"--plot {path}: {what} (.png, .svg, .pdf, …)")
 
 
 @contextmanager

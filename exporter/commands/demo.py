@@ -11,8 +11,10 @@ The summary is read back from the sidecar's /metrics, so it shows what Prometheu
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from exporter.commands._arguments import seconds, tcp_port
+
 EXAMPLE_TRACE = Path(__file__).resolve().parents[2] / "allocator_ext" / "data" / \
     "example_trace.pickle.gz"
 GiB = float(1 << 30)
@@ -30,19 +34,22 @@ MiB = 1 << 20
 
 HELP = "start a sidecar and a training workload publishing to it; print a live summary"
 DESCRIPTION = """\
-Starts a sidecar (temporary Unix socket, metrics on --port) and a training workload whose agent
-publishes to it: a real PyTorch loop where a CUDA GPU is present, otherwise allocwatch's
+Starts a sidecar (temporary Unix sockets, metrics on --port) and a training workload whose
+agent publishes to it: a real PyTorch loop where a CUDA GPU is present, otherwise allocwatch's
 allocator on the simulated device replaying, in a loop, the trace that ships with the project.
-Prints where the metrics are, then one line a second (reserved, allocated, fragmentation,
-retries) read back from /metrics, until --duration ends."""
+Prints where the metrics and the admin API are, with an `allocwatch ctl` line to paste into
+another terminal, then one line a second read back from /metrics until --duration ends:
+reserved, allocated, peak fragmentation (1 - peak allocated / peak reserved, at its lowest over
+the last few seconds: what the cache strands at the peak of use), the share of the cache unused
+at that moment (high between steps for any healthy cache), retries and OOMs."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help=HELP, description=DESCRIPTION,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=30.0, metavar="S",
+    parser.add_argument("--duration", type=seconds(), default=30.0, metavar="S",
                         help="seconds to run (default 30)")
-    parser.add_argument("--port", type=int, default=9464,
+    parser.add_argument("--port", type=tcp_port, default=9464,
                         help="metrics port (default 9464; 0: any free port)")
     parser.add_argument("--workload", choices=("auto", "gpu", "sim"), default="auto",
                         help="auto (default): gpu where torch sees CUDA, else sim")
@@ -166,12 +173,15 @@ def _stop_event_on_signals(duration: float) -> threading.Event:
 
 # ---------------------------------------------------------------------- the demo itself
 
-def _gpu_available() -> bool:
+def _no_gpu_reason() -> str | None:
+    """Why the GPU workload cannot run here, or None when it can."""
     try:
         import torch
     except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA GPU"
+    return None
 
 
 def _summary(url: str) -> dict[str, float]:
@@ -181,30 +191,47 @@ def _summary(url: str) -> dict[str, float]:
 
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
         text = response.read().decode()
-    wanted = {
+    summed = {
         "torch_cuda_allocator_reserved_bytes": "reserved",
         "torch_cuda_allocator_allocated_bytes": "allocated",
         "torch_cuda_allocator_alloc_retries_total": "retries",
         "torch_cuda_allocator_ooms_total": "ooms",
-        "torch_cuda_allocator_peak_reserved_bytes": "peak_reserved",
         "allocwatch_agents_connected": "agents",
         "allocwatch_reports_received_total": "reports",
     }
-    figures = dict.fromkeys(wanted.values(), 0.0)
+    worst = {"torch_cuda_allocator_peak_fragmentation_ratio": "peak_fragmentation"}
+    figures = dict.fromkeys([*summed.values(), *worst.values()], 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in wanted and "pool" not in sample.labels:
-                figures[wanted[sample.name]] += sample.value
+            if sample.name in summed:
+                figures[summed[sample.name]] += sample.value
+            elif sample.name in worst:
+                figures[worst[sample.name]] = max(figures[worst[sample.name]], sample.value)
     return figures
 
 
-def _format(figures: dict[str, float], elapsed: float) -> str:
-    reserved, allocated = figures["reserved"], figures["allocated"]
-    frag = (reserved - allocated) / reserved if reserved else 0.0
-    return (f"[{elapsed:5.1f}s] reserved {reserved / GiB:7.3f} GiB  allocated "
-            f"{allocated / GiB:7.3f} GiB  fragmentation {frag:6.1%}  retries "
-            f"{int(figures['retries'])}  OOMs {int(figures['ooms'])}  agents "
-            f"{int(figures['agents'])}  reports {int(figures['reports'])}")
+class Headline:
+    """The live line. Peak fragmentation is shown at its lowest over the last few readings: a
+    report interval that missed the workload's peak of use reads higher than what the cache
+    strands (as the alert takes the minimum over 15 minutes)."""
+
+    def __init__(self, readings: int = 5):
+        self._peak_fragmentation: collections.deque[float] = collections.deque(maxlen=readings)
+
+    def line(self, figures: dict[str, float], elapsed: float) -> str:
+        reserved, allocated = figures["reserved"], figures["allocated"]
+        if reserved:
+            self._peak_fragmentation.append(figures["peak_fragmentation"])
+        # Until the readings span a few seconds (a pass of the workload), the lowest may
+        # still miss the peak of use: say nothing rather than something too high.
+        full = len(self._peak_fragmentation) == self._peak_fragmentation.maxlen
+        peak = f"{min(self._peak_fragmentation):6.1%}" if full else f"{'-':>6s}"
+        unused = (reserved - allocated) / reserved if reserved else 0.0
+        return (f"[{elapsed:5.1f}s] reserved {reserved / GiB:7.3f} GiB  allocated "
+                f"{allocated / GiB:7.3f} GiB  peak fragmentation {peak}  (unused now "
+                f"{unused:5.1%})  retries {int(figures['retries'])}  OOMs "
+                f"{int(figures['ooms'])}  agents {int(figures['agents'])}  reports "
+                f"{int(figures['reports'])}")
 
 
 def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
@@ -220,8 +247,14 @@ def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
     )
 
     out = out or sys.stdout
+    no_gpu = _no_gpu_reason() if workload in ("auto", "gpu") else None
+    if workload == "gpu" and no_gpu:
+        print(f"allocwatch demo: --workload gpu needs a CUDA GPU, and {no_gpu}; "
+              "--workload sim runs allocwatch's allocator on a simulated device instead",
+              file=sys.stderr)
+        return 2
     if workload == "auto":
-        workload = "gpu" if _gpu_available() else "sim"
+        workload = "sim" if no_gpu else "gpu"
     configure_logging("warning", "text")  # the demo's own lines are the output
     with tempfile.TemporaryDirectory(prefix="allocwatch-demo-") as tmp:
         config = SidecarConfig(
@@ -238,14 +271,20 @@ def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
             return 1
         url = sidecar.sidecar.metrics_url
         target = sidecar.sidecar.agent_targets[0]
+        admin = _admin_address(sidecar)
         print(f"allocwatch demo: {workload} workload for {duration:g} s", file=out)
         print(f"  metrics:  {url}/metrics   (agents: {url}/)", file=out)
-        print(f"  agents connect to {target}", file=out, flush=True)
+        print(f"  agents connect to {target}", file=out)
+        if admin:
+            print(f"  admin API: {admin}; in another terminal, while the demo runs:", file=out)
+            print(f"    allocwatch ctl --admin {shlex.quote(admin)} agents", file=out)
+        out.flush()
         child = subprocess.Popen(
             [sys.executable, "-m", "exporter.commands.demo", "--child", workload,
              "--target", target, "--duration", str(duration)],
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         started = time.monotonic()
+        headline = Headline()
         status = 0
         try:
             for _tick in _every_second(started, duration):
@@ -255,7 +294,7 @@ def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
                     status = child.returncode or 1
                     break
                 try:
-                    line = _format(_summary(url), time.monotonic() - started)
+                    line = headline.line(_summary(url), time.monotonic() - started)
                 except OSError as err:
                     line = f"(metrics not readable: {err})"
                 print(line, file=out, flush=True)
@@ -272,6 +311,13 @@ def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
             sidecar.stop()
         print("allocwatch demo: done", file=out, flush=True)
         return status
+
+
+def _admin_address(sidecar: Any) -> str | None:
+    """The admin API's Unix socket, as `ctl --admin` takes it."""
+    admin = sidecar.sidecar.admin
+    addresses = admin.addresses() if admin is not None else []
+    return next((a for a in addresses if a.startswith("unix://")), None)
 
 
 def _every_second(started: float, duration: float) -> Iterator[int]:

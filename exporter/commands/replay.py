@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
-from exporter.commands._trace_args import add_trace_arguments, device_memory_arg, progress_bar
+from exporter.commands._trace_args import (
+    add_plot_argument,
+    add_trace_arguments,
+    check_plot_target,
+    device_memory_arg,
+    progress_bar,
+)
 
 SHOWN_OOMS = 5  # recorded out-of-memory errors listed one by one in the table
 HELP = "replay a recorded PyTorch memory trace through allocwatch's allocator (no GPU needed)"
@@ -29,6 +36,15 @@ it, it is freed at the first free after it, where the recorded run began unwindi
 error. The report says of each recorded out-of-memory error whether it recurred. The memory
 fraction and device total the run was capped with are read from the trace where it kept them
 (bench/replay/record_traces.py does); --memory-fraction and --device-memory override them.
+A trace that keeps no cap (PyTorch's own snapshot) replays with none, so its errors cannot
+recur: the cap line then says which --device-memory reproduces them (what the run had reserved
+plus the device's free memory at each error), or that a memory fraction was in force.
+
+Times are the trace's active time, as trace_seconds counts it (each gap between events counted
+up to 100 ms, so that data loading and pauses do not count). --plot draws memory on that clock:
+what the program requested, what the replay allocated and reserved beside what the recorded
+run reserved, the cap, and where the allocator retried or ran out of memory and where each
+recorded out-of-memory error was (red: recurred; green: served).
 
 Exit status: 0 when the replay ran (even with out-of-memory errors: see num_ooms), 2 for a bad
 argument or an unreadable, corrupt or mid-run trace."""
@@ -44,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=int,
                    help="which device's trace (default: the first with events)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="write a plot of memory over the trace")
+    add_plot_argument(p, "write a plot of memory over the trace")
     p.add_argument("--costs", metavar="FILE", help="device-call cost table (default: the H200 one)")
     p.set_defaults(func=run)
 
@@ -76,7 +92,8 @@ def human_report(r: dict) -> str:
         for oom in r["recorded_ooms"][:SHOWN_OOMS]:
             outcome = "recurred" if oom["recurred"] else "survived"
             lines.append(f"  event {oom['event_index']:<9d} {format_size(oom['size'])} on "
-                         f"stream {oom['stream']} at {oom['time_s']:.2f} s: {outcome}")
+                         f"stream {oom['stream']} at {_active_time(oom['time_s'])}: "
+                         f"{outcome}")
         if len(r["recorded_ooms"]) > SHOWN_OOMS:
             lines.append(f"  … and {len(r['recorded_ooms']) - SHOWN_OOMS} more (see --json)")
     if r["unknown_actions"]:
@@ -84,17 +101,37 @@ def human_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _active_time(seconds: float) -> str:
+    """A moment on the trace's active clock, as the plot's axis shows it."""
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
+
+
+def load_costs(path: str) -> Any:
+    """The --costs table; ValueError naming the file and what is wrong with it."""
+    from allocator_ext.replay import load_cost_table
+
+    try:
+        return load_cost_table(path)
+    except OSError as err:
+        raise ValueError(f"--costs {path}: cannot read it: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        what = f"no field {err}" if isinstance(err, KeyError) else str(err)
+        raise ValueError(f"--costs {path}: not a device-call cost table ({what}); "
+                         "allocator_ext/data/device_costs.json shows the layout") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    from allocator_ext.replay import TraceError, load_cost_table, load_trace, replay
+    from allocator_ext.replay import TraceError, load_trace, replay
     from allocator_ext.replay.cap import resolve_cap
     from allocator_ext.replay.trace import peak_requested_bytes
 
     try:
+        check_plot_target(args.plot)
+        costs = load_costs(args.costs) if args.costs else None
         trace = load_trace(args.trace, args.device)
         cap = resolve_cap(trace, device_memory_arg(args.device_memory, peak_requested_bytes(trace)),
                           args.memory_fraction)
-        costs = load_cost_table(args.costs) if args.costs else None
-    except (TraceError, ValueError, OSError) as e:
+    except (TraceError, ValueError) as e:
         print(f"allocwatch replay: {e}", file=sys.stderr)
         return 2
 
@@ -109,16 +146,22 @@ def run(args: argparse.Namespace) -> int:
     result.report["cap"] = cap.describe()
     result.report["cap_from"] = cap.sources()
 
+    # The figures first: a plot that cannot be written loses nothing else.
+    if args.json:
+        print(json.dumps(result.report, indent=2, sort_keys=True), flush=True)
+    else:
+        print(human_report(result.report), flush=True)
     if args.plot:
         from allocator_ext.replay.plot import plot_timeline
 
-        plot_timeline(result.timeline, args.plot,
-                      f"{args.trace} — {result.report['config']}",
-                      result.report["recorded_ooms"])
-    if args.json:
-        print(json.dumps(result.report, indent=2, sort_keys=True))
-    else:
-        print(human_report(result.report))
-        if args.plot:
+        try:
+            plot_timeline(result.timeline, args.plot,
+                          f"{args.trace} — {result.report['config']}",
+                          result.report["recorded_ooms"])
+        except OSError as err:
+            print(f"allocwatch replay: --plot {args.plot}: cannot write it: "
+                  f"{err.strerror or err}", file=sys.stderr)
+            return 1
+        if not args.json:
             print(f"plot               {args.plot}")
     return 0

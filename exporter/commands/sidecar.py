@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from exporter.commands._arguments import seconds
+
 HELP = "run the sidecar: agents' gRPC endpoint, Prometheus /metrics, NVML reader"
 DESCRIPTION = """\
 Runs the exporter daemon beside a training container. Agents in the training processes connect
@@ -20,13 +22,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE", help="YAML settings file")
     parser.add_argument("--check-config", action="store_true",
-                        help="validate the settings file, print the result and exit")
+                        help="validate the settings file, print every setting in force (as "
+                             "YAML the file could hold) and exit")
     parser.add_argument(
         "--exit-after-training", action="store_true",
         help="exit 0 once training is over: the file 'training-done' appears beside the agents' "
              "socket, or every agent that connected has been gone for --exit-grace seconds "
              "(for Kubernetes before 1.29, where the sidecar is a regular container)")
-    parser.add_argument("--exit-grace", type=float, default=60.0, metavar="S",
+    parser.add_argument("--exit-grace", type=seconds(zero_allowed=True), default=60.0,
+                        metavar="S",
                         help="with --exit-after-training: seconds all agents must be gone "
                              "(default 60)")
     parser.set_defaults(func=run)
@@ -44,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"allocwatch sidecar: invalid settings: {err}", file=sys.stderr)
         return 2
     if args.check_config:
-        print(f"settings OK: {config}")
+        from exporter.commands._settings_text import settings_text
+
+        print("settings OK; in force, every default filled in:")
+        print(settings_text(config))
         return 0
     configure_logging(config.logging.level, config.logging.format)
     from exporter.sidecar.app import run_sidecar

@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
-from exporter.commands._trace_args import add_trace_arguments, device_memory_arg, progress_bar
+from exporter.commands._trace_args import (
+    add_plot_argument,
+    add_trace_arguments,
+    check_plot_target,
+    device_memory_arg,
+    progress_bar,
+)
 
 HELP = "replay a trace under candidate allocator settings and recommend one"
 DESCRIPTION = """\
@@ -34,28 +41,85 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", help="a bar chart of peak reserved by setting")
+    add_plot_argument(p, "a bar chart of peak reserved by setting")
     p.set_defaults(func=run)
 
 
-def _plot(ranked, path: str, peak_requested: int) -> None:
+# Bars beyond this multiple of the peak requested bytes are drawn cut at the axis's end, with
+# their value written on them: an outlier (max_split_size_mb on some traces reserves 4×) would
+# otherwise squash the differences that matter (9.5 and 10.3 GiB).
+CLIP_RATIO = 1.5
+TITLE_WIDTH = 95  # characters a title line holds at its font size on the chart's width
+
+
+def chart(ranked: list[Any], best: Any, peak_requested: int, title: str) -> Any:
+    """Peak reserved by candidate, as bars starting from the peak requested bytes (what every
+    candidate that runs to the end must hold), so their lengths are each setting's overhead;
+    each bar labelled with its value. A candidate that ran out of memory may have reserved
+    less (its failed requests were never served): the axis then starts lower."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gib = float(1 << 30)
-    names = [c.name for c in ranked][::-1]
-    values = [c.report["peak_reserved_bytes"] / gib for c in ranked][::-1]
-    colors = ["tab:red" if c.report["num_ooms"] else "tab:blue" for c in ranked][::-1]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.2), dpi=110)
-    ax.barh(names, values, color=colors)
-    ax.axvline(peak_requested / gib, color="tab:green", ls="--", label="peak requested")
-    ax.set_xlabel("peak reserved (GiB); red: ran out of memory")
-    ax.legend(loc="lower right", fontsize=8)
+    from allocator_ext.replay.plot import memory_unit, wrap
+
+    rows = ranked[::-1]  # best at the top
+    unit_name, unit = memory_unit(max(peak_requested,
+                                      *(c.report["peak_reserved_bytes"] for c in rows)))
+    base = peak_requested / unit
+    values = [c.report["peak_reserved_bytes"] / unit for c in rows]
+    inside = [v for v in values if v <= CLIP_RATIO * base] or values
+    left = min(base, *values)
+    right = left + 1.25 * max(max(inside) - left, 0.01 * base)
+    colors = ["tab:red" if c.report["num_ooms"] else
+              "tab:green" if c is best else "tab:blue" for c in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.6), dpi=110)
+    shown = [min(v, right) - left for v in values]
+    bars = ax.barh([c.name for c in rows], shown, left=left, color=colors)
+    pad = 0.005 * (right - left)
+    for bar, value, candidate in zip(bars, values, rows, strict=True):
+        r = candidate.report
+        label = (f"{value:.2f} {unit_name}, {r['num_ooms']} OOMs" if r["num_ooms"]
+                 else f"{value:.2f} {unit_name}  ({r['reserved_ratio']:.3f}×)")
+        middle = bar.get_y() + bar.get_height() / 2
+        if value > right:  # cut at the axis: say so, and write the value inside the bar
+            ax.text(right - pad, middle, f"{label} ▶", va="center", ha="right", fontsize=8,
+                    color="white")
+        else:
+            ax.text(value + pad, middle, label, va="center", ha="left", fontsize=8)
+    if left < base:
+        ax.axvline(base, color="0.3", ls="--", lw=1)
+    ax.set_xlim(left, right)
+    ax.set_xlabel(f"peak reserved ({unit_name}), from the trace's peak requested "
+                  f"({base:.2f} {unit_name}"
+                  f"{', dashed' if left < base else ''})\ngreen: recommended · red: ran out "
+                  "of memory · ▶: beyond the axis", fontsize=9)
+    ax.set_title(wrap(title, TITLE_WIDTH), fontsize=10, loc="left")
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
+
+
+def _table(ranked: list[Any], recorded_ooms: int = 0) -> list[str]:
+    """The text table, its first column as wide as the longest setting's name; with a column of
+    the recorded out-of-memory errors that recurred where the trace holds some."""
+    from allocator_ext.replay.sizes import format_size
+
+    width = max(len("setting"), *(len(c.name) for c in ranked))
+    recurred = f"  {'recurred':>8s}" if recorded_ooms else ""
+    lines = [f"{'setting':{width}s}  {'peak reserved':>13s}  {'ratio':>6s}  {'retries':>7s}  "
+             f"{'OOMs':>4s}{recurred}  {'dev calls':>9s}  {'cost %':>6s}"]
+    for c in ranked:
+        r = c.report
+        recurred = (f"  {r['recorded_ooms_recurred']:>3d} of {recorded_ooms:<2d}"
+                    if recorded_ooms else "")
+        lines.append(
+            f"{c.name:{width}s}  {format_size(r['peak_reserved_bytes']):>13s}  "
+            f"{r['reserved_ratio']:6.3f}  {r['num_alloc_retries']:7d}  {r['num_ooms']:4d}"
+            f"{recurred}  {r['num_device_alloc'] + r['num_device_free']:9d}  "
+            f"{100 * r['device_call_share']:6.2f}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,10 +130,11 @@ def run(args: argparse.Namespace) -> int:
     from allocator_ext.replay.tune import candidates_for, explain, recommended, tune
 
     try:
+        check_plot_target(args.plot)
         trace = load_trace(args.trace)
         peak = peak_requested_bytes(trace)
         cap = resolve_cap(trace, device_memory_arg(args.device_memory, peak), args.memory_fraction)
-    except (TraceError, ValueError, OSError) as e:
+    except (TraceError, ValueError) as e:
         print(f"allocwatch tune: {e}", file=sys.stderr)
         return 2
     candidates = candidates_for(trace)
@@ -82,8 +147,7 @@ def run(args: argparse.Namespace) -> int:
     best = recommended(ranked)
     why = explain(ranked[0], ranked)
     recorded_ooms = len(ranked[0].report["recorded_ooms"])
-    if args.plot:
-        _plot(ranked, args.plot, peak)
+    status = _write_plot(args, ranked, best, peak, cap.describe()) if args.plot else 0
     if args.json:
         print(json.dumps({
             "trace": args.trace, "device_memory": cap.device_memory,
@@ -103,20 +167,10 @@ def run(args: argparse.Namespace) -> int:
                                     "device_call_share")}}
                            for c in ranked],
         }, indent=2))
-        return 0
+        return status
     print(f"trace {args.trace}: peak requested {format_size(peak)}, cap: {cap.describe()}"
           + (f", {recorded_ooms} recorded out-of-memory error(s)" if recorded_ooms else ""))
-    print(f"{'setting':40s} {'peak reserved':>14s} {'ratio':>7s} {'retries':>8s} {'OOMs':>5s} "
-          + (f"{'recurred':>9s} " if recorded_ooms else "")
-          + f"{'dev calls':>10s} {'cost %':>7s}")
-    for c in ranked:
-        r = c.report
-        print(f"{c.name:40s} {format_size(r['peak_reserved_bytes']):>14s} "
-              f"{r['reserved_ratio']:7.3f} {r['num_alloc_retries']:8d} {r['num_ooms']:5d} "
-              + (f"{r['recorded_ooms_recurred']:>4d} of {recorded_ooms:<2d} "
-                 if recorded_ooms else "")
-              + f"{r['num_device_alloc'] + r['num_device_free']:10d} "
-              f"{100 * r['device_call_share']:7.2f}")
+    print("\n".join(_table(ranked, recorded_ooms)))
     print()
     if best is None:
         print("recommended: none")
@@ -126,6 +180,26 @@ def run(args: argparse.Namespace) -> int:
         if best.pytorch_conf is not None:
             print(f"  PyTorch's own allocator:  PYTORCH_CUDA_ALLOC_CONF={best.pytorch_conf}")
     print(f"  why: {why}")
-    if args.plot:
+    if args.plot and status == 0:
         print(f"plot: {args.plot}")
+    return status
+
+
+def _write_plot(args: argparse.Namespace, ranked: list[Any], best: Any, peak: int,
+                cap: str) -> int:
+    from allocator_ext.replay.sizes import format_size
+
+    title = (f"allocwatch tune: peak reserved by setting\n{args.trace} (peak requested "
+             f"{format_size(peak)}, cap: {cap})")
+    fig = chart(ranked, best, peak, title)  # chooses matplotlib's file-only backend first
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(args.plot, bbox_inches="tight")
+    except OSError as err:
+        print(f"allocwatch tune: --plot {args.plot}: cannot write it: {err.strerror or err}",
+              file=sys.stderr)
+        return 1
+    finally:
+        plt.close(fig)
     return 0

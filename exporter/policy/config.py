@@ -30,7 +30,9 @@ from exporter.protocol.settings import validate_settings
 
 # What a rule can watch, per agent and CUDA device (exporter.policy.engine computes them).
 METRICS: dict[str, str] = {
-    "fragmentation_ratio": "(reserved - allocated) / reserved, 0-1",
+    "fragmentation_ratio": "(reserved - allocated) / reserved: the cache's unused share now, 0-1",
+    "peak_fragmentation_ratio": "1 - peak allocated / peak reserved over the report interval, "
+                                "0-1",
     "reserved_share": "reserved bytes / the GPU's total memory (NVML), 0-1",
     "reserved_bytes": "bytes reserved by the allocator",
     "retry_rate": "allocation retries per second, between two reports",

@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from exporter.policy.config import PolicyConfig, Rule
-from exporter.protocol.figures import fragmentation_ratio
+from exporter.protocol.figures import device_peak_fragmentation_ratio, fragmentation_ratio
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.sidecar.registry import AgentState
 
@@ -38,6 +38,7 @@ def device_figures(device: pb.DeviceReport, timestamp: float,
     reserved, allocated = stats.all.reserved_bytes, stats.all.allocated_bytes
     figures = {
         "fragmentation_ratio": fragmentation_ratio(reserved, allocated),
+        "peak_fragmentation_ratio": device_peak_fragmentation_ratio(device),
         "reserved_bytes": float(reserved),
         "pending_events": float(stats.pending_events),
     }

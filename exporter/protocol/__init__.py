@@ -6,7 +6,7 @@
 - `service`: the gRPC service's names and the message-size limit;
 - `nvml`: GPU memory figures through NVML (the agent reads its own GPU, the sidecar every GPU
   it can see);
-- `figures`: figures derived from a report (the fragmentation ratio);
+- `figures`: figures derived from a report (the fragmentation ratios);
 - `settings`: the check of an allocator settings string.
 
 Kept free of imports, like the packages above it: importing the protocol pulls in neither the

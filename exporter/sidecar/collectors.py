@@ -2,9 +2,12 @@
 each scrape (the policy engine's and the admin API's sit beside them, in exporter.policy and
 exporter.admin).
 
-Names follow DESIGN.md "Metric names". Allocator series are labelled by
-rank, local_rank, cuda_device, gpu_uuid (unknown values are empty labels); two agents with the
-same labels (e.g. a restarted process before its predecessor expired) show the latest reporter.
+Names follow DESIGN.md "Metric names". Allocator series are labelled by rank, local_rank,
+cuda_device, gpu_uuid (unknown values are empty labels), plus agent_slot where two live agents'
+labels coincide (exporter.sidecar.series). A departed agent's series give way to a connected
+agent's with the same labels (a restarted process before its predecessor expired). Totals and
+pool breakdowns have names of their own (`…_reserved_bytes` and `…_pool_reserved_bytes{pool}`),
+so that `sum()` over any one metric counts each byte once.
 """
 
 from __future__ import annotations
@@ -21,15 +24,21 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from exporter.protocol.figures import fragmentation_ratio
+from exporter.protocol.figures import device_peak_fragmentation_ratio, fragmentation_ratio
 from exporter.protocol.nvml import GpuMemory, NvmlReader
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.version import PACKAGE_VERSION, PROTOCOL_MAJOR, PROTOCOL_MINOR
 from exporter.sidecar.registry import AgentState, Registry
 from exporter.sidecar.reload import ConfigWatcher
+from exporter.sidecar.series import (
+    SERIES_LABELS,
+    agent_labels,
+    device_labels,
+    label_value,
+    with_slot,
+)
 
 ALLOC = "torch_cuda_allocator"
-SERIES_LABELS = ["rank", "local_rank", "cuda_device", "gpu_uuid"]
 
 # (metric suffix, help, field of PoolStats) for the totals over both pools.
 _POOL_GAUGES = [
@@ -41,15 +50,19 @@ _POOL_GAUGES = [
     ("inactive_split_bytes", "Free bytes inside split segments (not releasable)",
      "inactive_split_bytes"),
     ("segments", "Device allocations (segments) held", "segments"),
-    ("peak_allocated_bytes", "Peak allocated bytes since the last peak reset",
+    ("peak_allocated_bytes", "Peak allocated bytes since the process's last peak reset",
      "peak_allocated_bytes"),
-    ("peak_reserved_bytes", "Peak reserved bytes since the last peak reset", "peak_reserved_bytes"),
+    ("peak_reserved_bytes", "Peak reserved bytes since the process's last peak reset",
+     "peak_reserved_bytes"),
 ]
-# Figures also shown per pool: the same metric with pool="small"|"large" beside the series without
-# a pool label, which is the total (select it with {pool=""}). Peaks are totals only.
-# Kept to the figures that tell the pools apart (each split adds two series per device, and
-# scrape time grows with the series count).
-_POOL_SPLIT = {"allocated_bytes", "reserved_bytes", "inactive_split_bytes"}
+# The pool breakdown, under names of its own (pool="small"|"large"): the figures that tell the
+# pools apart (each adds two series per device, and scrape time grows with the series count).
+_POOL_SPLIT = [
+    ("pool_allocated_bytes", "Bytes handed out to tensors, by pool", "allocated_bytes"),
+    ("pool_reserved_bytes", "Bytes of device memory held, by pool", "reserved_bytes"),
+    ("pool_inactive_split_bytes", "Free bytes inside split segments, by pool",
+     "inactive_split_bytes"),
+]
 
 _COUNTERS = [
     ("alloc_retries", "Allocations that freed cached blocks and retried", "alloc_retries"),
@@ -64,33 +77,35 @@ _COUNTERS = [
 ]
 
 
-def _label(value: int) -> str:
-    return str(value) if value >= 0 else ""
+def _add(family: Metric, labels: dict[str, str], value: float) -> None:
+    # Label sets differ within a family (agent_slot, pool), so samples are added directly
+    # rather than through add_metric, which fixes one set of label names.
+    suffix = "_total" if family.type == "counter" else ""
+    family.samples.append(Sample(family.name + suffix, labels, float(value)))
 
 
-def _add_pool_sample(family: Metric, labels: list[str], pool: str, value: float) -> None:
-    # A family's label names are fixed by add_metric; the per-pool series add one more label.
-    family.samples.append(Sample(family.name, {**dict(zip(SERIES_LABELS, labels, strict=True)),
-                                               "pool": pool}, float(value)))
+DeviceRow = tuple[dict[str, str], AgentState, pb.DeviceReport]
 
 
-DeviceRow = tuple[list[str], AgentState, pb.DeviceReport]
+def _precedence(agent: AgentState) -> tuple[bool, float]:
+    """Which of two agents showing the same series wins: a connected one, else the latest
+    reporter."""
+    return agent.connected, agent.last_report_time or 0.0
 
 
-def latest_device_rows(agents: list[AgentState]) -> list[DeviceRow]:
-    """Each reported device once, under its series labels: the latest reporter wins a clash."""
-    rows: dict[tuple[str, ...], tuple[float, AgentState, pb.DeviceReport]] = {}
+def device_rows(agents: list[AgentState]) -> list[DeviceRow]:
+    """Each reported device once, under its series labels."""
+    rows: dict[tuple[tuple[str, str], ...], DeviceRow] = {}
     for agent in agents:
-        report, when = agent.last_report, agent.last_report_time
-        if report is None or when is None:
+        report = agent.last_report
+        if report is None or agent.last_report_time is None:
             continue
-        ident = agent.identity
         for device in report.devices:
-            labels = (_label(ident.rank), _label(ident.local_rank),
-                      _label(device.cuda_device), device.gpu_uuid)
-            if labels not in rows or rows[labels][0] <= when:
-                rows[labels] = (when, agent, device)
-    return [(list(k), agent, device) for k, (_, agent, device) in rows.items()]
+            labels = with_slot(device_labels(agent.identity, device), agent.series_slot)
+            key = tuple(sorted(labels.items()))
+            if key not in rows or _precedence(rows[key][1]) <= _precedence(agent):
+                rows[key] = (labels, agent, device)
+    return list(rows.values())
 
 
 class AllocatorCollector(Collector):
@@ -102,7 +117,7 @@ class AllocatorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         agents = self._registry.agents()
-        yield from self._allocator_families(latest_device_rows(agents))
+        yield from self._allocator_families(device_rows(agents))
         yield self._info_family(agents)
 
     @staticmethod
@@ -110,12 +125,14 @@ class AllocatorCollector(Collector):
         for suffix, doc, field in _POOL_GAUGES:
             family = GaugeMetricFamily(f"{ALLOC}_{suffix}", doc, labels=SERIES_LABELS)
             for labels, _, device in rows:
-                family.add_metric(labels, getattr(device.allocator.all, field))
-            if field in _POOL_SPLIT:
-                for labels, _, device in rows:
-                    for pool, pool_stats in (("small", device.allocator.small_pool),
-                                             ("large", device.allocator.large_pool)):
-                        _add_pool_sample(family, labels, pool, getattr(pool_stats, field))
+                _add(family, labels, getattr(device.allocator.all, field))
+            yield family
+        for suffix, doc, field in _POOL_SPLIT:
+            family = GaugeMetricFamily(f"{ALLOC}_{suffix}", doc, labels=[*SERIES_LABELS, "pool"])
+            for labels, _, device in rows:
+                for pool, pool_stats in (("small", device.allocator.small_pool),
+                                         ("large", device.allocator.large_pool)):
+                    _add(family, {**labels, "pool": pool}, getattr(pool_stats, field))
             yield family
 
         pending_free = GaugeMetricFamily(
@@ -125,7 +142,17 @@ class AllocatorCollector(Collector):
             f"{ALLOC}_pending_events", "Stream events not yet completed", labels=SERIES_LABELS)
         frag = GaugeMetricFamily(
             f"{ALLOC}_fragmentation_ratio",
-            "(reserved - allocated) / reserved; 0 when nothing is reserved", labels=SERIES_LABELS)
+            "(reserved - allocated) / reserved: the share of the cache unused at this moment "
+            "(high between steps for any healthy cache); 0 when nothing is reserved",
+            labels=SERIES_LABELS)
+        peak_frag = GaugeMetricFamily(
+            f"{ALLOC}_peak_fragmentation_ratio",
+            "1 - peak allocated / peak reserved over the report interval: what the cache holds "
+            "beyond its most-used moment; 0 for an unfragmented cache", labels=SERIES_LABELS)
+        largest_free = GaugeMetricFamily(
+            f"{ALLOC}_largest_free_block_bytes",
+            "The largest cached free block: the biggest request served without a device call "
+            "(absent where the allocator cannot tell)", labels=SERIES_LABELS)
         gc = GaugeMetricFamily(
             f"{ALLOC}_gc_threshold_ratio",
             "garbage_collection_threshold in force (0: off)", labels=SERIES_LABELS)
@@ -137,22 +164,23 @@ class AllocatorCollector(Collector):
             "1 when expandable segments are on", labels=SERIES_LABELS)
         for labels, _, device in rows:
             stats, settings = device.allocator, device.settings
-            pending_free.add_metric(labels, stats.pending_free_bytes)
-            pending_events.add_metric(labels, stats.pending_events)
-            frag.add_metric(labels, fragmentation_ratio(stats.all.reserved_bytes,
-                                                        stats.all.allocated_bytes))
-            for pool, pool_stats in (("small", stats.small_pool), ("large", stats.large_pool)):
-                _add_pool_sample(frag, labels, pool, fragmentation_ratio(
-                    pool_stats.reserved_bytes, pool_stats.allocated_bytes))
-            gc.add_metric(labels, settings.garbage_collection_threshold)
-            max_split.add_metric(labels, settings.max_split_size_bytes or math.inf)
-            expandable.add_metric(labels, 1.0 if settings.expandable_segments else 0.0)
-        yield from (pending_free, pending_events, frag, gc, max_split, expandable)
+            _add(pending_free, labels, stats.pending_free_bytes)
+            _add(pending_events, labels, stats.pending_events)
+            _add(frag, labels, fragmentation_ratio(stats.all.reserved_bytes,
+                                                   stats.all.allocated_bytes))
+            _add(peak_frag, labels, device_peak_fragmentation_ratio(device))
+            if stats.HasField("largest_free_block_bytes"):
+                _add(largest_free, labels, stats.largest_free_block_bytes)
+            _add(gc, labels, settings.garbage_collection_threshold)
+            _add(max_split, labels, settings.max_split_size_bytes or math.inf)
+            _add(expandable, labels, 1.0 if settings.expandable_segments else 0.0)
+        yield from (pending_free, pending_events, frag, peak_frag, largest_free, gc, max_split,
+                    expandable)
 
         for suffix, doc, field in _COUNTERS:
             counter = CounterMetricFamily(f"{ALLOC}_{suffix}", doc, labels=SERIES_LABELS)
             for labels, _, device in rows:
-                counter.add_metric(labels, getattr(device.allocator, field))
+                _add(counter, labels, getattr(device.allocator, field))
             yield counter
 
     @staticmethod
@@ -161,34 +189,36 @@ class AllocatorCollector(Collector):
             ALLOC, "The training process behind the allocator series",
             labels=SERIES_LABELS,
         )
-        seen: set[tuple[str, ...]] = set()
-        for agent in reversed(agents):  # newest first: it wins a label clash
+        shown: dict[tuple[tuple[str, str], ...], tuple[AgentState, dict[str, str]]] = {}
+        for agent in agents:
             ident = agent.identity
             # One info series per device the agent reports, labelled as that device's allocator
             # series, so that `* on(rank, cuda_device) group_left(...) ..._info` joins every one
             # of them — also when the process chose its device after the agent started (as
             # under `allocwatch run`, where the hello names no device yet).
             report = agent.last_report
-            devices = ([(_label(d.cuda_device), d.gpu_uuid) for d in report.devices]
-                       if report is not None and report.devices else [])
-            if not devices:
-                devices = [(_label(ident.cuda_device), ident.gpu_uuid)]
-            for cuda_device, gpu_uuid in devices:
-                labels = [_label(ident.rank), _label(ident.local_rank), cuda_device, gpu_uuid]
-                if tuple(labels) in seen:
+            if report is not None and report.devices:
+                label_sets = [device_labels(ident, d) for d in report.devices]
+            else:
+                label_sets = [agent_labels(ident)]
+            for base in label_sets:
+                labels = with_slot(base, agent.series_slot)
+                key = tuple(sorted(labels.items()))
+                if key in shown and _precedence(agent) < _precedence(shown[key][0]):
                     continue
-                seen.add(tuple(labels))
-                info.add_metric(labels, {
+                shown[key] = (agent, {**labels, **{
                     "backend": ident.backend,
                     "torch_version": ident.torch_version,
                     "cuda_version": ident.cuda_version,
                     "pid": str(ident.pid),
                     "host": ident.host,
                     "training_job": ident.training_job,
-                    "world_size": _label(ident.world_size),
+                    "world_size": label_value(ident.world_size),
                     "agent_version": ident.agent_version,
                     "protocol": agent.protocol,
-                })
+                }})
+        for _, labels in shown.values():
+            info.samples.append(Sample(f"{ALLOC}_info", labels, 1.0))
         return info
 
 
@@ -212,16 +242,16 @@ class GpuCollector(Collector):
         own: dict[str, GpuMemory] = {g.uuid: g for g in (self._nvml.read() if self._nvml else [])}
         gpus: dict[str, tuple[int, int]] = {
             u: (g.total_bytes, g.used_bytes) for u, g in own.items()}
-        for labels, agent, device in latest_device_rows(self._registry.agents()):
+        for labels, agent, device in device_rows(self._registry.agents()):
             uuid = device.gpu_uuid
             mem = device.device_memory if device.HasField("device_memory") else None
             if uuid and uuid not in own and mem is not None:
                 gpus[uuid] = (mem.total_bytes, mem.used_bytes)
             # The agent sees its own PID; the sidecar's NVML matches only in a shared PID space.
             if mem is not None and mem.has_process_used_bytes:
-                process.add_metric(labels, mem.process_used_bytes)
+                _add(process, labels, mem.process_used_bytes)
             elif uuid in own and agent.identity.pid in own[uuid].process_used_bytes:
-                process.add_metric(labels, own[uuid].process_used_bytes[agent.identity.pid])
+                _add(process, labels, own[uuid].process_used_bytes[agent.identity.pid])
         for uuid, (total_bytes, used_bytes) in sorted(gpus.items()):
             total.add_metric([uuid], total_bytes)
             used.add_metric([uuid], used_bytes)
@@ -249,17 +279,24 @@ class AgentsCollector(Collector):
         dropped = CounterMetricFamily("allocwatch_agent_dropped_reports",
                                       "Reports the agent sampled but could not send",
                                       labels=SERIES_LABELS)
-        seen: set[tuple[str, ...]] = set()
-        for agent in reversed(agents):
-            ident = agent.identity
-            labels = [_label(ident.rank), _label(ident.local_rank),
-                      _label(ident.cuda_device), ident.gpu_uuid]
-            if tuple(labels) in seen or agent.last_report is None:
+        shown: dict[tuple[tuple[str, str], ...], tuple[AgentState, dict[str, str], pb.Report]] = {}
+        for agent in agents:
+            if agent.last_report is None:
                 continue
-            seen.add(tuple(labels))
-            last.add_metric(labels, agent.last_report_time or 0.0)
-            dropped.add_metric(labels, agent.last_report.agent.reports_dropped_total)
+            labels = with_slot(agent_labels(agent.identity), agent.series_slot)
+            key = tuple(sorted(labels.items()))
+            if key not in shown or _precedence(shown[key][0]) <= _precedence(agent):
+                shown[key] = (agent, labels, agent.last_report)
+        for agent, labels, report in shown.values():
+            _add(last, labels, agent.last_report_time or 0.0)
+            _add(dropped, labels, report.agent.reports_dropped_total)
         yield from (last, dropped)
+        collisions = CounterMetricFamily(
+            "allocwatch_agent_series_collisions",
+            "Agents accepted whose series labels coincided with a connected agent's; each is "
+            "told apart by its agent_slot label")
+        collisions.add_metric([], self._registry.series_collisions())
+        yield collisions
 
         total = CounterMetricFamily("allocwatch_reports_received",
                                     "Reports received from all agents since the sidecar started")

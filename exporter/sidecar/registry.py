@@ -17,6 +17,7 @@ import time
 from collections import Counter
 
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.sidecar.series import SeriesSlots, labels_of
 
 log = logging.getLogger("exporter.registry")
 
@@ -42,6 +43,8 @@ class AgentState:
     last_report_time: float | None = None  # unix time the sidecar received it
     reports_received: int = 0
     last_result: pb.CommandResult | None = None
+    # 1, or the agent_slot telling it apart from a live agent with the same labels (series.py).
+    series_slot: int = 1
     # Commands to this agent: set by the server while a stream is open.
     session: AgentSession | None = None
 
@@ -131,6 +134,7 @@ class Registry:
         self.reports_received_total = 0
         self.commands_total: Counter[tuple[str, str]] = Counter()
         self.stream_errors_total: Counter[str] = Counter()
+        self.series = SeriesSlots()
         self.ever_connected = False
         # When the last connected agent left (monotonic); None while any is connected.
         self.all_gone_since: float | None = None
@@ -154,6 +158,7 @@ class Registry:
                 # The same agent instance reconnecting (its previous stream broke): keep its report.
                 state.last_report, state.last_report_time = old.last_report, old.last_report_time
                 state.reports_received = old.reports_received
+                state.series_slot = old.series_slot
                 if old.session is not None:
                     old.session.close()
             self._agents[key] = state
@@ -171,6 +176,9 @@ class Registry:
                 return False
             state.last_report = report
             state.last_report_time = time.time()
+            state.series_slot = self.series.place(
+                state.key, labels_of(state.identity, report),
+                {key: agent.connected for key, agent in self._agents.items()})
             return True
 
     def disconnect(self, state: AgentState) -> None:
@@ -197,6 +205,7 @@ class Registry:
             gone = state.disconnected_monotonic
             if not state.connected and gone is not None and now - gone >= self.expiry_seconds:
                 del self._agents[key]
+                self.series.forget(key)
                 log.info("agent expired", extra={"agent": key})
 
     def agents(self) -> list[AgentState]:
@@ -208,6 +217,11 @@ class Registry:
     def get(self, key: str) -> AgentState | None:
         with self._lock:
             return self._agents.get(key)
+
+    def series_collisions(self) -> int:
+        """Agents accepted whose series labels coincided with a live agent's (series.py)."""
+        with self._lock:
+            return self.series.collisions_total
 
     def counters(self) -> tuple[int, dict[tuple[str, str], int], dict[str, int]]:
         with self._lock:

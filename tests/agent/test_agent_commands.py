@@ -51,7 +51,7 @@ def test_real_allocator_figures_reach_metrics(setup) -> None:
              == [float(stats["allocated_bytes.all.current"])], what="allocated bytes")
     assert values(url, "torch_cuda_allocator_reserved_bytes") == [
         float(stats["reserved_bytes.all.current"])]
-    assert values(url, "torch_cuda_allocator_allocated_bytes", pool="small") == [
+    assert values(url, "torch_cuda_allocator_pool_allocated_bytes", pool="small") == [
         float(stats["allocated_bytes.small_pool.current"])]
     assert values(url, "torch_cuda_allocator_device_mallocs_total") == [
         float(stats["num_device_alloc"])]

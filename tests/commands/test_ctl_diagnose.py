@@ -3,6 +3,8 @@ mistakes seen from counters, the snapshot replayed under candidates, and --apply
 
 from __future__ import annotations
 
+import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,7 +14,13 @@ from support.control import connect_agent, start_control_sidecar
 from support.sidecar import MiB
 
 from exporter.cli import main
-from exporter.commands.ctl.diagnose import EXPANDABLE, GC_THRESHOLD, MAX_SPLIT, diagnose
+from exporter.commands.ctl.diagnose import (
+    EXPANDABLE,
+    GC_THRESHOLD,
+    MAX_SPLIT,
+    diagnose,
+    print_diagnosis,
+)
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 
@@ -50,9 +58,13 @@ def test_fragmented_agent_walks_the_order_replays_and_applies(
     out = capsys.readouterr().out
     steps = [line.split(":")[0] for line in out.splitlines() if line[:2] in
              ("1.", "2.", "3.", "4.", "5.")]
-    assert steps == ["1. retries and reserved ÷ allocated", "2. expandable segments",
+    assert steps == ["1. retries and peak fragmentation", "2. expandable segments",
                      "3. max_split_size_mb", "4. garbage_collection_threshold", "5. snapshot"]
-    assert "reserved ÷ allocated = 32.50" in out and "fragmented cache" in out
+    # At its peak the process held 98 MiB in 260 MiB reserved (since its start: the intervals
+    # seen were idle, and say more), and now 8 MiB.
+    assert "peak fragmentation 0.62 (98.0 MiB allocated at the peak of 260.0 MiB reserved, " \
+           "since the process's last peak reset; 252.0 MiB of 260.0 MiB cached and unused " \
+           "right now): no retries, fragmented cache" in out
     assert f"would apply: {EXPANDABLE}" in out
     # The replay measured each candidate on this process's own trace.
     assert "native: peak reserved 260.0 MiB" in out
@@ -107,12 +119,20 @@ def test_diagnose_needs_one_agent(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def device(*, reserved: int, allocated: int, retries: int = 0, expandable: bool = False,
-           gc: float = 0.0, split: int = 0, large_reserved: int = 0) -> dict:
+           gc: float = 0.0, split: int = 0, large_reserved: int = 0,
+           peak_allocated: int | None = None) -> dict:
+    """One device as the admin API shows it; its peaks those of the figures given unless
+    `peak_allocated` says otherwise."""
     counters = dict.fromkeys(("alloc_retries", "ooms", "device_mallocs", "device_frees",
                               "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes",
                               "empty_cache_calls", "allocations"), 0)
     counters["alloc_retries"] = retries
+    peak_allocated = allocated if peak_allocated is None else peak_allocated
     return {"cuda_device": 0, "reserved_bytes": reserved, "allocated_bytes": allocated,
+            "peak_allocated_bytes": peak_allocated, "peak_reserved_bytes": reserved,
+            "peak_fragmentation_ratio": 1 - peak_allocated / reserved,
+            "interval_peaks": {"window": "interval", "allocated_bytes": peak_allocated,
+                               "reserved_bytes": reserved},
             "pending_events": 0, "pending_free_bytes": 0, "counters": counters,
             "large_pool": {"inactive_split_bytes": split, "reserved_bytes": large_reserved},
             "settings": {"expandable_segments": expandable, "garbage_collection_threshold": gc,
@@ -141,22 +161,94 @@ def test_the_snapshot_step_proposes_only_a_setting_under_which_a_recorded_oom_do
         ) -> None:
     from support.capped_run import record_capped_run
 
-    from allocator_ext.replay.cap import resolve_cap
     from allocator_ext.replay.trace import parse_snapshot
     from allocator_ext.replay.tune import tune
+    from exporter.commands.ctl.diagnose import Replayed, replay_cap
 
     snapshot, stats = record_capped_run()  # PyTorch's settings ran out of memory under a cap
     trace = parse_snapshot(snapshot)
-    cap = resolve_cap(trace)
+    cap, described, can_recur = replay_cap(trace, gpu_bytes=80 << 30)
+    assert can_recur and described.startswith("the cap the snapshot keeps (256.00 MiB allowed")
     ranked = tune(trace, cap.device_memory, cap.memory_fraction,
                   candidates=[(s, s, True) for s in ("native", f"native,{EXPANDABLE}")])
     healthy = device(reserved=100 * MiB, allocated=95 * MiB)
     healthy["settings"]["config_string"] = "native"
-    d = diagnose("a", healthy, healthy, 1.0, ranked)
+    d = diagnose("a", healthy, healthy, 1.0, Replayed(ranked, described, can_recur))
     snapshot_step = d.steps[-1]
     assert f"holds {stats['num_ooms']} out-of-memory error(s)" in snapshot_step.finding
     assert f"recorded OOMs recurred: {stats['num_ooms']} of" in snapshot_step.finding
     assert snapshot_step.proposal == d.recommendation == f"native,{EXPANDABLE}"
+
+
+@pytest.fixture
+def capped_agent(tmp_path: Path, request: pytest.FixtureRequest):
+    """An agent whose allocator (PyTorch's settings, history recorded from the start) ran
+    out of memory several times: on a full 256 MiB device, or under a memory fraction of a
+    1 GiB one (request.param)."""
+    from support.capped_run import run_capped_steps
+
+    fraction = request.param
+    running = start_control_sidecar(tmp_path)
+    allocator = ae.Allocator(ae.SimDevice(capacity=(1 << 30) if fraction else 256 * MiB),
+                             "native")
+    if fraction:
+        allocator.set_memory_fraction(fraction)
+    allocator.record_history(True, 1_000_000)
+    agent = connect_agent(running, tmp_path, {0: allocator}, rank=0)
+    (address,) = running.sidecar.admin.addresses()
+    run_capped_steps(allocator)
+    time.sleep(0.2)  # a report with these figures
+    yield address, allocator.stats()
+    agent.stop()
+    running.stop()
+
+
+@pytest.mark.parametrize("capped_agent", [None], indirect=True)
+def test_diagnose_replays_a_live_snapshot_under_what_the_process_could_reserve(
+        capped_agent, capsys: pytest.CaptureFixture[str]) -> None:
+    """A live snapshot keeps no cap; its out-of-memory events keep the GPU's free memory,
+    which, with what the process had reserved, is the cap under which they recur."""
+    address, stats = capped_agent
+    assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+    out = capsys.readouterr().out
+    ooms = stats["num_ooms"]
+    assert f"the snapshot holds {ooms} out-of-memory error(s), which each replay makes again" \
+        in out
+    assert ("replayed under 256.0 MiB, what the process could reserve at its out-of-memory "
+            "errors") in out
+    native = measured(out, "native")
+    assert native.startswith(f"native: peak reserved "
+                             f"{stats['reserved_bytes.all.peak'] / MiB:.1f} MiB")
+    assert native.endswith(f"retries {stats['num_alloc_retries']}, OOMs {ooms} "
+                           f"(recorded OOMs recurred: {ooms} of {ooms})")
+    [proposal] = [line for line in out.splitlines() if line.startswith("recommendation: ")]
+    chosen = proposal.removeprefix("recommendation: ")
+    assert chosen != "native"
+    assert measured(out, chosen).endswith(f"OOMs 0 (recorded OOMs recurred: 0 of {ooms})")
+
+
+def measured(out: str, candidate: str) -> str:
+    """What the snapshot step says it measured under `candidate`."""
+    found = re.search(rf"(?:^|[:;] ){re.escape(candidate)}(: peak reserved [^;—]*[^;— ])", out,
+                      re.MULTILINE)
+    assert found, (candidate, out)
+    return candidate + found.group(1)
+
+
+@pytest.mark.parametrize("capped_agent", [0.25], indirect=True)
+def test_diagnose_proposes_nothing_from_a_snapshot_whose_errors_a_memory_fraction_made(
+        capped_agent, capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU had room at each error: the process's memory fraction failed them, and the
+    snapshot does not keep it, so no replay here can say which setting avoids them."""
+    address, stats = capped_agent
+    assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+    out = capsys.readouterr().out
+    [step] = [line for line in out.splitlines() if line.startswith("5. snapshot: ")]
+    assert (f"the snapshot holds {stats['num_ooms']} out-of-memory error(s), but the GPU had "
+            "room for the requests that failed: a per-process memory fraction") in step
+    assert "none is proposed" in step
+    assert "would apply" not in out.split("5. snapshot: ")[1].split("\n")[1]
+    assert "lowest peak reserved" not in step and "do best" not in step
 
 
 def test_diagnose_refuses_to_replay_a_snapshot_with_no_events(
@@ -175,3 +267,30 @@ def test_diagnose_refuses_to_replay_a_snapshot_with_no_events(
     out = capsys.readouterr().out
     assert "cannot be replayed" in out and "no recorded events for device 0" in out
     assert "do best" not in out
+
+
+def test_a_cache_idle_between_steps_but_compact_at_its_peak_is_not_called_fragmented(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Between steps 75 % of the cache holds freed activations; at the step's peak it holds
+    # 1.005 × what is allocated.
+    between_steps = device(reserved=200 * MiB, allocated=50 * MiB, expandable=True,
+                           peak_allocated=199 * MiB)
+    d = diagnose("a", between_steps, between_steps, 1.0)
+    print_diagnosis(d, sys.stdout)
+    out = capsys.readouterr().out
+    assert "compact cache" in out and "fragmented" not in out
+    assert "150.0 MiB of 200.0 MiB cached and unused right now" in out
+    assert "recommendation: none: nothing to change" in out
+
+
+def test_fragmentation_with_every_fix_in_force_never_says_nothing_to_change(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    stuck = device(reserved=200 * MiB, allocated=50 * MiB, expandable=True, gc=0.8,
+                   peak_allocated=100 * MiB)
+    d = diagnose("a", stuck, stuck, 1.0)
+    assert d.recommendation is None
+    print_diagnosis(d, sys.stdout)
+    out = capsys.readouterr().out
+    assert "peak fragmentation 0.50" in out and "fragmented cache" in out
+    assert "nothing to change" not in out
+    assert "recommendation: none of the settings above" in out

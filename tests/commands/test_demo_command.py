@@ -3,7 +3,9 @@ live summary read back from /metrics."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_demo_prints_address_and_live_summary() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "exporter.cli", "demo", "--duration", "5", "--port", "0",
+        [sys.executable, "-m", "exporter.cli", "demo", "--duration", "9", "--port", "0",
          "--workload", "sim"], capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -32,8 +34,59 @@ def test_demo_prints_address_and_live_summary() -> None:
     reserved = [float(m.group(1)) for line in lines
                 if (m := re.search(r"reserved\s+([\d.]+) GiB", line))]
     assert max(reserved) > 0, "the workload's figures never reached /metrics"
+    # The headline is the peak figure (shown once a few seconds of readings span a pass of
+    # the trace): allocwatch's allocator strands little at its peak, though most of its cache
+    # is unused between the trace's steps.
+    assert "peak fragmentation      -" in lines[0]
+    peak = [float(m.group(1)) for line in lines
+            if (m := re.search(r"peak fragmentation\s+([\d.]+)%", line))]
+    unused = [float(m.group(1)) for line in lines if (m := re.search(r"unused now\s+([\d.]+)%",
+                                                                       line))]
+    assert peak and max(peak) < 5 and max(unused) > 30, out
     assert "agents 1" in lines[-1]
     assert out.rstrip().endswith("allocwatch demo: done")
+
+
+def test_the_printed_ctl_line_works_as_printed() -> None:
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "allocwatch").exists():
+        pytest.skip(f"the allocwatch command is not installed beside {sys.executable}")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    demo = subprocess.Popen(
+        ["allocwatch", "demo", "--duration", "30", "--port", "0", "--workload", "sim"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert demo.stdout is not None
+        printed = []
+        for line in demo.stdout:  # up to the first figures: the agent has connected by then
+            printed.append(line)
+            if "agents 1" in line:
+                break
+        ctl = [line.strip() for line in printed if line.strip().startswith("allocwatch ctl")]
+        assert len(ctl) == 1, "".join(printed)
+        assert re.search(r"admin API: unix://\S+admin\.sock", "".join(printed))
+        result = subprocess.run(ctl[0], shell=True, capture_output=True, text=True, env=env,
+                                timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "allocwatch-demo" in result.stdout and "connected" in result.stdout
+    finally:
+        demo.send_signal(signal.SIGINT)
+        demo.communicate(timeout=60)
+
+
+def test_demo_without_a_gpu_refuses_the_gpu_workload() -> None:
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the GPU workload runs")
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter.cli", "demo", "--workload", "gpu", "--duration", "5"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--workload gpu needs a CUDA GPU" in result.stderr and "sees no CUDA GPU" in \
+        result.stderr
+    assert "reserved" not in result.stdout  # no run of zeros
 
 
 def test_sim_workload_drives_the_allocator_until_stopped() -> None:

@@ -72,7 +72,9 @@ def test_a_runtime_change_touches_only_the_named_keys() -> None:
     ("no_such_key:1", "no_such_key"),
     ("backend:cudaMallocAsync", "backend:cudaMallocAsync"),
     ("expandable_segments", "missing"),
-    ("expandable_segments:True,", "trailing"),
+    ("expandable_segments:True,", "invalid allocator settings 'expandable_segments:True,': "
+                                  "it ends with ','"),
+    ("native,,garbage_collection_threshold:0.8", "an empty entry between two ','"),
     ("expandable_segments:True,native", "the preset must come first"),
     ("expandable_grow_mb:3", "multiple of 2"),
 ])

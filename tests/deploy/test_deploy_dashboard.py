@@ -104,7 +104,8 @@ def test_units_match_what_the_panels_show() -> None:
         if p["type"] == "timeseries"
     }
     assert units["Allocated vs reserved vs device used"] == "bytes"
-    assert units["Fragmentation ratio"] == "percentunit"
+    assert units["Peak fragmentation"] == "percentunit"
+    assert units["Unused share of the cache"] == "percentunit"
     assert units["Allocation retries and out-of-memory errors"] == "ops"
     assert units["Pending free bytes"] == "bytes"
     assert units["Pending events"] == "short"
@@ -117,6 +118,10 @@ def test_the_issue_panels_are_there() -> None:
         "torch_cuda_allocator_reserved_bytes",
         "allocwatch_gpu_memory_used_bytes",
         "torch_cuda_allocator_fragmentation_ratio",
+        "torch_cuda_allocator_peak_fragmentation_ratio",
+        "torch_cuda_allocator_largest_free_block_bytes",
+        "torch_cuda_allocator_pool_reserved_bytes",
+        "allocwatch_agent_series_collisions_total",
         "torch_cuda_allocator_alloc_retries_total",
         "torch_cuda_allocator_ooms_total",
         "torch_cuda_allocator_pending_events",
@@ -132,6 +137,23 @@ def test_the_issue_panels_are_there() -> None:
     assert dcgm and all(
         'label_replace(DCGM_FI_DEV_FB_USED, "gpu_uuid", "$1", "UUID", "(.*)")' in e for e in dcgm
     )
+
+
+def test_the_fragmentation_threshold_is_drawn_on_the_peak_figure() -> None:
+    panels = {p["title"]: p for p in PANELS}
+    peak = panels["Peak fragmentation"]
+    assert peak["fieldConfig"]["defaults"]["thresholds"]["steps"][-1]["value"] == 0.25
+    assert all("peak_fragmentation_ratio" in t["expr"] for t in peak["targets"])
+    assert "thresholds" not in panels["Unused share of the cache"]["fieldConfig"]["defaults"]
+
+
+def test_no_query_selects_a_pool_label_on_the_totals() -> None:
+    """Totals and the pool breakdown have names of their own: no {pool=""} needed, and the
+    breakdown is read only from its own names."""
+    for title, t in TARGETS:
+        assert 'pool=""' not in t["expr"], title
+        if "pool" in t["legendFormat"]:
+            assert "_pool_" in t["expr"], title
 
 
 def test_every_expression_parses(tmp_path) -> None:

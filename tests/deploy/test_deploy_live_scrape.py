@@ -213,16 +213,16 @@ def test_the_design_names_are_what_the_sidecar_exposes(live: Scrape) -> None:
 def test_allocator_series_carry_the_labels_the_dashboard_uses(live: Scrape) -> None:
     reserved = live.series("torch_cuda_allocator_reserved_bytes")
     totals = [labels for labels in reserved if "pool" not in labels]
-    # The rules and panels select {pool=""}: the totals must exist without a pool label.
-    assert len(totals) == 1, reserved
+    # Totals and the pool breakdown have names of their own: sum() counts each byte once.
+    assert len(totals) == 1 and totals == reserved, reserved
     assert (
         totals[0]["rank"] == "3"
         and totals[0]["local_rank"] == "3"
         and totals[0]["cuda_device"] == "0"
     )
     assert totals[0]["gpu_uuid"] == GPU_UUID
-    for labels in reserved:
-        assert labels.get("pool", "small") in ("small", "large")
+    pools = live.series("torch_cuda_allocator_pool_reserved_bytes")
+    assert sorted(labels["pool"] for labels in pools) == ["large", "small"]
     # No pod/namespace on allocator series: Prometheus adds the target's own.
     for name, labels, _ in live.samples:
         if name.startswith("torch_cuda_allocator_"):

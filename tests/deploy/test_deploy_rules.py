@@ -89,7 +89,8 @@ def test_every_alert_is_tested_firing_and_not_firing(alert: str) -> None:
 def test_the_alerts_the_issue_asks_for_exist() -> None:
     expressions = " ".join(a["expr"] for a in ALERTS)
     for needle in [
-        "torch_cuda_allocator_fragmentation_ratio",
+        "min_over_time(torch_cuda_allocator_peak_fragmentation_ratio[",
+        "predict_linear(min_over_time(torch_cuda_allocator_allocated_bytes[",
         "torch_cuda_allocator_alloc_retries_total",
         "torch_cuda_allocator_ooms_total",
         "allocwatch_gpu_memory_total_bytes",
@@ -101,9 +102,16 @@ def test_the_alerts_the_issue_asks_for_exist() -> None:
     ]:
         assert needle in expressions, needle
     records = {r["record"] for r in RECORDS}
-    assert any("fragmentation" in r for r in records) and any(
+    assert any("peak_fragmentation" in r for r in records) and any(
         "unused_reserved_bytes" in r for r in records
     )
+
+
+def test_no_alert_fires_on_the_caches_idle_share() -> None:
+    """fragmentation_ratio is high between steps for any healthy cache: alerts read the peak
+    figure."""
+    for alert in ALERTS:
+        assert "torch_cuda_allocator_fragmentation_ratio" not in alert["expr"], alert["alert"]
 
 
 @pytest.mark.parametrize("alert", ALERTS, ids=lambda a: a["alert"])

@@ -18,6 +18,7 @@ from support.paths import RECORDED_TRACES, REPO
 
 from allocator_ext.replay import Replayer, TraceError, load_cost_table, load_trace, replay
 from allocator_ext.replay.cap import resolve_cap
+from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import RECORDING_KEY, parse_snapshot
 from allocator_ext.replay.tune import RECORDED, candidates_for, recommended, tune
 
@@ -59,7 +60,7 @@ def test_a_recorded_oom_recurs_under_the_recorded_cap() -> None:
     assert (r["recorded_ooms_recurred"], r["recorded_ooms_survived"]) == (1, 0)
     [oom] = r["recorded_ooms"]
     assert oom == {"event_index": 2, "size": 40 * MiB, "stream": 0, "device_free": 32 * MiB,
-                   "time_s": 2e-6, "recurred": True}
+                   "time_s": 2e-6, "time_us": 3, "recurred": True}
     assert r["peak_requested_bytes"] == 40 * MiB  # the failed request never counted
 
 
@@ -182,6 +183,39 @@ def test_pytorchs_settings_under_the_recorded_cap_reproduce_every_oom_and_retry(
     assert r["num_device_free"] == stats["num_device_free"]
 
 
+def test_a_trace_that_keeps_no_cap_says_its_errors_cannot_recur_and_which_cap_to_give(
+        tmp_path: Path) -> None:
+    """PyTorch's own snapshot of a run that filled its device keeps no cap: replayed without
+    one, its errors cannot recur. The report says so, and the cap that reproduces them: what
+    the run had reserved plus the device's free memory at each error."""
+    snapshot, stats = record_capped_run(total=256 * MiB, fraction=None, keep_cap=False)
+    assert stats["num_ooms"] >= 3
+    path = write(snapshot, tmp_path / "full.pickle.gz")
+    out = run_cli("replay", str(path), "--config", "native")
+    assert out.returncode == 0, out.stderr
+    assert (f"cap                none: the trace holds {stats['num_ooms']} out-of-memory "
+            "error(s) but keeps no cap, and without one none can recur: give --device-memory "
+            f"{256 * MiB} (256.00 MiB") in out.stdout
+    out = run_cli("replay", str(path), "--config", "native", "--device-memory", str(256 * MiB),
+                  "--json")
+    r = json.loads(out.stdout)
+    assert r["num_ooms"] == r["recorded_ooms_recurred"] == stats["num_ooms"]
+    assert r["num_alloc_retries"] == stats["num_alloc_retries"]
+    assert r["peak_reserved_bytes"] == stats["reserved_bytes.all.peak"]
+    # tune, likewise: no claim that a candidate avoids what cannot recur.
+    out = run_cli("tune", str(path), "--json")
+    assert "these replays had no cap, so no error could recur" in json.loads(out.stdout)["why"]
+
+
+def test_a_trace_whose_device_had_room_asks_for_the_memory_fraction() -> None:
+    snapshot, _ = record_capped_run(keep_cap=False)  # a fraction of 0.25 failed it
+    cap = resolve_cap(parse_snapshot(snapshot))
+    assert cap.device_memory == 0 and cap.memory_fraction is None
+    assert "a memory fraction was in force: give it with --memory-fraction" in cap.describe()
+    # Given the cap, no note: the errors can recur.
+    assert "none" not in resolve_cap(parse_snapshot(snapshot), 1 << 30, 0.25).describe()
+
+
 def test_tune_recommends_only_settings_under_which_no_recorded_oom_recurs(
         tmp_path: Path) -> None:
     snapshot, stats = record_capped_run()
@@ -203,6 +237,12 @@ def test_tune_recommends_only_settings_under_which_no_recorded_oom_recurs(
     [chosen] = [c for c in result["candidates"] if c["name"] == result["recommended"]["name"]]
     assert chosen["recorded_ooms_recurred"] == 0 and chosen["num_ooms"] == 0
     assert "only a candidate under which no out-of-memory error recurs" in result["why"]
+    # What PyTorch's defaults reserved stopped short of their failed requests: no "saving".
+    assert f"PyTorch's defaults ran out of memory {stats['num_ooms']} time(s) here." \
+        in result["why"]
+    assert "saves" not in result["why"]
+    assert f"reserves the least at its peak ({format_size(chosen['peak_reserved_bytes'])}, " \
+        in result["why"]
 
 
 def test_tune_says_there_is_no_recommendation_when_every_candidate_fails(
@@ -229,27 +269,56 @@ def test_the_recorded_settings_are_a_candidate_of_their_own() -> None:
 
 # --- out-of-memory traces recorded on the H200 (bench/replay/record_traces.py --oom) ------------
 
+NO_OOM_TRACES = (f"no out-of-memory traces recorded on a GPU yet ({OOM_MANIFEST} is absent; "
+                 "bench/replay/record_traces.py --oom --out tests/data/traces records them)")
+
+
+def _oom_manifest() -> dict[str, Any] | None:
+    return json.loads(OOM_MANIFEST.read_text()) if OOM_MANIFEST.exists() else None
+
+
 def _oom_traces() -> list[Any]:
-    if not OOM_MANIFEST.exists():
-        return [pytest.param(None, marks=pytest.mark.skip(
-            reason=f"no out-of-memory traces recorded on a GPU yet ({OOM_MANIFEST} is absent; "
-                   "bench/replay/record_traces.py --oom records them)"))]
+    manifest = _oom_manifest()
+    if manifest is None:
+        return [pytest.param(None, marks=pytest.mark.skip(reason=NO_OOM_TRACES))]
     return [pytest.param(t, id=t["file"].split(".")[0])
-            for t in json.loads(OOM_MANIFEST.read_text())["traces"] if t["status"] == "ok"]
+            for t in manifest["traces"] if t["status"] == "ok"]
+
+
+def test_the_oom_manifest_holds_traces_that_ran_out_of_memory() -> None:
+    """Once the manifest is there, the reproduction below runs: it cannot pass by having no
+    trace to run on."""
+    manifest = _oom_manifest()
+    if manifest is None:
+        pytest.skip(NO_OOM_TRACES)
+    ok = [t for t in manifest["traces"] if t["status"] == "ok"]
+    assert ok, f"{OOM_MANIFEST} lists no trace that ran out of memory: {manifest['traces']}"
+    for entry in ok:
+        assert (RECORDED_TRACES / entry["file"]).is_file(), entry["file"]
+        assert entry["stats"]["num_ooms"] > 0 and entry["memory_fraction"] is not None
 
 
 @pytest.mark.parametrize("entry", _oom_traces())
-def test_a_recorded_oom_trace_reproduces_its_ooms_and_retries(entry: dict) -> None:
-    """PyTorch's settings under the cap the trace keeps: the recorded errors, retries and
-    reserved memory, exactly."""
-    trace = load_trace(RECORDED_TRACES / entry["file"])
-    cap = resolve_cap(trace)
-    assert cap.sources() == {"memory_fraction": "recording", "device_memory": "recording"}
-    conf = entry["pytorch_cuda_alloc_conf"]
-    r = replay(trace, config="native" + (f",{conf}" if conf else ""),
-               device_memory=cap.device_memory, memory_fraction=cap.memory_fraction).report
-    assert entry["stats"]["num_ooms"] > 0
-    assert r["num_ooms"] == entry["stats"]["num_ooms"] == r["recorded"]["num_ooms"]
-    assert r["recorded_ooms_recurred"] == r["recorded"]["num_ooms"]
-    assert r["num_alloc_retries"] == entry["stats"]["num_alloc_retries"]
-    assert r["peak_reserved_bytes"] == entry["stats"]["reserved_bytes.all.peak"]
+def test_a_recorded_oom_trace_reproduces_its_ooms_and_retries(
+        entry: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """`allocwatch replay --config native,<the recorded settings> --json`, under the cap the
+    trace keeps: exactly the recorded run's out-of-memory errors, each where it happened, its
+    retries, peak reserved memory and device allocations and frees."""
+    from exporter.cli import main
+
+    path = RECORDED_TRACES / entry["file"]
+    trace = load_trace(path)
+    conf = trace.recorded_config  # the settings as the snapshot itself keeps them
+    assert conf == entry["pytorch_cuda_alloc_conf"]
+    assert main(["replay", str(path), "--config", "native" + (f",{conf}" if conf else ""),
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["cap_from"] == {"memory_fraction": "recording", "device_memory": "recording"}
+    stats = entry["stats"]
+    assert r["num_ooms"] == stats["num_ooms"] == r["recorded"]["num_ooms"] > 0
+    assert r["recorded_ooms_recurred"] == stats["num_ooms"]
+    assert r["recorded_ooms_survived"] == 0
+    assert r["num_alloc_retries"] == stats["num_alloc_retries"]
+    assert r["peak_reserved_bytes"] == stats["reserved_bytes.all.peak"]
+    assert r["num_device_alloc"] == stats["num_device_alloc"]
+    assert r["num_device_free"] == stats["num_device_free"]

@@ -78,3 +78,33 @@ def test_tune_on_the_shared_traces_recommends_the_least_reserved(shared_traces: 
     assert chosen in survivors
     assert chosen["peak_reserved_bytes"] == min(c["peak_reserved_bytes"] for c in survivors)
     assert "reserves the least" in result["recommended"]["why"]
+
+
+def test_the_chart_of_a_small_trace_reads_in_mib_and_its_long_title_fits() -> None:
+    """A trace of a few hundred MiB in GiB reads 0.19 for every bar; a title with the cap's
+    description ran off the figure's right edge."""
+    plt = pytest.importorskip("matplotlib.pyplot", reason="the plot extra is absent")
+    from support.capped_run import record_capped_run
+
+    from allocator_ext.replay.cap import resolve_cap
+    from allocator_ext.replay.trace import parse_snapshot
+    from allocator_ext.replay.tune import recommended
+    from exporter.commands.tune import chart
+
+    trace = parse_snapshot(record_capped_run()[0])
+    cap = resolve_cap(trace)
+    ranked = tune(trace, cap.device_memory, cap.memory_fraction,
+                  candidates=[(s, s, True) for s in ("native", "native,expandable_segments:True")])
+    title = ("allocwatch tune: peak reserved by setting\n"
+             f"/a/long/path/x.pickle.gz ({cap.describe()})")
+    fig = chart(ranked, recommended(ranked), peak_requested_bytes(trace), title)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.texts]
+    assert "206.00 MiB  (1.054×)" in labels and "196.00 MiB, 4 OOMs" in labels
+    assert ax.get_xlabel().startswith("peak reserved (MiB)")
+    assert ax.get_title(loc="left").replace("\n", "").replace(" ", "") == \
+        title.replace("\n", "").replace(" ", "")
+    box = ax._left_title.get_window_extent()  # matplotlib's artist of a loc="left" title
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width
+    plt.close(fig)

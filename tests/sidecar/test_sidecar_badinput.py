@@ -19,6 +19,7 @@ from allocator_ext.agent import start_agent
 from allocator_ext.agent.identity import build_identity
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.service import CONNECT_METHOD
+from exporter.protocol.version import PROTOCOL_MINOR
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,7 +181,8 @@ def test_out_of_order_report_is_ignored(served) -> None:
 
 
 @pytest.mark.parametrize("major, minor, accepted", [
-    (1, 0, True), (1, 1, True), (1, 2, False), (2, 0, False), (0, 0, False)])
+    (1, PROTOCOL_MINOR - 1, True), (1, PROTOCOL_MINOR, True), (1, PROTOCOL_MINOR + 1, True),
+    (1, PROTOCOL_MINOR + 2, False), (2, PROTOCOL_MINOR, False), (0, 0, False)])
 def test_protocol_version_negotiation(served, major, minor, accepted) -> None:
     running, url, target, agent = served
     hello = pb.AgentMessage(hello=pb.Hello(
@@ -195,7 +197,8 @@ def test_protocol_version_negotiation(served, major, minor, accepted) -> None:
         call = connect(iter(outgoing.get, None), timeout=10)
         if accepted:
             welcome = next(call).welcome
-            assert (welcome.protocol_version.major, welcome.protocol_version.minor) == (1, 0)
+            assert (welcome.protocol_version.major,
+                    welcome.protocol_version.minor) == (1, PROTOCOL_MINOR)
             outgoing.put(None)
             call.cancel()
         else:
@@ -204,7 +207,8 @@ def test_protocol_version_negotiation(served, major, minor, accepted) -> None:
             outgoing.put(None)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert (f"agent protocol version {major}.{minor} is not supported: this side "
-                    "speaks 1.0 and accepts 1.0–1.1") in err.value.details()
+                    f"speaks 1.{PROTOCOL_MINOR} and accepts 1.{PROTOCOL_MINOR - 1}–"
+                    f"1.{PROTOCOL_MINOR + 1}") in err.value.details()
     _still_served(url, agent)
 
 

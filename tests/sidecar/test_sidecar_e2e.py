@@ -27,7 +27,8 @@ DESIGN_NAMES = [
         "allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes",
         "inactive_split_bytes", "pending_free_bytes", "pending_events", "segments",
         "peak_allocated_bytes", "peak_reserved_bytes", "fragmentation_ratio",
-        "gc_threshold_ratio", "max_split_size_bytes", "expandable_segments")),
+        "peak_fragmentation_ratio", "gc_threshold_ratio", "max_split_size_bytes",
+        "expandable_segments", "pool_reserved_bytes", "pool_allocated_bytes")),
     *(f"torch_cuda_allocator_{n}_total" for n in (
         "alloc_retries", "ooms", "device_mallocs", "device_frees", "sync_all_streams",
         "gc_reclaims", "gc_reclaimed_bytes", "empty_cache_calls", "allocations")),
@@ -37,7 +38,9 @@ DESIGN_NAMES = [
     "allocwatch_build_info",
 ]
 # Families DESIGN.md names whose samples appear only once something happened.
-DESIGN_FAMILIES_WITHOUT_SAMPLES_YET = ["allocwatch_commands", "allocwatch_policy_actions"]
+# largest_free_block_bytes: only from sources that can tell (test_sidecar_figures.py).
+DESIGN_FAMILIES_WITHOUT_SAMPLES_YET = ["allocwatch_commands", "allocwatch_policy_actions",
+                                       "torch_cuda_allocator_largest_free_block_bytes"]
 
 
 @pytest.fixture
@@ -74,9 +77,13 @@ def test_counters_reach_metrics_with_the_design_names(sidecar) -> None:
         got = samples(url)
         key = lambda name, **extra: (name, tuple(sorted({**labels, **extra}.items())))  # noqa: E731
         assert got[key("torch_cuda_allocator_reserved_bytes")] == 40 * MiB
-        assert got[key("torch_cuda_allocator_reserved_bytes", pool="small")] == 12 * MiB
-        assert got[key("torch_cuda_allocator_reserved_bytes", pool="large")] == 28 * MiB
+        assert got[key("torch_cuda_allocator_pool_reserved_bytes", pool="small")] == 12 * MiB
+        assert got[key("torch_cuda_allocator_pool_reserved_bytes", pool="large")] == 28 * MiB
+        assert not [n for (n, ls) in got if n == "torch_cuda_allocator_reserved_bytes"
+                    and "pool" in dict(ls)], "totals and the pool split share no name"
         assert got[key("torch_cuda_allocator_fragmentation_ratio")] == pytest.approx(0.25)
+        # A source without interval peaks: its peaks since the last reset, 35 of 44 MiB.
+        assert got[key("torch_cuda_allocator_peak_fragmentation_ratio")] == pytest.approx(9 / 44)
         assert got[key("torch_cuda_allocator_ooms_total")] == 1
         assert got[key("torch_cuda_allocator_device_mallocs_total")] == 9
         assert got[key("torch_cuda_allocator_max_split_size_bytes")] == float("inf")

@@ -13,14 +13,26 @@ from allocator_ext.replay.trace import RECORDING_KEY
 MiB = 1 << 20
 
 
-def record_capped_run(total: int = 1 << 30, fraction: float = 0.25
-                      ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A training-like loop on PyTorch's settings under a memory fraction, which skips a step
-    that runs out of memory (as jobs that survive one do): its snapshot, in PyTorch's layout,
-    with the cap kept as allocwatch's recorders keep it, and its final statistics."""
+def record_capped_run(total: int = 1 << 30, fraction: float | None = 0.25,
+                      keep_cap: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """run_capped_steps on PyTorch's settings on a device of `total` bytes, under a memory
+    fraction unless None: its snapshot, in PyTorch's layout, with the cap kept as allocwatch's
+    recorders keep it where `keep_cap` (PyTorch's own snapshot keeps none), and its final
+    statistics."""
     allocator = ae.Allocator(ae.SimDevice(capacity=total), "native")
-    allocator.set_memory_fraction(fraction)
+    if fraction is not None:
+        allocator.set_memory_fraction(fraction)
     allocator.record_history(True, 1_000_000)
+    run_capped_steps(allocator)
+    snapshot = allocator.snapshot()
+    if keep_cap:
+        snapshot[RECORDING_KEY] = {"memory_fraction": fraction, "device_total_bytes": total}
+    return snapshot, allocator.stats()
+
+
+def run_capped_steps(allocator: Any) -> None:
+    """A training-like loop that skips a step that runs out of memory (as jobs that survive
+    one do): under PyTorch's settings it fails several times in 256 MiB."""
     rng = random.Random(3)
     for _weight in range(4):  # allocated once and kept, as a model's weights are
         allocator.malloc(rng.choice([3, 7, 30]) * MiB)
@@ -34,6 +46,3 @@ def record_capped_run(total: int = 1 << 30, fraction: float = 0.25
             pass
         for ptr in reversed(live):
             allocator.free(ptr)
-    snapshot = allocator.snapshot()
-    snapshot[RECORDING_KEY] = {"memory_fraction": fraction, "device_total_bytes": total}
-    return snapshot, allocator.stats()

@@ -37,12 +37,17 @@ SIDECAR_METRICS = frozenset(
             "peak_allocated",
             "peak_reserved",
             "max_split_size",
+            "largest_free_block",
+            "pool_allocated",
+            "pool_reserved",
+            "pool_inactive_split",
         )
     ]
     + [
         "torch_cuda_allocator_pending_events",
         "torch_cuda_allocator_segments",
         "torch_cuda_allocator_fragmentation_ratio",
+        "torch_cuda_allocator_peak_fragmentation_ratio",
         "torch_cuda_allocator_gc_threshold_ratio",
         "torch_cuda_allocator_expandable_segments",
         "torch_cuda_allocator_info",
@@ -69,6 +74,7 @@ SIDECAR_METRICS = frozenset(
         "allocwatch_agent_last_report_timestamp_seconds",
         "allocwatch_reports_received_total",
         "allocwatch_agent_dropped_reports_total",
+        "allocwatch_agent_series_collisions_total",
         "allocwatch_commands_total",
         "allocwatch_policy_actions_total",
         "allocwatch_build_info",

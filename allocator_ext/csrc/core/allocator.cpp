@@ -230,6 +230,8 @@ void CachingAllocator::count_reserved(BlockPool& pool, TraceAction how, std::uin
   total_allocated_memory_ += size;
   reserved_high_water_ = std::max(reserved_high_water_, total_allocated_memory_);
   stats_.reserved_bytes.increase(kind, static_cast<std::int64_t>(size));
+  stats_.interval_peaks.reserved_bytes = std::max(
+      stats_.interval_peaks.reserved_bytes, stats_.reserved_bytes.by_pool[kAggregate].current);
   stats_.num_device_alloc++;
   if (segment) {
     stats_.segment.increase(kind, 1);
@@ -319,6 +321,8 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
 
   stats_.allocation.increase(kind, 1);
   stats_.allocated_bytes.increase(kind, static_cast<std::int64_t>(block->size));
+  stats_.interval_peaks.allocated_bytes = std::max(
+      stats_.interval_peaks.allocated_bytes, stats_.allocated_bytes.by_pool[kAggregate].current);
   stats_.active.increase(kind, 1);
   stats_.active_bytes.increase(kind, static_cast<std::int64_t>(block->size));
   stats_.requested_bytes.increase(kind, static_cast<std::int64_t>(block->requested_size));

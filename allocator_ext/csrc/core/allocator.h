@@ -125,6 +125,10 @@ class CachingAllocator {
   std::map<std::string, std::int64_t> stats() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
+  // Allocated and reserved bytes at their highest since the previous call (or since the
+  // allocator was made), then a new window starting from the current values. Independent of
+  // reset_peak_stats(): the user's peaks are never touched.
+  IntervalPeaks take_interval_peaks();
 
   // --- private pools for CUDA graph capture ---
   // Makes the pool if it does not exist (plain_segments: PrivatePool's), else shares it.

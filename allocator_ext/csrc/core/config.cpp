@@ -35,6 +35,13 @@ std::vector<std::string> lex(const std::string& text) {
   throw ConfigError(msg.str());
 }
 
+// An error in the string as a whole (not one key's): the string itself is what to show.
+[[noreturn]] void fail_text(const std::string& text, const std::string& why) {
+  Text msg;
+  msg << "invalid allocator settings '" << text << "': " << why;
+  throw ConfigError(msg.str());
+}
+
 // Strict unsigned parse: digits only (PyTorch's stoi accepts "12abc"; a typo should not pass).
 std::size_t parse_count(const std::string& key, const std::string& value) {
   if (value.empty() || !std::all_of(value.begin(), value.end(), ::isdigit))
@@ -295,7 +302,7 @@ AllocatorConfig apply_config(const AllocatorConfig& base, const std::string& tex
   bool first = true;
   while (!tok.done()) {
     std::string key = tok.take("settings", "key");
-    if (key == "," ) fail("settings", text, "empty entry");
+    if (key == ",") fail_text(text, "an empty entry between two ','");
     if (key == "native") {
       if (!first) fail("native", "", "the preset must come first");
       cfg = AllocatorConfig::native();
@@ -306,7 +313,7 @@ AllocatorConfig apply_config(const AllocatorConfig& base, const std::string& tex
     if (!tok.done()) {
       std::string sep = tok.take(key, "','");
       if (sep != ",") fail(key, sep, "expected ',' between settings");
-      if (tok.done()) fail("settings", text, "trailing ','");
+      if (tok.done()) fail_text(text, "it ends with ',' (remove it, or add a key:value after it)");
     }
   }
   return cfg;

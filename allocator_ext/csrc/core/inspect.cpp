@@ -69,6 +69,14 @@ void CachingAllocator::reset_peak_stats() {
   stats_.reset_peak();
 }
 
+IntervalPeaks CachingAllocator::take_interval_peaks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const IntervalPeaks taken = stats_.interval_peaks;
+  stats_.interval_peaks = {stats_.allocated_bytes.by_pool[kAggregate].current,
+                           stats_.reserved_bytes.by_pool[kAggregate].current};
+  return taken;
+}
+
 void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.reset_accumulated();

@@ -53,6 +53,11 @@ struct StatArray {
   }
 };
 
+struct IntervalPeaks {
+  std::int64_t allocated_bytes = 0;
+  std::int64_t reserved_bytes = 0;
+};
+
 struct DeviceStats {
   StatArray allocation;            // blocks handed out
   StatArray segment;               // device allocations (cudaMalloc'd or mapped ranges)
@@ -75,6 +80,10 @@ struct DeviceStats {
   std::int64_t num_gc_reclaims = 0;       // garbage-collection passes that released memory
   std::int64_t gc_reclaimed_bytes = 0;
   std::int64_t num_empty_cache_calls = 0;
+  // The highest allocated and reserved bytes (all pools) since the last take_interval_peaks():
+  // a window of its own, so that a reader sampling at intervals (the agent) sees each
+  // interval's peak without resetting the peaks torch.cuda.max_memory_allocated() reports.
+  IntervalPeaks interval_peaks;
 
   void reset_peak();
   void reset_accumulated();

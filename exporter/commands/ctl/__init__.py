@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from exporter.commands._arguments import seconds
+
 HELP = "talk to a running sidecar: list agents, change allocator settings, reclaim, snapshot"
 DESCRIPTION = """\
 Talks to the admin API of a running sidecar (docs/sidecar.md, "Admin API"). Commands go to every
@@ -71,7 +73,7 @@ def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
                        help="only this agent (its key, as `ctl agents` shows)")
     where.add_argument("--json", action="store_true", default=default(False),
                        help="print the API's JSON answer")
-    where.add_argument("--timeout", type=float, metavar="S", default=default(120.0),
+    where.add_argument("--timeout", type=seconds(), metavar="S", default=default(120.0),
                        help="seconds to wait for the sidecar (default 120)")
 
 
@@ -95,7 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                  help="fetch the snapshot into FILE (a directory: one file per "
                                       "agent); open it with PyTorch's memory viewer")
     diagnose = sub["diagnose"]
-    diagnose.add_argument("--window", type=float, default=5.0, metavar="S",
+    diagnose.add_argument("--window", type=seconds(zero_allowed=True), default=5.0, metavar="S",
                           help="read the counters twice, S seconds apart, to see rates "
                                "(default 5)")
     diagnose.add_argument("--device", type=int, metavar="N",

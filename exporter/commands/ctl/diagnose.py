@@ -1,7 +1,8 @@
 """`allocwatch ctl diagnose`: the usual out-of-memory troubleshooting order, on one agent's live
 figures.
 
-1. retries and reserved ÷ allocated   (is there pressure? is the cache fragmented?)
+1. retries and peak fragmentation    (is there pressure? does the cache strand memory at its
+                                      peak, not merely hold freed blocks between steps?)
 2. expandable_segments                (the fix for fragmentation, where it is not on yet)
 3. max_split_size_mb                  (the older fix, where expandable segments cannot be used)
 4. garbage_collection_threshold       (release old cached blocks before retrying)
@@ -19,14 +20,15 @@ import argparse
 import dataclasses
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from exporter.commands.ctl.client import AdminClient, CtlError
 from exporter.commands.ctl.output import human_bytes, print_results
+from exporter.protocol.figures import peak_fragmentation_ratio
 
-FRAGMENTED = 1.25            # reserved ÷ allocated above which the cache strands memory
+FRAGMENTED = 0.2             # peak fragmentation from which the cache strands memory (peak
+                             # reserved at least 1.25 × peak allocated)
 SPLIT_SHARE = 0.2            # inactive split bytes ÷ large-pool reserved worth max_split_size_mb
 EMPTY_CACHE_RATE = 0.2       # empty_cache() calls a second that look like "every step"
 PENDING_EVENTS = 100
@@ -49,22 +51,55 @@ class Diagnosis:
     steps: list[Step]
     mistakes: list[str]
     recommendation: str | None
+    # Pressure or fragmentation was found: "nothing to change" would contradict it.
+    trouble: bool = False
+
+
+@dataclasses.dataclass
+class Replayed:
+    """The agent's snapshot replayed under each candidate: `allocwatch tune`'s ranking, best
+    first (allocator_ext.replay.tune.Candidate, each named by its settings string), and the cap
+    the replays ran under."""
+
+    ranked: list[Any]
+    cap: str                     # what the cap is, and where it comes from
+    ooms_can_recur: bool = True  # False: the snapshot's errors cannot recur under that cap
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any], name: str) -> int:
     return max(0, after["counters"][name] - before["counters"][name])
 
 
+def peak_fragmentation(before: dict[str, Any], after: dict[str, Any]
+                       ) -> tuple[float, int, int, str]:
+    """(ratio, peak allocated, peak reserved, over what) at its least among the readings of the
+    window: the two report intervals seen and the peaks since the process's last reset. Each
+    overstates what the cache strands when it misses the moment of highest use (an interval
+    without a training step's peak; a reset that predates an empty_cache()), never the reverse,
+    so the least is the closest."""
+    readings = []
+    for device in (before, after):
+        peaks = device["interval_peaks"]
+        where = ("over a report interval" if peaks["window"] == "interval"
+                 else "since the process's last peak reset")
+        readings.append((device["peak_fragmentation_ratio"], peaks["allocated_bytes"],
+                         peaks["reserved_bytes"], where))
+    allocated, reserved = after["peak_allocated_bytes"], after["peak_reserved_bytes"]
+    readings.append((peak_fragmentation_ratio(reserved, allocated), allocated, reserved,
+                     "since the process's last peak reset"))
+    return min(readings, key=lambda r: r[0])
+
+
 def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: float,
-             replayed: Sequence[Any] | None = None,
+             replayed: Replayed | None = None,
              replay_note: str | None = None) -> Diagnosis:
     """`before`/`after`: one device's figures (the admin API's device view) `window` s apart.
-    `replayed`: the snapshot's candidates as `allocwatch tune` ranks them, best first
-    (allocator_ext.replay.tune.Candidate), each named by its settings string."""
+    `replayed`: the agent's snapshot replayed under the candidates (None: not replayed, and
+    `replay_note` says why)."""
     counters, settings = after["counters"], after["settings"]
     steps: list[Step] = []
     reserved, allocated = after["reserved_bytes"], after["allocated_bytes"]
-    ratio = reserved / allocated if allocated else float("inf") if reserved else 1.0
+    ratio, peak_allocated, peak_reserved, where = peak_fragmentation(before, after)
     retries, ooms = counters["alloc_retries"], counters["ooms"]
     new_retries = _delta(before, after, "alloc_retries")
     pressure = retries > 0 or ooms > 0
@@ -72,10 +107,12 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
     verdict = ("memory pressure" if pressure else "no retries") + ", " + (
         "fragmented cache" if fragmented else "compact cache")
     steps.append(Step(
-        "retries and reserved ÷ allocated",
+        "retries and peak fragmentation",
         f"{retries} allocation retries ({new_retries} in the last {window:g} s), {ooms} "
-        f"out-of-memory errors; reserved ÷ allocated = {ratio:.2f} ({human_bytes(reserved)} "
-        f"reserved for {human_bytes(allocated)} allocated): {verdict}"))
+        f"out-of-memory errors; peak fragmentation {ratio:.2f} ({human_bytes(peak_allocated)} "
+        f"allocated at the peak of {human_bytes(peak_reserved)} reserved, {where}; "
+        f"{human_bytes(reserved - allocated)} of {human_bytes(reserved)} cached and unused "
+        f"right now): {verdict}"))
     needs_help = pressure or fragmented
 
     if settings["expandable_segments"]:
@@ -125,15 +162,16 @@ def diagnose(agent: str, before: dict[str, Any], after: dict[str, Any], window: 
     if steps[-1].proposal:
         recommendation = steps[-1].proposal  # measured on this job's own trace: it wins
     return Diagnosis(agent, after["cuda_device"], steps, _mistakes(before, after, window),
-                     recommendation)
+                     recommendation, needs_help)
 
 
-def _snapshot_step(ranked: Sequence[Any] | None, in_force: str, note: str | None) -> Step:
-    if ranked is None:
+def _snapshot_step(replayed: Replayed | None, in_force: str, note: str | None) -> Step:
+    if replayed is None:
         return Step("snapshot", note or "not replayed (add --replay to replay this agent's "
                     "snapshot under each candidate setting)")
     from allocator_ext.replay.tune import recommended
 
+    ranked = replayed.ranked
     recorded = len(ranked[0].report["recorded_ooms"])
     lines = []
     for c in ranked:
@@ -143,7 +181,12 @@ def _snapshot_step(ranked: Sequence[Any] | None, in_force: str, note: str | None
                      f"OOMs {r['num_ooms']}"
                      + (f" (recorded OOMs recurred: {r['recorded_ooms_recurred']} of {recorded})"
                         if recorded else ""))
-    finding = "replayed: " + "; ".join(lines)
+    finding = f"replayed under {replayed.cap}: " + "; ".join(lines)
+    if recorded and not replayed.ooms_can_recur:
+        return Step("snapshot", f"the snapshot holds {recorded} out-of-memory error(s), but the "
+                    "GPU had room for the requests that failed: a per-process memory fraction, "
+                    "which the snapshot does not keep, failed them, and without it no replay "
+                    "can say which setting avoids them, so none is proposed; " + finding)
     if recorded:
         finding = (f"the snapshot holds {recorded} out-of-memory error(s), which each replay "
                    "makes again: a candidate under which one recurs is not proposed; " + finding)
@@ -207,11 +250,10 @@ def candidates(current: str) -> list[str]:
 
 
 def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
-                    ) -> tuple[list[Any] | None, str | None]:
+                    ) -> tuple[Replayed | None, str | None]:
     """The agent's snapshot replayed under each candidate, ranked as `allocwatch tune` ranks
     them (or None and why not)."""
     from allocator_ext.replay import TraceError, load_trace
-    from allocator_ext.replay.cap import resolve_cap
     from allocator_ext.replay.tune import tune
 
     answer = client.post("/v1/snapshot", {"agent": agent, "frames": False})
@@ -228,17 +270,39 @@ def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
         except TraceError as err:
             return None, (f"{where} cannot be replayed: {err} (record the allocator's history "
                           "from the start of the process)")
-    # The cap the snapshot kept, else the GPU's size where the agent knows it.
-    cap = resolve_cap(trace)
-    capacity = (device["device_memory"] or {}).get("total_bytes", 0)
-    if not cap.device_memory and capacity:
-        cap = resolve_cap(trace, device_memory=capacity)
+    cap, described, can_recur = replay_cap(trace, (device["device_memory"] or {}).get(
+        "total_bytes", 0))
     settings = candidates(device["settings"]["config_string"])
     try:
-        return tune(trace, cap.device_memory, cap.memory_fraction,
-                    candidates=[(s, s, True) for s in settings]), None
+        ranked = tune(trace, cap.device_memory, cap.memory_fraction,
+                      candidates=[(s, s, True) for s in settings])
     except (TraceError, ValueError) as err:
         return None, f"{where} cannot be replayed: {err}"
+    return Replayed(ranked, described, can_recur), None
+
+
+def replay_cap(trace: Any, gpu_bytes: int) -> tuple[Any, str, bool]:
+    """The cap to replay an agent's snapshot under, what it is, and whether the snapshot's
+    out-of-memory errors can recur under it: the cap the snapshot keeps; else what the process
+    could reserve at its errors (reserved plus the GPU's free memory at each); else the GPU's
+    size where the agent knows it (`gpu_bytes`; 0: unknown)."""
+    from allocator_ext.replay.cap import memory_at_recorded_ooms, resolve_cap
+    from allocator_ext.replay.replayer import recorded_figures
+
+    cap = resolve_cap(trace)
+    if cap.device_memory or cap.memory_fraction is not None:
+        return cap, f"the cap the snapshot keeps ({cap.describe()})", True
+    at_errors = memory_at_recorded_ooms(trace)
+    if at_errors is not None:
+        return (resolve_cap(trace, device_memory=at_errors),
+                f"{human_bytes(at_errors)}, what the process could reserve at its out-of-memory "
+                "errors (reserved plus the GPU's free memory at each)", True)
+    # No error, or a memory fraction failed them (the GPU had room): they cannot recur.
+    can_recur = recorded_figures(trace).num_ooms == 0
+    if gpu_bytes:
+        return resolve_cap(trace, device_memory=gpu_bytes), \
+            f"the GPU's {human_bytes(gpu_bytes)}", can_recur
+    return cap, "no cap (the agent reports no GPU size)", can_recur
 
 
 def print_diagnosis(d: Diagnosis, out: TextIO) -> None:
@@ -251,7 +315,14 @@ def print_diagnosis(d: Diagnosis, out: TextIO) -> None:
         print("classic mistakes seen:", file=out)
         for mistake in d.mistakes:
             print(f"  - {mistake}", file=out)
-    print(f"recommendation: {d.recommendation or 'none: nothing to change'}", file=out)
+    if d.recommendation:
+        print(f"recommendation: {d.recommendation}", file=out)
+    elif d.trouble:
+        print("recommendation: none of the settings above; they are in force or do not apply. "
+              "Replay this agent's snapshot under candidates (--replay), or lower what the job "
+              "holds at its peak", file=out)
+    else:
+        print("recommendation: none: nothing to change", file=out)
 
 
 def run_diagnosis(args: argparse.Namespace, client: AdminClient, selector: dict[str, Any],

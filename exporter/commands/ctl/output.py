@@ -22,11 +22,14 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 
 def print_agents(agents: list[dict[str, Any]], out: TextIO) -> None:
+    """One row per agent and device. PEAK_FRAG: 1 - peak allocated / peak reserved over the
+    last report interval (0 for a cache with nothing stranded); the cache's idle share between
+    steps is the API's fragmentation_ratio, not shown here."""
     if not agents:
         print("no agent matches", file=out)
         return
     rows = [["AGENT", "RANK", "HOST", "JOB", "BACKEND", "STATE", "DEV", "ALLOCATED", "RESERVED",
-             "FRAG", "RETRIES", "OOMS", "SETTINGS"]]
+             "PEAK_FRAG", "RETRIES", "OOMS", "SETTINGS"]]
     for agent in agents:
         state = "connected" if agent["connected"] else "gone"
         devices = agent["devices"] or [None]
@@ -37,7 +40,7 @@ def print_agents(agents: list[dict[str, Any]], out: TextIO) -> None:
                 str(device["cuda_device"]) if device else "-",
                 human_bytes(device["allocated_bytes"]) if device else "-",
                 human_bytes(device["reserved_bytes"]) if device else "-",
-                f"{device['fragmentation_ratio']:.2f}" if device else "-",
+                f"{device['peak_fragmentation_ratio']:.2f}" if device else "-",
                 str(device["counters"]["alloc_retries"]) if device else "-",
                 str(device["counters"]["ooms"]) if device else "-",
                 device["settings"]["config_string"] or "-" if device else "-"])

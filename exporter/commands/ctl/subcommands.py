@@ -12,6 +12,7 @@ from typing import Any, TextIO
 from exporter.commands.ctl.client import AdminClient, CtlError, client_for
 from exporter.commands.ctl.diagnose import run_diagnosis
 from exporter.commands.ctl.output import human_bytes, print_agents, print_results
+from exporter.protocol.settings import validate_settings
 
 
 def selectors(args: argparse.Namespace) -> dict[str, Any]:
@@ -37,6 +38,10 @@ def cmd_agents(args: argparse.Namespace, client: AdminClient, out: TextIO) -> in
 
 
 def cmd_set(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    try:  # a typo is refused here, before any agent is asked (the sidecar checks it again)
+        validate_settings(args.settings)
+    except ValueError as err:
+        raise CtlError(str(err)) from None
     return _emit(args, client.post("/v1/settings", {"settings": args.settings,
                                                     **selectors(args)}), out)
 
@@ -51,18 +56,25 @@ def cmd_reset_peaks(args: argparse.Namespace, client: AdminClient, out: TextIO) 
 
 
 def cmd_snapshot(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    target = Path(args.output) if args.output else None
+    if target is not None and not target.is_dir() and not target.parent.is_dir():
+        # Refused before any agent is asked: a snapshot nobody can fetch is work for nothing.
+        raise CtlError(f"-o {args.output}: there is no directory {target.parent}")
     answer = client.post("/v1/snapshot", {"frames": args.frames, **selectors(args)})
     status = _emit(args, answer, out)
-    if args.output:
+    if target is not None:
         taken = [r for r in answer["results"] if "snapshot" in r]
-        target = Path(args.output)
         if len(taken) > 1 and not target.is_dir():
             raise CtlError(f"-o {args.output}: {len(taken)} agents answered; give a directory "
                            "or select one agent (--rank/--host/--job/--agent)")
         for r in taken:
             data = client.request("GET", r["snapshot"]["download"])
             path = target / Path(r["snapshot"]["path"]).name if target.is_dir() else target
-            path.write_bytes(data)
+            try:
+                path.write_bytes(data)
+            except OSError as err:
+                raise CtlError(f"-o {args.output}: cannot write {path}: "
+                               f"{err.strerror or err}", 1) from None
             print(f"  wrote {path} ({human_bytes(len(data))})", file=sys.stderr)
     return status
 

@@ -97,18 +97,38 @@ class AgentCounters(_message.Message):
     def __init__(self, reports_sampled_total: _Optional[int] = ..., reports_dropped_total: _Optional[int] = ..., sample_errors_total: _Optional[int] = ..., reconnects_total: _Optional[int] = ...) -> None: ...
 
 class DeviceReport(_message.Message):
-    __slots__ = ("cuda_device", "gpu_uuid", "allocator", "settings", "device_memory")
+    __slots__ = ("cuda_device", "gpu_uuid", "allocator", "settings", "device_memory", "interval_peaks")
     CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_PEAKS_FIELD_NUMBER: _ClassVar[int]
     cuda_device: int
     gpu_uuid: str
     allocator: AllocatorStats
     settings: AllocatorSettings
     device_memory: DeviceMemory
-    def __init__(self, cuda_device: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., settings: _Optional[_Union[AllocatorSettings, _Mapping]] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ...) -> None: ...
+    interval_peaks: IntervalPeaks
+    def __init__(self, cuda_device: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., settings: _Optional[_Union[AllocatorSettings, _Mapping]] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ..., interval_peaks: _Optional[_Union[IntervalPeaks, _Mapping]] = ...) -> None: ...
+
+class IntervalPeaks(_message.Message):
+    __slots__ = ("peak_allocated_bytes", "peak_reserved_bytes", "window")
+    class Window(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        WINDOW_UNSPECIFIED: _ClassVar[IntervalPeaks.Window]
+        INTERVAL: _ClassVar[IntervalPeaks.Window]
+        SINCE_RESET: _ClassVar[IntervalPeaks.Window]
+    WINDOW_UNSPECIFIED: IntervalPeaks.Window
+    INTERVAL: IntervalPeaks.Window
+    SINCE_RESET: IntervalPeaks.Window
+    PEAK_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    window: IntervalPeaks.Window
+    def __init__(self, peak_allocated_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ..., window: _Optional[_Union[IntervalPeaks.Window, str]] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes", "inactive_split_bytes", "segments", "peak_allocated_bytes", "peak_reserved_bytes")
@@ -131,7 +151,7 @@ class PoolStats(_message.Message):
     def __init__(self, allocated_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., requested_bytes: _Optional[int] = ..., inactive_split_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., peak_allocated_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class AllocatorStats(_message.Message):
-    __slots__ = ("all", "small_pool", "large_pool", "pending_free_bytes", "pending_events", "alloc_retries", "ooms", "device_mallocs", "device_frees", "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes", "empty_cache_calls", "allocations")
+    __slots__ = ("all", "small_pool", "large_pool", "pending_free_bytes", "pending_events", "alloc_retries", "ooms", "device_mallocs", "device_frees", "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes", "empty_cache_calls", "allocations", "largest_free_block_bytes")
     ALL_FIELD_NUMBER: _ClassVar[int]
     SMALL_POOL_FIELD_NUMBER: _ClassVar[int]
     LARGE_POOL_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +166,7 @@ class AllocatorStats(_message.Message):
     GC_RECLAIMED_BYTES_FIELD_NUMBER: _ClassVar[int]
     EMPTY_CACHE_CALLS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     all: PoolStats
     small_pool: PoolStats
     large_pool: PoolStats
@@ -160,7 +181,8 @@ class AllocatorStats(_message.Message):
     gc_reclaimed_bytes: int
     empty_cache_calls: int
     allocations: int
-    def __init__(self, all: _Optional[_Union[PoolStats, _Mapping]] = ..., small_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., large_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., pending_free_bytes: _Optional[int] = ..., pending_events: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., ooms: _Optional[int] = ..., device_mallocs: _Optional[int] = ..., device_frees: _Optional[int] = ..., sync_all_streams: _Optional[int] = ..., gc_reclaims: _Optional[int] = ..., gc_reclaimed_bytes: _Optional[int] = ..., empty_cache_calls: _Optional[int] = ..., allocations: _Optional[int] = ...) -> None: ...
+    largest_free_block_bytes: int
+    def __init__(self, all: _Optional[_Union[PoolStats, _Mapping]] = ..., small_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., large_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., pending_free_bytes: _Optional[int] = ..., pending_events: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., ooms: _Optional[int] = ..., device_mallocs: _Optional[int] = ..., device_frees: _Optional[int] = ..., sync_all_streams: _Optional[int] = ..., gc_reclaims: _Optional[int] = ..., gc_reclaimed_bytes: _Optional[int] = ..., empty_cache_calls: _Optional[int] = ..., allocations: _Optional[int] = ..., largest_free_block_bytes: _Optional[int] = ...) -> None: ...
 
 class AllocatorSettings(_message.Message):
     __slots__ = ("garbage_collection_threshold", "max_split_size_bytes", "expandable_segments", "config_string")

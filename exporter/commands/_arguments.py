@@ -1,0 +1,47 @@
+"""Argument types the commands share: each refuses a bad value with a message naming it, so
+argparse prints `allocwatch CMD: error: argument --X: ...` and exits 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
+
+
+def _parsed(text: str, convert: Callable[[str], N], what: str) -> N:
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+
+
+def seconds(*, zero_allowed: bool = False) -> Callable[[str], float]:
+    """A finite number of seconds, above 0 (or 0 and above)."""
+
+    def parse(text: str) -> float:
+        value = _parsed(text, float, "a number of seconds")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+            bound = "0 or more" if zero_allowed else "above 0"
+            raise argparse.ArgumentTypeError(f"{text}: give a number of seconds {bound}")
+        return value
+
+    return parse
+
+
+def tcp_port(text: str) -> int:
+    value = _parsed(text, int, "a port number")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value}: a TCP port is 1-65535 (0: any free port)")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share of the device's memory, in (0, 1]."""
+    value = _parsed(text, float, "a number")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text}: a share of the device's memory, above 0 and at most 1 (0.9: 90 %)")
+    return value

@@ -1,0 +1,120 @@
+"""Every subcommand, and every `ctl` subcommand, given bad arguments: a message that names what
+is wrong, a non-zero exit status, never a traceback, and nothing done.
+
+Run in-process through exporter.cli.main, the `allocwatch` entry point: an exception escaping
+it is what a user would see as a traceback."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from exporter.cli import build_parser, main
+from exporter.commands.ctl import SUBCOMMANDS
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "allocator_ext" / "data" /
+              "example_trace.pickle.gz")
+UNREACHABLE = "unix:///nonexistent/allocwatch/admin.sock"
+
+
+BAD_YAML = "agents:\n  socket_mod: '0660'\n"  # a typo of socket_mode
+
+
+def _cases(bad_yaml: Path) -> list[tuple[list[str], str]]:
+    """(arguments, what the message must say); `bad_yaml`: a file holding BAD_YAML."""
+    return [
+        (["sidecar", "--config", "/nonexistent/sidecar.yaml"],
+         "cannot read settings file /nonexistent/sidecar.yaml"),
+        (["sidecar", "--config", str(bad_yaml)], "agents.socket_mod: unknown setting"),
+        (["sidecar", "--exit-grace", "-1"], "--exit-grace: -1"),
+        (["demo", "--duration", "-5"], "--duration: -5: give a number of seconds above 0"),
+        (["demo", "--duration", "nan"], "--duration: nan"),
+        (["demo", "--port", "99999"], "--port: 99999: a TCP port is 1-65535"),
+        (["demo", "--workload", "tpu"], "--workload: invalid choice: 'tpu'"),
+        (["replay", "/nonexistent/trace.pickle"], "cannot read /nonexistent/trace.pickle"),
+        (["replay", EXAMPLE, "--plot", "/nonexistent/dir/x.png"],
+         "--plot /nonexistent/dir/x.png: there is no directory /nonexistent/dir"),
+        (["replay", EXAMPLE, "--device-memory", "0"], "--device-memory 0: a cap of 0 bytes"),
+        (["replay", EXAMPLE, "--device-memory", "0x"], "--device-memory 0x: the multiple must"),
+        (["replay", EXAMPLE, "--device-memory", "1TB"], "'1TB' is ambiguous"),
+        (["replay", EXAMPLE, "--device-memory", "lots"], "--device-memory: not a size: 'lots'"),
+        (["replay", EXAMPLE, "--memory-fraction", "2"], "--memory-fraction: 2: a share"),
+        (["replay", EXAMPLE, "--costs", "/nonexistent/costs.json"],
+         "--costs /nonexistent/costs.json: cannot read it: No such file or directory"),
+        (["replay", EXAMPLE, "--config", "native,"],
+         "invalid allocator settings 'native,': it ends with ','"),
+        (["replay", EXAMPLE, "--device", "7"], "no trace for device 7"),
+        (["tune", "/nonexistent/trace.pickle"], "cannot read /nonexistent/trace.pickle"),
+        (["tune", EXAMPLE, "--device-memory", "80GB"], "'80GB' is ambiguous"),
+        (["tune", EXAMPLE, "--plot", "/nonexistent/dir/x.png"],
+         "there is no directory /nonexistent/dir"),
+        (["tune", EXAMPLE, "--memory-fraction", "0"], "--memory-fraction: 0: a share"),
+        (["run"], "no command given"),
+        (["run", "--config", "bogus:1", "--", "true"], "invalid allocator setting bogus"),
+        (["run", "--", "/nonexistent/program"], "cannot run /nonexistent/program"),
+        (["native"], "the following arguments are required: action"),
+        (["native", "bogus"], "argument action: invalid choice: 'bogus'"),
+        (["ctl"], "the following arguments are required: COMMAND"),
+        (["ctl", "bogus"], "invalid choice: 'bogus'"),
+        (["ctl", "--admin", UNREACHABLE, "agents"], "cannot reach the sidecar's admin API at "
+         + UNREACHABLE),
+        (["ctl", "--admin", "ftp://example", "agents"], "--admin 'ftp://example': expected"),
+        (["ctl", "--rank", "zero", "agents"], "--rank: invalid int value: 'zero'"),
+        (["ctl", "--timeout", "0", "agents"], "--timeout: 0: give a number of seconds above 0"),
+        (["ctl", "--admin", "http://127.0.0.1:1", "--token-file", "/nonexistent/token",
+          "agents"], "--token-file /nonexistent/token: No such file or directory"),
+        (["ctl", "set"], "the following arguments are required: settings"),
+        (["ctl", "--admin", UNREACHABLE, "set", "native,"], "it ends with ','"),
+        (["ctl", "--admin", UNREACHABLE, "reclaim", "--all"], "cannot reach"),
+        (["ctl", "--admin", UNREACHABLE, "snapshot", "-o", "/nonexistent/dir/x.gz"],
+         "-o /nonexistent/dir/x.gz: there is no directory /nonexistent/dir"),
+        (["ctl", "--admin", UNREACHABLE, "reset-peaks"], "cannot reach"),
+        (["ctl", "--admin", UNREACHABLE, "diagnose", "--window", "-1"],
+         "--window: -1: give a number of seconds 0 or more"),
+        (["ctl", "--admin", UNREACHABLE, "diagnose"], "cannot reach"),
+    ]
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit:  # argparse's refusals
+        return int(exit.code or 0)
+
+
+CASES = _cases(Path("sidecar.yaml"))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[" ".join(c[0]) for c in CASES])
+def test_bad_arguments_are_refused_with_a_message_naming_them(
+        index: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "sidecar.yaml").write_text(BAD_YAML)
+    argv, named = _cases(tmp_path / "sidecar.yaml")[index]
+    status = _run(argv)
+    captured = capsys.readouterr()
+    assert status != 0, captured.out
+    assert "Traceback" not in captured.out + captured.err
+    assert named in captured.err, captured.err
+
+
+def test_every_subcommand_and_every_ctl_subcommand_is_tried() -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    tried = {c[0][0] for c in CASES}
+    assert set(commands) <= tried, set(commands) - tried
+    tried_ctl = {word for argv, _ in CASES if argv[0] == "ctl" for word in argv[1:]}
+    assert set(SUBCOMMANDS) <= tried_ctl, set(SUBCOMMANDS) - tried_ctl
+
+
+def test_plot_without_matplotlib_names_the_plot_extra(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    # matplotlib is installed here: hide it, as a machine without the `plot` extra has none.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for command in ("replay", "tune"):
+        assert _run([command, EXAMPLE, "--plot", str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err
+        assert "matplotlib, which is not installed (pip install 'allocwatch[plot]')" in err
+        assert not (tmp_path / "x.png").exists()
