@@ -100,7 +100,22 @@ resolve_crashes() {
       command -v addr2line > /dev/null && where=$(addr2line -f -C -e "$lib" "$offset" 2>&1 | paste -sd' ')
       note "  ${count}x $(basename "$lib")+$offset: $where"
     done
-  grep -A4 "=== allocwatch crash report" "$log" | head -10 | sed 's/^/  /' | tee -a "$SUMMARY"
+  # The first report in full: the frames below allocwatch's (torch's, the driver's) say who
+  # called it and how it got there.
+  sed -n '/=== allocwatch crash report/,/=== end of crash report/p' "$log" | head -48 |
+    sed 's/^/  /' | tee -a "$SUMMARY"
+}
+
+# Which C++ runtime each of allocwatch's libraries loads and which compiler built them: an
+# exception crossing two runtimes (one linked statically) is a classic cause of a crash.
+note_runtimes() {
+  local lib cxx
+  cxx=$(head -1 "$OUT/build.log" 2>/dev/null | awk '{print $1}')
+  note "build: ${cxx:-?}: $("${cxx:-${CXX:-g++}}" --version 2>&1 | head -1)"
+  for lib in "$@"; do
+    [ -f "$lib" ] || continue
+    note "build: $(basename "$lib"): $(ldd "$lib" 2>&1 | grep -E 'libstdc\+\+|libgcc_s|libc10' | awk '{print $1 "=" $3}' | tr '\n' ' ')$(nm -D --defined-only "$lib" 2>/dev/null | grep -q ' __cxa_throw$' && echo ' (defines __cxa_throw: libstdc++ linked in)')"
+  done
 }
 
 do_install() {
@@ -114,6 +129,8 @@ do_build() {
     cp "$log" "$OUT/build.log"
     note "build: overrides by declaration: $(grep -o "AllocwatchAllocator::[A-Za-z]*(" "$log" | sort -u | tr '\n' ' ')"
   fi
+  note_runtimes "$ALLOCWATCH_NATIVE_DIR"/*/allocwatch_native.so \
+    "$("$PYTHON" -c 'import allocator_ext._core as c; print(c.__file__)' 2>/dev/null)"
 }
 
 do_gputests() {
