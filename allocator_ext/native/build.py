@@ -149,6 +149,33 @@ def compiler() -> str:
     return path
 
 
+def cxx_runtime(maps: Path = Path("/proc/self/maps")) -> str | None:
+    """The C++ runtime (libstdc++) this process has loaded: torch's libraries and allocwatch's
+    core use it, so the back end must use that one too, or its own copy must stay private."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libstdc++.so"):
+            return fields[5]
+    return None
+
+
+def _link_flags(lib: Path) -> list[str]:
+    """Link against torch's libraries and the C++ runtime the process runs with. A compiler
+    whose own libstdc++ exists only as an archive links a copy of it into the library; with
+    that copy's symbols visible, the process's libstdc++ interposes on some of them and not
+    others, and the first number written to a stream crashes (measured on a GPU machine with
+    such a compiler: every out-of-memory error, whose message holds numbers). The runtime named
+    first resolves everything it has; whatever it lacks still comes from the archive, kept
+    private to the library (--exclude-libs)."""
+    runtime = cxx_runtime()
+    return [f"-L{lib}", "-lc10", "-lc10_cuda", *([runtime] if runtime else []),
+            f"-Wl,-rpath,{lib}", "-ldl", "-Wl,--exclude-libs,ALL"]
+
+
 def plan(torch: Any, extra_includes: Sequence[str] = (), link: bool = True,
          cuda_version: str | None = None) -> Plan:
     """The build for `torch`. For the ABI test, which compiles against a CPU build's headers:
@@ -170,8 +197,7 @@ def plan(torch: Any, extra_includes: Sequence[str] = (), link: bool = True,
                "-Wsuggest-override"]
     command += [f"-I{d}" for d in includes]
     if link:
-        command += ["-shared", str(SOURCE), "-o", "{output}", f"-L{lib}", "-lc10", "-lc10_cuda",
-                    f"-Wl,-rpath,{lib}", "-ldl"]
+        command += ["-shared", str(SOURCE), "-o", "{output}", *_link_flags(lib)]
     else:
         command += ["-c", str(SOURCE), "-o", "{output}"]
     identity = "|".join([torch.__version__, str(torch.version.git_version), str(cuda),

@@ -13,6 +13,7 @@ include/, lib/libc10_cuda.so and version.py); skips saying so otherwise."""
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import shutil
 import subprocess
@@ -91,10 +92,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     return backend, calls, runtime
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_native_back_end_on_the_simulated_device(built: tuple[Path, Path, Path],
-                                                  name: str) -> None:
-    backend, calls, runtime = built
+def _run_scenario(backend: Path, calls: Path, runtime: Path, name: str) -> None:
     env = {**os.environ, "ALLOCWATCH_SHIM_DEVICE": "sim",
            "ALLOCWATCH_SHIM_SIM_BYTES": str(CAPACITY), "LD_PRELOAD": str(runtime),
            "ALLOCWATCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
@@ -102,3 +100,39 @@ def test_native_back_end_on_the_simulated_device(built: tuple[Path, Path, Path],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert out.stdout.startswith(f"PASS {name}"), out.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_native_back_end_on_the_simulated_device(built: tuple[Path, Path, Path],
+                                                  name: str) -> None:
+    _run_scenario(*built, name)
+
+
+def test_a_compiler_that_links_its_own_libstdcxx_statically(
+        built: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler whose libstdc++ is an archive (as on the GPU machine, emulated here with
+    -static-libstdc++) still gives a back end that runs on the process's C++ runtime and shows
+    no copy of its own: with one visible, the process's runtime interposed on part of it and
+    every out-of-memory message, which holds numbers, crashed while it was written."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils) to read the library's symbols")
+    _backend, calls, runtime = built
+    wrapper = tmp_path / "g++-static-libstdc++"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which(os.environ.get("CXX", "g++"))} "$@" '
+                       f"-static-libstdc++\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    torch = _cuda_torch()
+    assert torch is not None
+    backend = build.ensure_built(build.plan(torch), root=tmp_path / "cache")
+    exported = subprocess.run([nm, "-D", "--defined-only", str(backend)], capture_output=True,
+                              text=True, check=True).stdout
+    # std::ostream's number insertion (the function that crashed), or any function of
+    # libstdc++ itself (" T "; the templates the back end instantiates are weak, " W ").
+    assert "_ZNSo9_M_insertIlEERSoT_" not in exported
+    assert not re.findall(r" T _ZNK?St\w+", exported)
+    needed = subprocess.run([shutil.which("readelf") or "readelf", "-d", str(backend)],
+                            capture_output=True, text=True).stdout
+    assert "libstdc++.so.6" in needed, needed
+    _run_scenario(backend, calls, runtime, "out_of_memory")
