@@ -32,6 +32,7 @@ NAMES = ["out_of_memory", "out_of_memory_under_fraction", "out_of_memory_in_a_pr
          "private_pools_have_plain_segments", "empty_cache_leaves_no_segment",
          "nested_pools_serve_the_innermost",
          "reuse_in_a_capture_once_the_graph_orders_the_uses",
+         "reuse_in_a_capture_once_every_use_is_joined",
          "no_reuse_in_a_capture_without_the_setting", "raw_allocations_are_counted"]
 
 

@@ -205,6 +205,47 @@ def reuse_in_a_capture_once_the_graph_orders_the_uses(c: Calls) -> str:
     return "data1's block: not reused before the join, reused after"
 
 
+def reuse_in_a_capture_once_every_use_is_joined(c: Calls) -> str:
+    """test_graph_capture_reclaim_4_streams's capture: data1 read on s2, s3 and s4; after s1
+    joins s2 and s3 joins s4 the block still waits (s1 has not joined s3), after s1 joins s3
+    it serves s1 again."""
+    graph = ctypes.CDLL(None)
+    s1, s2, s3, s4 = 0x10000, 0x20000, 0x30000, 0x40000
+    c.ok("aw_settings", b"graph_capture_record_stream_reuse:True")
+    c.ok("aw_begin_pool", 6, 0)
+    graph.stand_in_capture_begin(s1, 78)
+    c.lib.aw_use_stream(s1)
+    c.ok("aw_alloc", 32)  # data1
+    data1 = c.lib.aw_held() - 1
+    data1_ptr = c.lib.aw_address(data1)
+    c.ok("aw_alloc", 32)  # sink1
+    c.ok("aw_alloc", 32)  # sink3
+    for side in (s2, s3, s4):
+        graph.stand_in_wait(side, s1)
+        c.lib.aw_use_stream(side)
+        c.ok("aw_alloc", 32)  # buf2, buf3, buf4
+        graph.stand_in_node(side)  # torch.add(data1, ..., out=buf)
+        c.ok("aw_record_stream", data1, side)
+    c.lib.aw_use_stream(s1)
+    c.lib.aw_free(data1)
+    graph.stand_in_wait(s1, s2)
+    graph.stand_in_node(s1)  # sink1.fill_
+    graph.stand_in_wait(s3, s4)
+    graph.stand_in_node(s3)  # sink3.fill_
+    c.ok("aw_alloc", 32)
+    data2_ptr = c.lib.aw_address(c.lib.aw_held() - 1)
+    graph.stand_in_wait(s1, s3)
+    graph.stand_in_node(s1)  # sink1.add_(sink3)
+    c.ok("aw_alloc", 32)
+    data3_ptr = c.lib.aw_address(c.lib.aw_held() - 1)
+    for stream in (s1, s2, s3, s4):
+        graph.stand_in_capture_end(stream)
+    c.lib.aw_use_stream(0)
+    c.ok("aw_end_pool", 6, 0)
+    assert data2_ptr != data1_ptr and data3_ptr == data1_ptr, (data1_ptr, data2_ptr, data3_ptr)
+    return "data1's block: not reused after partial joins, reused after the full join"
+
+
 def no_reuse_in_a_capture_without_the_setting(c: Calls) -> str:
     """Without graph_capture_record_stream_reuse such a block waits for the capture's end."""
     data1, data2, data3 = _capture_with_a_side_stream(c, b"graph_capture_record_stream_reuse:False")
