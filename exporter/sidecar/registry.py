@@ -195,6 +195,7 @@ class Registry:
         self._key_secret = secrets.token_bytes(16)
         self.series = SeriesSlots()
         self.ever_connected = False
+        self._started = time.monotonic()
         # When the last connected agent left (monotonic); None while any is connected.
         self.all_gone_since: float | None = None
 
@@ -368,6 +369,11 @@ class Registry:
                      extra={"agent": key})
         self.departed_dropped_total += dropped
         return dropped
+
+    def seconds_without_any_agent(self) -> float:
+        """How long the sidecar has waited for its first agent; 0 once one has connected."""
+        with self._lock:
+            return 0.0 if self.ever_connected else time.monotonic() - self._started
 
     def agents(self) -> list[AgentState]:
         """Current agents (connected, or departed but not yet expired), oldest first."""
