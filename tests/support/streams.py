@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import grpc
 
 from allocator_ext.agent.identity import build_identity
+from exporter.protocol.handshake import local_version
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.service import CONNECT_METHOD
 
@@ -18,8 +19,7 @@ def hello(identity: pb.Identity | None = None, **overrides: object) -> pb.AgentM
     """A hello speaking this protocol version, for `identity` or a fresh one with overrides."""
     if identity is None:
         identity = build_identity(backend="allocwatch", overrides=overrides)
-    return pb.AgentMessage(hello=pb.Hello(protocol_version=pb.ProtocolVersion(major=1, minor=0),
-                                          identity=identity))
+    return pb.AgentMessage(hello=pb.Hello(protocol_version=local_version(), identity=identity))
 
 
 def report(sequence: int, devices: Sequence[pb.DeviceReport]) -> pb.AgentMessage:
