@@ -6,12 +6,10 @@ run fit or fail is the GPU's); the manifest it writes beside an earlier one is r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,15 +19,11 @@ SCRIPT = REPO / "bench" / "replay" / "record_traces.py"
 RECORDED_MANIFEST = REPO / "tests" / "data" / "traces" / "oom_manifest.json"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("record_traces", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rt = _load()
+sys.path.append(str(REPO))
+try:
+    import bench.replay.record_traces as rt
+finally:
+    sys.path.remove(str(REPO))
 
 
 class Recorder:
