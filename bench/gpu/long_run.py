@@ -409,6 +409,10 @@ def drive(args: argparse.Namespace) -> int:
         "backend_published": samples[-1].get("backend") if samples else None,
         "series_seen": max((s["series"] for s in samples), default=0),
         "verdict": verdict(samples, args.mark_s),
+        # The workload's own peak request, from the worker's core: flat from the first step
+        # (its largest), so that growth of peak reserved is not the workload's.
+        "peak_requested_bytes_at_marks": [e["peak_requested_bytes"] for e in events
+                                          if e["event"] in ("start", "minute", "end")],
         "per_minute": per_minute(samples, args.mark_s),
         "worker_minutes": [e for e in events if e["event"] in ("start", "minute", "end")],
         "samples": samples,

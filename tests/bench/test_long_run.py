@@ -104,6 +104,8 @@ def test_the_self_check_publishes_through_a_real_sidecar_and_leaves_everything_i
     assert samples[-1]["device_mallocs_total"] == end["num_device_alloc"]
     minutes = [m["minute"] for m in result["per_minute"]]
     assert minutes[:6] == [1, 2, 3, 4, 5, 6]
+    # The largest step came first: the workload's peak request never grew after it.
+    assert len(set(result["peak_requested_bytes_at_marks"])) == 1
     v = result["verdict"]
     assert v["flat"] is not None and v["bar"] == 0.002 and v["settle_minutes"] == 2
     assert v["peak_reserved_at_end_bytes"] == samples[-1]["peak_reserved_bytes"]
@@ -117,6 +119,20 @@ def test_the_self_check_publishes_through_a_real_sidecar_and_leaves_everything_i
                             "--plot", str(tmp_path / "again.png")], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and (tmp_path / "again.png").stat().st_size > 10_000
+
+
+def test_a_worker_without_allocwatchs_allocator_fails_the_run_saying_why(tmp_path: Path) -> None:
+    # On a CPU build of torch `allocwatch run` keeps PyTorch's allocator: nothing to measure.
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: this checks the path where allocwatch cannot install")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--minutes",
+                          "0.2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    result = json.loads((tmp_path / "long_run.json").read_text())
+    assert result["worker_exit"] == 1 and result["samples"] == []
+    assert any("allocator is not installed" in p for p in result["problems"])
+    assert "problem: the worker failed" in out.stdout
 
 
 def test_long_run_refuses_what_it_cannot_run() -> None:
