@@ -44,6 +44,7 @@ import json
 import math
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -138,7 +139,8 @@ def worker(model: str, seconds: float, stop_at: float, mark_s: float, target: st
     started = time.time()
     step(work.draw(largest=True))  # the run's largest request, met at once
     line("start", wall=started, startup_s=round(started - launched, 2), model=model,
-         device="CPU; simulated device" if sim else torch.cuda.get_device_name(0))
+         device="CPU; simulated device" if sim else torch.cuda.get_device_name(0),
+         torch=torch.__version__, cuda=torch.version.cuda)
     end = min(started + seconds, stop_at)
     times: list[float] = []
     minute_times: list[float] = []
@@ -328,6 +330,15 @@ def progress(minute: int, samples: list[dict[str, Any]], mark_s: float) -> str:
             f"{int(now['device_mallocs_total'])} frees {int(now['device_frees_total'])}")
 
 
+def tree() -> str | None:
+    """The checkout's commit, where it is a git checkout."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def worker_command(args: argparse.Namespace, target: str, stop_at: float) -> list[str]:
     """The worker through `allocwatch run` (installed at torch's import, the agent publishing
     to `target`); in the self-check without --target: the worker publishes the simulated
@@ -398,7 +409,9 @@ def drive(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
+        "host": socket.gethostname(), "tree": tree(),
         "model": args.model, "device": (start or {}).get("device", "?"),
+        "torch": (start or {}).get("torch"), "cuda": (start or {}).get("cuda"),
         "minutes": args.minutes, "mark_s": args.mark_s,
         "agent_interval_s": 0.5 if args.self_check else 1.0, "scrape_interval_s": SCRAPE_S,
         "worker_exit": work.returncode, "worker_killed_at_deadline": killed,
