@@ -116,7 +116,6 @@ def worker(model: str, seconds: float, stop_at: float, mark_s: float, target: st
     import allocator_ext
     from allocator_ext import workloads
 
-    launched = time.time()
     sim = SimulatedMemory(target) if target else None
     if sim is None and not allocator_ext.installed():
         print("long_run worker: allocwatch's allocator is not installed (run it through "
@@ -138,7 +137,7 @@ def worker(model: str, seconds: float, stop_at: float, mark_s: float, target: st
 
     started = time.time()
     step(work.draw(largest=True))  # the run's largest request, met at once
-    line("start", wall=started, startup_s=round(started - launched, 2), model=model,
+    line("start", wall=started, model=model,
          device="CPU; simulated device" if sim else torch.cuda.get_device_name(0),
          torch=torch.__version__, cuda=torch.version.cuda)
     end = min(started + seconds, stop_at)
@@ -369,6 +368,7 @@ def drive(args: argparse.Namespace) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                         if p)
+    launched = time.time()
     with log.path.open("wb") as log_file:
         work = subprocess.Popen(worker_command(args, sidecar.target, stop_at), cwd=REPO,
                                 env=env, stdout=log_file, stderr=subprocess.STDOUT,
@@ -394,9 +394,9 @@ def drive(args: argparse.Namespace) -> int:
                     print(progress(minute, samples, args.mark_s), flush=True)
             if exited:
                 break  # after the scrape of its last report
-            if time.time() > finish_by - 8:
-                os.killpg(work.pid, signal.SIGKILL)
+            if time.time() > finish_by - 8:  # past its own deadline: hung
                 killed = True
+                break
             time.sleep(SCRAPE_S)
     finally:
         if work.poll() is None:
@@ -415,7 +415,7 @@ def drive(args: argparse.Namespace) -> int:
         "minutes": args.minutes, "mark_s": args.mark_s,
         "agent_interval_s": 0.5 if args.self_check else 1.0, "scrape_interval_s": SCRAPE_S,
         "worker_exit": work.returncode, "worker_killed_at_deadline": killed,
-        "worker_startup_s": (start or {}).get("startup_s"),
+        "worker_startup_s": round(start["wall"] - launched, 2) if start else None,
         "training_seconds": (end or {}).get("t"), "steps": (end or {}).get("steps"),
         "median_step_s": (end or {}).get("median_step_s"),
         "stopped_by": (end or {}).get("stopped_by"),
