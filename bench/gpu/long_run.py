@@ -365,7 +365,10 @@ def drive(args: argparse.Namespace) -> int:
     sidecar = SidecarProcess("sidecar-", agents_yaml="  expiry_seconds: 300\n",
                              extra_yaml="admin:\n  enabled: false\n", parent=out).start()
     log = WorkerLog(out / "worker.log")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
+    # allocwatch's defaults and this agent only: the caller's settings are left out, except
+    # where the native back end is cached.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ALLOCWATCH_") or k == "ALLOCWATCH_NATIVE_DIR"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                         if p)
     launched = time.time()
