@@ -28,7 +28,9 @@ median step, allocwatch's median over expandable segments' and the worst rank's 
 of each, with median and spread over the rounds.
 
 --nccl-register-hook sets TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 in every rank
-(docs/torch.md, "NCCL buffer registration").
+(docs/torch.md, "NCCL buffer registration"); each rank reports the value its process group
+read (allocwatch's install() switches it off under paged segments). --allocators
+allocwatch-plain adds allocwatch with expandable_segments:False, where the hook stays on.
 
 --backend gloo --device cpu runs the same on the CPU (2 ranks here; torch CPU builds too).
 PyTorch's CPU allocator keeps no statistics, so each rank mirrors its tensor storages into
@@ -57,12 +59,16 @@ from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 SIDES = ("pytorch", "expandable", "allocwatch")
+# allocwatch without paged segments: where NCCL's registration hook stays on (docs/torch.md).
+PLAIN = "allocwatch-plain"
+PLAIN_CONFIG = "expandable_segments:False"
 MODES = ("ddp", "fsdp")
 # On the CPU, the core's settings that stand for each allocator.
 SIM_CONFIG = {"pytorch": "native", "expandable": "native,expandable_segments:True",
-              "allocwatch": None}
+              "allocwatch": None, PLAIN: PLAIN_CONFIG}
 SHAPE_SEED = 1000  # rank r draws its shapes from SHAPE_SEED + r, the same in every launch
 STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+NCCL_REGISTER_HOOK = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
 
 
 # ------------------------------------------------------------------------------- the worker
@@ -104,7 +110,7 @@ def worker(args: argparse.Namespace) -> int:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         # A launch that did not install what it compares would compare the wrong thing.
-        assert allocator_ext.installed() == (args.allocator == "allocwatch"), \
+        assert allocator_ext.installed() == args.allocator.startswith("allocwatch"), \
             f"allocwatch installed: {allocator_ext.installed()}, allocator {args.allocator}"
         dist.init_process_group(args.backend, device_id=device)
     else:
@@ -142,6 +148,8 @@ def worker(args: argparse.Namespace) -> int:
     result = {"rank": rank, "local_rank": local_rank, "world_size": world_size,
               "mode": args.mode, "allocator": args.allocator, "backend": args.backend,
               "device": str(device), "allocwatch_installed": allocator_ext.installed(),
+              # As the process group read it: install() may have switched it off.
+              "nccl_register_hook": os.environ.get(NCCL_REGISTER_HOOK, ""),
               "own_step_s": own, "step_s": slowest,
               "peak_reserved_bytes": reserved, "peak_requested_bytes": requested,
               "reserved_ratio": reserved / requested if requested else None,
@@ -166,7 +174,7 @@ def launch_command(*, nproc: int, mode: str, allocator: str, target: str, out: P
                    "--linger", str(linger)]
     if device == "cuda":
         run += ["--target", target]
-        if allocator != "allocwatch":
+        if not allocator.startswith("allocwatch"):
             run.append("--keep-pytorch-allocator")
     else:
         worker_args += ["--publish", target]
@@ -176,12 +184,15 @@ def launch_command(*, nproc: int, mode: str, allocator: str, target: str, out: P
 
 def launch_environment(allocator: str, job: str, interval: float,
                        nccl_register_hook: bool = False) -> dict[str, str]:
+    pytorch_conf = ALLOCATORS["allocwatch" if allocator == PLAIN else allocator]
     env = dict(os.environ, ALLOCWATCH_TRAINING_JOB=job, ALLOCWATCH_INTERVAL=str(interval),
-               PYTORCH_CUDA_ALLOC_CONF=ALLOCATORS[allocator]["PYTORCH_CUDA_ALLOC_CONF"])
+               PYTORCH_CUDA_ALLOC_CONF=pytorch_conf["PYTORCH_CUDA_ALLOC_CONF"])
     env.pop("ALLOCWATCH_TARGET", None)  # the launch's own sidecar only
     env.pop("ALLOCWATCH_ALLOC_CONF", None)
+    if allocator == PLAIN:
+        env["ALLOCWATCH_ALLOC_CONF"] = PLAIN_CONFIG
     if nccl_register_hook:
-        env["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
+        env[NCCL_REGISTER_HOOK] = "1"
     return env
 
 
@@ -323,7 +334,7 @@ def summarize(runs: list[dict[str, Any]], modes: list[str], sides: list[str]
 def driver(args: argparse.Namespace) -> int:
     modes = args.modes.split(",")
     sides = args.allocators.split(",")
-    for name, given, known in (("mode", modes, MODES), ("allocator", sides, SIDES)):
+    for name, given, known in (("mode", modes, MODES), ("allocator", sides, (*SIDES, PLAIN))):
         unknown = [g for g in given if g not in known]
         if unknown:
             print(f"distributed_train: unknown {name} {', '.join(unknown)} "
@@ -358,7 +369,8 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) per launch (default 2)")
     p.add_argument("--modes", default=",".join(MODES), help="ddp,fsdp (default: both)")
     p.add_argument("--allocators", default=",".join(SIDES),
-                   help="pytorch,expandable,allocwatch (default: all three)")
+                   help="pytorch,expandable,allocwatch (default: these three); "
+                        f"{PLAIN}: allocwatch with {PLAIN_CONFIG}")
     p.add_argument("--steps", type=int, default=30, help="timed steps per launch")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every launch")
@@ -374,7 +386,7 @@ def main() -> int:
     worker_only = p.add_argument_group("one rank (started by torchrun)")
     worker_only.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     worker_only.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    worker_only.add_argument("--allocator", choices=SIDES, help=argparse.SUPPRESS)
+    worker_only.add_argument("--allocator", choices=(*SIDES, PLAIN), help=argparse.SUPPRESS)
     worker_only.add_argument("--out", help=argparse.SUPPRESS)
     worker_only.add_argument("--publish", help=argparse.SUPPRESS)
     worker_only.add_argument("--linger", type=float, default=0.0, help=argparse.SUPPRESS)

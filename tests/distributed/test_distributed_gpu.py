@@ -47,7 +47,7 @@ def check_launches(result: dict[str, Any], nproc: int) -> None:
         uuids = {entry["labels"]["gpu_uuid"] for entry in run["series"].values()}
         assert len(devices) == len(uuids) == nproc  # one GPU per rank, each its own
         assert all(entry["nvml_joined"] for entry in run["series"].values())
-        assert all(r["allocwatch_installed"] == (r["allocator"] == "allocwatch")
+        assert all(r["allocwatch_installed"] == r["allocator"].startswith("allocwatch")
                    for r in run["ranks"])
     probes = [r["selector_probe"] for r in result["runs"] if "selector_probe" in r]
     assert probes and all(p["reached_that_rank_only"] for p in probes)
@@ -66,8 +66,14 @@ def test_two_ranks_train_ddp_and_fsdp_each_watched_and_steered_alone(tmp_path: P
 @needs(2)
 def test_nccl_buffer_registration_hook_with_allocwatchs_paged_segments(tmp_path: Path) -> None:
     """TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 with allocwatch's defaults (paged
-    segments), whose pages are mapped and unmapped while NCCL holds registrations, and a
-    reclaim --all that unmaps free pages mid-run: the rule of docs/torch.md ("NCCL buffer
-    registration") must hold for this to complete."""
-    check_launches(drive(tmp_path, "--nproc", "2", "--allocators", "allocwatch",
-                         "--nccl-register-hook"), 2)
+    segments, pages mapped and unmapped, a reclaim --all unmapping free ones mid-run) and with
+    PyTorch's allocator, and with allocwatch's plain segments. Until the back end follows the
+    rule of docs/torch.md ("NCCL buffer registration"), install() switches the hook off under
+    paged segments: every rank completes, with the hook off under allocwatch's defaults and on
+    (registering every segment) under the other two."""
+    result = drive(tmp_path, "--nproc", "2", "--allocators",
+                   "pytorch,allocwatch,allocwatch-plain", "--nccl-register-hook")
+    check_launches(result, 2)
+    hook = {r["allocator"]: {rank["nccl_register_hook"] for rank in r["ranks"]}
+            for r in result["runs"]}
+    assert hook == {"pytorch": {"1"}, "allocwatch": {"0"}, "allocwatch-plain": {"1"}}
