@@ -1,11 +1,11 @@
 """The sidecar's HTTP endpoint: /metrics, /healthz, /readyz and a landing page, served on the
 sidecar's event loop with every client resource bounded (exporter.sidecar.bounded_http).
 
-/metrics uses prometheus_client's own exposition: the format is chosen from the Accept header
-(`choose_encoder`: OpenMetrics when asked) and the body is gzip-compressed when the scraper
-accepts it (`gzip_accepted`). Building it is CPU work, so it runs off the loop, on one worker
-thread (`Exposition`): a slow scrape can hold neither the agents' gRPC stream nor another
-scrape's connection, and concurrent scrapes share a build.
+/metrics speaks prometheus_client's exposition formats: the format is chosen from the Accept
+header (OpenMetrics when asked), written by exporter.sidecar.exposition_format, and the body is
+gzip-compressed when the scraper accepts it (`gzip_accepted`). Building it is CPU work, so it
+runs off the loop, on one worker thread (`Exposition`): a slow scrape can hold neither the
+agents' gRPC stream nor another scrape's connection, and concurrent scrapes share a build.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import gzip_accepted
 
 from exporter.protocol.version import PACKAGE_VERSION
 from exporter.sidecar.bounded_http import BoundedHttpServer, HttpLimits
+from exporter.sidecar.exposition_format import ExpositionWriter
 from exporter.sidecar.registry import Registry
 
 log = logging.getLogger("exporter.http")
@@ -49,13 +50,14 @@ class Exposition:
 
     async def body(self, accept: str, accept_encoding: str) -> tuple[bytes, str, bool]:
         """(body, content type, gzip-compressed)."""
-        encoder, content_type = choose_encoder(accept)
+        writer = ExpositionWriter(accept)
+        content_type = writer.content_type
         compressed = gzip_accepted(accept_encoding)
         key = (content_type, compressed)
         with self._lock:  # held across submit: the build cannot end before it is listed
             future = self._building.get(key)
             if future is None:
-                future = self._worker.submit(self._build, encoder, compressed)
+                future = self._worker.submit(self._build, writer, compressed)
                 self._building[key] = future
                 future.add_done_callback(lambda done: self._built(key, done))
         return await asyncio.wrap_future(future), content_type, compressed
@@ -65,8 +67,8 @@ class Exposition:
             if self._building.get(key) is done:
                 del self._building[key]
 
-    def _build(self, encoder: Callable[[CollectorRegistry], bytes], compressed: bool) -> bytes:
-        body = encoder(self._registry)
+    def _build(self, writer: ExpositionWriter, compressed: bool) -> bytes:
+        body = writer(self._registry)
         # Speed over size: scrapes are frequent.
         return gzip.compress(body, compresslevel=1) if compressed else body
 

@@ -1,0 +1,119 @@
+"""The bytes of a /metrics body: the collectors' families, written in the format a scrape
+negotiated.
+
+prometheus_client chooses the format from the Accept header (`choose_encoder`: the Prometheus
+text format or OpenMetrics, and how names are escaped) and its writers define the bytes. Those
+writers escape every sample's name character by character and every label name again on every
+sample: about 30 µs a sample, so most of a scrape of 64 agents' 2,200 series. `ExpositionWriter`
+writes the same bytes at a small fraction of that cost, for the families the sidecar builds —
+gauges, counters and info families of plain samples (no timestamp, exemplar or native
+histogram) under names that need no escaping: it writes the names as they are, and each label
+set once a build, however many families share it (the ~30 families of one device share one).
+Any other family, and every family under an escaping that rewrites names (`dots`, `values`),
+goes through prometheus_client's own writer. That both write the same bytes is tested.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+OPENMETRICS = "application/openmetrics-text"
+# Escapings under which a name made of these characters is written as it is.
+_NAMES_KEPT = {"underscores", "allow-utf-8"}
+_PLAIN_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*").fullmatch
+_PLAIN_TYPES = {"gauge", "counter", "info", "unknown"}
+# The text format's names for OpenMetrics types.
+_TEXT_TYPE = {"info": "gauge", "unknown": "untyped"}
+# The samples' names, the family's with this suffix (the text format's family names too).
+_SUFFIX = {"counter": "_total", "info": "_info"}
+
+
+def _escaped_value(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class _One(Collector):
+    """One family, for prometheus_client's writer."""
+
+    def __init__(self, metric: Metric):
+        self._metric = metric
+
+    def collect(self) -> Iterable[Metric]:
+        return [self._metric]
+
+
+class _NotPlain(Exception):
+    """A family the fast path does not write: prometheus_client's writer does."""
+
+
+class ExpositionWriter:
+    """The format negotiated from an Accept header (`content_type`), and a writer of registries
+    in it (calling it)."""
+
+    def __init__(self, accept: str):
+        self._theirs, self.content_type = choose_encoder(accept)
+        self._openmetrics = self.content_type.startswith(OPENMETRICS)
+        escaping = next((part.split("=", 1)[1] for part in self.content_type.split("; ")
+                         if part.startswith("escaping=")), "underscores")
+        self._names_kept = escaping in _NAMES_KEPT
+
+    def __call__(self, registry: Collector) -> bytes:
+        out: list[str] = []
+        # Label sets written so far, by the id of their dict (kept alive here, so that no id is
+        # reused within the build): families share their samples' dicts.
+        label_text: dict[int, tuple[dict[str, str], str]] = {}
+        for metric in registry.collect():
+            try:
+                if not self._names_kept or metric.type not in _PLAIN_TYPES \
+                        or not _PLAIN_NAME(metric.name):
+                    raise _NotPlain
+                lines = [*self._header(metric),
+                         *self._samples(metric, label_text)]
+            except _NotPlain:
+                lines = [self._theirs_for(metric)]
+            out.extend(lines)
+        if self._openmetrics:
+            out.append("# EOF\n")
+        return "".join(out).encode()
+
+    def _theirs_for(self, metric: Metric) -> str:
+        return self._theirs(_One(metric)).decode().removesuffix("# EOF\n")
+
+    def _header(self, metric: Metric) -> list[str]:
+        if self._openmetrics:
+            name, kind = metric.name, metric.type
+            lines = [f"# HELP {name} {_escaped_value(metric.documentation)}\n",
+                     f"# TYPE {name} {kind}\n"]
+            if metric.unit:
+                lines.append(f"# UNIT {name} {metric.unit}\n")
+            return lines
+        name = metric.name + _SUFFIX.get(metric.type, "")
+        kind = _TEXT_TYPE.get(metric.type, metric.type)
+        help_text = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        return [f"# HELP {name} {help_text}\n", f"# TYPE {name} {kind}\n"]
+
+    @staticmethod
+    def _samples(metric: Metric, label_text: dict[int, tuple[dict[str, str], str]]
+                 ) -> Iterator[str]:
+        # Only the family's own samples: the text format moves others (`_created`) to the end.
+        name = metric.name + _SUFFIX.get(metric.type, "")
+        for sample in metric.samples:
+            if sample.name != name or sample.timestamp is not None \
+                    or sample.exemplar is not None \
+                    or getattr(sample, "native_histogram", None) is not None:  # 0.20 has none
+                raise _NotPlain
+            labels = sample.labels
+            known = label_text.get(id(labels))
+            if known is None:
+                if not all(_PLAIN_NAME(key) for key in labels):
+                    raise _NotPlain
+                text = ",".join(f'{key}="{_escaped_value(value)}"'
+                                for key, value in sorted(labels.items()))
+                known = label_text[id(labels)] = (labels, f"{{{text}}}" if text else "")
+            yield f"{name}{known[1]} {floatToGoString(sample.value)}\n"
