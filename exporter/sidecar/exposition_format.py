@@ -4,11 +4,12 @@ negotiated.
 prometheus_client chooses the format from the Accept header (`choose_encoder`: the Prometheus
 text format or OpenMetrics, and how names are escaped) and its writers define the bytes. Those
 writers escape every sample's name character by character and every label name again on every
-sample: about 30 µs a sample, so most of a scrape of 64 agents' 2,200 series. `ExpositionWriter`
-writes the same bytes at a small fraction of that cost, for the families the sidecar builds —
-gauges, counters and info families of plain samples (no timestamp, exemplar or native
-histogram) under names that need no escaping: it writes the names as they are, and each label
-set once a build, however many families share it (the ~30 families of one device share one).
+sample: 20–30 µs a sample on the 2-core development machine, most of a scrape of 64 agents'
+2,200 series. `ExpositionWriter` writes the same bytes in a fraction of that, for the families
+the sidecar builds — gauges, counters and info families of plain samples (no timestamp,
+exemplar or native histogram) under names that need no escaping: it writes the names as they
+are, each label set once a build, however many families share it (the ~30 families of one
+device share one), and whole numbers without prometheus_client's string surgery (`go_float`).
 Any other family, and every family under an escaping that rewrites names (`dots`, `values`),
 goes through prometheus_client's own writer. That both write the same bytes is tested.
 """
@@ -32,6 +33,24 @@ _PLAIN_TYPES = {"gauge", "counter", "info", "unknown"}
 _TEXT_TYPE = {"info": "gauge", "unknown": "untyped"}
 # The samples' names, the family's with this suffix (the text format's family names too).
 _SUFFIX = {"counter": "_total", "info": "_info"}
+
+
+def go_float(number: float) -> str:
+    """floatToGoString's text for `number` (Go's shortest form: exponents from 1e6), quicker
+    for the whole numbers below 1e16 that most samples are (byte counts, counters)."""
+    value = float(number)
+    if 0 < value < 1e16 and value.is_integer():
+        digits = str(int(value))
+        if value < 1e6:
+            return digits + ".0"
+        mantissa = digits.rstrip("0")
+        if len(mantissa) > 1:
+            mantissa = mantissa[0] + "." + mantissa[1:]
+        return mantissa + _EXPONENT[len(digits)]
+    return floatToGoString(value)
+
+
+_EXPONENT = {digits: f"e+{digits - 1:02d}" for digits in range(7, 17)}
 
 
 def _escaped_value(value: str) -> str:
@@ -116,4 +135,4 @@ class ExpositionWriter:
                 text = ",".join(f'{key}="{_escaped_value(value)}"'
                                 for key, value in sorted(labels.items()))
                 known = label_text[id(labels)] = (labels, f"{{{text}}}" if text else "")
-            yield f"{name}{known[1]} {floatToGoString(sample.value)}\n"
+            yield f"{name}{known[1]} {go_float(sample.value)}\n"

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -21,12 +23,13 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from support.fake_nvml import FakePynvml
 from support.sidecar import FakeSource, scrape, start_sidecar
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
-from exporter.sidecar.exposition_format import ExpositionWriter
+from exporter.sidecar.exposition_format import ExpositionWriter, go_float
 
 ACCEPTS = [
     "",
@@ -113,3 +116,10 @@ def test_the_sidecars_own_families_are_written_on_the_fast_path(families: Frozen
     names = {family.name for family in text_string_to_metric_families(body)}
     assert {"torch_cuda_allocator_reserved_bytes", "torch_cuda_allocator",
             "allocwatch_gpu_memory_total_bytes", "process_cpu_seconds"} <= names
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(st.floats(), st.integers(min_value=0, max_value=1 << 64).map(float),
+                 st.integers(min_value=-(1 << 64), max_value=1 << 64)))
+def test_numbers_are_written_as_prometheus_client_writes_them(number: float) -> None:
+    assert go_float(number) == floatToGoString(number)
