@@ -17,11 +17,12 @@ goes through prometheus_client's own writer. That both write the same bytes is t
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 OPENMETRICS = "application/openmetrics-text"
@@ -29,6 +30,9 @@ OPENMETRICS = "application/openmetrics-text"
 _NAMES_KEPT = {"underscores", "allow-utf-8"}
 _PLAIN_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*").fullmatch
 _PLAIN_TYPES = {"gauge", "counter", "info", "unknown"}
+# A plain sample's fields past name, labels and value (timestamp, exemplar, and in newer
+# versions native_histogram): all None.
+_PLAIN_TAIL = (None,) * (len(Sample._fields) - 3)
 # The text format's names for OpenMetrics types.
 _TEXT_TYPE = {"info": "gauge", "unknown": "untyped"}
 # The samples' names, the family's with this suffix (the text format's family names too).
@@ -39,6 +43,8 @@ def go_float(number: float) -> str:
     """floatToGoString's text for `number` (Go's shortest form: exponents from 1e6), quicker
     for the whole numbers below 1e16 that most samples are (byte counts, counters)."""
     value = float(number)
+    if value == 0:
+        return repr(value)  # 0.0 or -0.0
     if 0 < value < 1e16 and value.is_integer():
         digits = str(int(value))
         if value < 1e6:
@@ -92,8 +98,7 @@ class ExpositionWriter:
                 if not self._names_kept or metric.type not in _PLAIN_TYPES \
                         or not _PLAIN_NAME(metric.name):
                     raise _NotPlain
-                lines = [*self._header(metric),
-                         *self._samples(metric, label_text)]
+                lines = [*self._header(metric), *self._samples(metric, label_text)]
             except _NotPlain:
                 lines = [self._theirs_for(metric)]
             out.extend(lines)
@@ -119,20 +124,23 @@ class ExpositionWriter:
 
     @staticmethod
     def _samples(metric: Metric, label_text: dict[int, tuple[dict[str, str], str]]
-                 ) -> Iterator[str]:
+                 ) -> list[str]:
         # Only the family's own samples: the text format moves others (`_created`) to the end.
         name = metric.name + _SUFFIX.get(metric.type, "")
+        lines = []
         for sample in metric.samples:
-            if sample.name != name or sample.timestamp is not None \
-                    or sample.exemplar is not None \
-                    or getattr(sample, "native_histogram", None) is not None:  # 0.20 has none
+            if sample.name != name or sample[3:] != _PLAIN_TAIL:
                 raise _NotPlain
-            labels = sample.labels
-            known = label_text.get(id(labels))
+            known = label_text.get(id(sample.labels))
             if known is None:
-                if not all(_PLAIN_NAME(key) for key in labels):
-                    raise _NotPlain
-                text = ",".join(f'{key}="{_escaped_value(value)}"'
-                                for key, value in sorted(labels.items()))
-                known = label_text[id(labels)] = (labels, f"{{{text}}}" if text else "")
-            yield f"{name}{known[1]} {go_float(sample.value)}\n"
+                known = label_text[id(sample.labels)] = (sample.labels,
+                                                         _label_text(sample.labels))
+            lines.append(f"{name}{known[1]} {go_float(sample.value)}\n")
+        return lines
+
+
+def _label_text(labels: dict[str, str]) -> str:
+    if not all(_PLAIN_NAME(key) for key in labels):
+        raise _NotPlain
+    text = ",".join(f'{key}="{_escaped_value(value)}"' for key, value in sorted(labels.items()))
+    return f"{{{text}}}" if text else ""
