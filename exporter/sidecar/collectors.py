@@ -127,12 +127,16 @@ class AllocatorCollector(Collector):
             for labels, _, device in rows:
                 _add(family, labels, getattr(device.allocator.all, field))
             yield family
+        # One label set a pool and device, shared by the pool families: the exposition writes
+        # each label set once a build.
+        pools = [(({**labels, "pool": "small"}, device.allocator.small_pool),
+                  ({**labels, "pool": "large"}, device.allocator.large_pool))
+                 for labels, _, device in rows]
         for suffix, doc, field in _POOL_SPLIT:
             family = GaugeMetricFamily(f"{ALLOC}_{suffix}", doc, labels=[*SERIES_LABELS, "pool"])
-            for labels, _, device in rows:
-                for pool, pool_stats in (("small", device.allocator.small_pool),
-                                         ("large", device.allocator.large_pool)):
-                    _add(family, {**labels, "pool": pool}, getattr(pool_stats, field))
+            for device_pools in pools:
+                for labels, pool_stats in device_pools:
+                    _add(family, labels, getattr(pool_stats, field))
             yield family
 
         pending_free = GaugeMetricFamily(
