@@ -10,11 +10,14 @@ from pathlib import Path
 from allocator_ext.agent.snapshots import DEFAULT_MAX_BYTES, write_snapshot
 from allocator_ext.agent.sources import CommandRefusedNow, Source, UnsupportedCommand
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.service import (
+    DEFAULT_HISTORY_ENTRIES,
+    MAX_HISTORY_ENTRIES,
+    MAX_SETTINGS_CHARACTERS,
+)
 
 log = logging.getLogger("allocator_ext.agent")
 Status = pb.CommandResult.Status
-
-MAX_SETTINGS_LENGTH = 4096
 
 
 def _target_devices(source: Source, command: pb.Command) -> list[int]:
@@ -27,14 +30,35 @@ def _target_devices(source: Source, command: pb.Command) -> list[int]:
     return [command.cuda_device]
 
 
+def _record_history(command: pb.Command, source: Source) -> str:
+    wanted = command.record_history
+    entries = wanted.max_entries or DEFAULT_HISTORY_ENTRIES
+    if entries > MAX_HISTORY_ENTRIES:
+        raise ValueError(f"record_history.max_entries must be at most {MAX_HISTORY_ENTRIES}, "
+                         f"got {entries}")
+    record = getattr(source, "record_history", None)
+    if record is None:
+        raise UnsupportedCommand(f"the {type(source).__name__} source has no memory history")
+    devices = _target_devices(source, command)
+    if not devices:
+        raise ValueError("this process uses no CUDA device yet")
+    for device in devices:
+        record(device, wanted.enabled, entries)
+    where = ", ".join(f"cuda:{d}" for d in devices)
+    if wanted.enabled:
+        return f"memory history on for {where} (the last {entries} entries)"
+    return f"memory history off for {where}"
+
+
 def execute(command: pb.Command, source: Source, snapshot_dir: Path, rank: int) -> pb.CommandResult:
     result = pb.CommandResult(command_id=command.id)
     action = command.WhichOneof("action")
     try:
         if action == "set_config":
             text = command.set_config.settings
-            if not text.strip() or len(text) > MAX_SETTINGS_LENGTH:
-                raise ValueError(f"set_config.settings must be 1-{MAX_SETTINGS_LENGTH} characters")
+            if not text.strip() or len(text) > MAX_SETTINGS_CHARACTERS:
+                raise ValueError(
+                    f"set_config.settings must be 1-{MAX_SETTINGS_CHARACTERS} characters")
             source.set_config(text)
             result.message = f"applied {text}"
         elif action == "reclaim":
@@ -61,9 +85,11 @@ def execute(command: pb.Command, source: Source, snapshot_dir: Path, rank: int) 
                 max_bytes=min(cap, DEFAULT_MAX_BYTES))
             result.snapshot_path, result.snapshot_bytes = str(path), size
             result.message = f"snapshot of cuda:{device} written"
+        elif action == "record_history":
+            result.message = _record_history(command, source)
         else:
             raise UnsupportedCommand(f"unknown command {action or '(none)'}: this agent knows "
-                                     "set_config, reclaim, reset_peaks, snapshot")
+                                     "set_config, reclaim, reset_peaks, snapshot, record_history")
         result.status = Status.OK
     except UnsupportedCommand as err:
         result.status, result.message = Status.UNSUPPORTED, str(err)

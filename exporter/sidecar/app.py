@@ -18,12 +18,15 @@ from prometheus_client.process_collector import ProcessCollector
 from exporter.admin.collector import AdminCollector
 from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
+from exporter.admin.snapshot_dir import prepare_snapshot_dir, snapshot_dir_for
 from exporter.config import ConfigError, apply_reload
 from exporter.policy.collector import PolicyCollector
 from exporter.policy.engine import PolicyEngine
 from exporter.policy.runner import PolicyRunner
 from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.version import PACKAGE_VERSION
+from exporter.sidecar.bounded_http import HttpCollector
+from exporter.sidecar.bounds_collector import BoundsCollector
 from exporter.sidecar.collectors import (
     AgentsCollector,
     AllocatorCollector,
@@ -46,7 +49,8 @@ class Sidecar:
                  config_path: str | Path | None = None):
         self.config = config
         self.config_path = config_path
-        self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents)
+        self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents,
+                                 config.agents.max_departed_agents, config.agents.max_series)
         self.nvml: NvmlReader | None = None
         if config.nvml.enabled:
             self.nvml = NvmlReader(nvml_module, cache_seconds=config.nvml.cache_seconds)
@@ -63,9 +67,12 @@ class Sidecar:
         # One collector per source; the admin API's joins them once it listens.
         self.metrics_registry = CollectorRegistry(auto_describe=False)
         for collector in (AllocatorCollector(self.registry), GpuCollector(self.registry, self.nvml),
-                          AgentsCollector(self.registry), SidecarCollector(self.watcher),
+                          AgentsCollector(self.registry), BoundsCollector(self.registry),
+                          SidecarCollector(self.watcher),
                           PolicyCollector(self.policy)):
             self.metrics_registry.register(collector)
+        self.http_collector = HttpCollector()  # each listener joins it once it listens
+        self.metrics_registry.register(self.http_collector)
         # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
         ProcessCollector(registry=self.metrics_registry)
         self.grpc_server: aio.Server | None = None
@@ -90,19 +97,24 @@ class Sidecar:
             await asyncio.to_thread(self.nvml.start)
         self.http = MetricsHttpServer(
             self.config.metrics.address, self.config.metrics.port, self.metrics_registry,
-            self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy)
-        self.http.start()
+            self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy,
+            limits=self.config.metrics.limits)
+        await self.http.start()
+        self.http_collector.servers.append(self.http.http)
         try:
             self.grpc_server, self.agent_targets = await start_grpc_server(
                 self.registry, self.config.agents)
         except Exception:
-            self.http.stop()
+            await self.http.stop()
             raise
+        self._prepare_snapshot_dir()
         try:
-            self._start_admin()
+            await self._start_admin()
         except Exception:
             await self.grpc_server.stop(0)
-            self.http.stop()
+            if self.admin is not None:
+                await self.admin.stop()
+            await self.http.stop()
             raise
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self.policy_runner.run()))
@@ -117,16 +129,27 @@ class Sidecar:
             "policy_rules": [r.name for r in policy.rules], "policy_dry_run": policy.dry_run,
             "watching": str(self.config_path) if self.watcher else None})
 
-    def _start_admin(self) -> None:
+    def _prepare_snapshot_dir(self) -> None:
+        """Before any command can ask for a snapshot: the agents' snapshot directory, made so
+        that the sidecar can read what agents of any user write there."""
+        directory = snapshot_dir_for(self.config.agents.unix_socket)
+        if directory is None:
+            return
+        problem = prepare_snapshot_dir(directory, self.config.agents.socket_mode)
+        if problem is not None:
+            log.warning("snapshots may not be downloadable", extra={"reason": problem})
+
+    async def _start_admin(self) -> None:
         admin = self.config.admin
         if not admin.enabled:
             log.info("admin API disabled by settings (admin.enabled: false)")
             return
         service = AdminService(
-            self.registry, asyncio.get_running_loop(),
-            timeout=lambda: self.config.admin.command_timeout_seconds)
+            self.registry, timeout=lambda: self.config.admin.command_timeout_seconds,
+            snapshot_dir=admin.snapshot_path(self.config.agents.unix_socket))
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
-        self.admin.start()
+        await self.admin.start()
+        self.http_collector.servers.append(self.admin.http)
         self.metrics_registry.register(AdminCollector(self.admin))
 
     def apply_config(self, new: SidecarConfig) -> list[str]:
@@ -142,6 +165,8 @@ class Sidecar:
                           extra={"reason": str(err)})
         self.registry.expiry_seconds = effective.agents.expiry_seconds
         self.registry.max_agents = effective.agents.max_agents
+        self.registry.max_departed = effective.agents.max_departed_agents
+        self.registry.max_series = effective.agents.max_series
         logging.getLogger().setLevel(effective.logging.level.upper())
         if self.watcher is not None:
             self.watcher.interval_seconds = effective.reload.interval_seconds
@@ -164,11 +189,11 @@ class Sidecar:
         for task in self._tasks:
             task.cancel()
         if self.admin is not None:
-            await asyncio.to_thread(self.admin.stop)
+            await self.admin.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
         if self.http is not None:
-            self.http.stop()
+            await self.http.stop()
         if self.nvml is not None:
             self.nvml.close()
         log.info("sidecar stopped")
