@@ -2,7 +2,7 @@
 
     native/    the core's C++ benchmarks and soak (bench/CMakeLists.txt builds them)
     replay/    replay studies on recorded traces, and the recording of traces on a GPU
-    gpu/       studies on the GPU, and the shells that run a GPU session
+    gpu/       studies on the GPU, and the shells that run a whole GPU check in one command
     sidecar/   the sidecar under load, and what the agent costs a training process
     lib/       what several of them share
 

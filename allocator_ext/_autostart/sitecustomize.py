@@ -69,15 +69,15 @@ def _allocwatch_autostart() -> None:
 
 
 def _chain_to_the_next_sitecustomize() -> None:
-    """A site's own sitecustomize further down sys.path still runs."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """A site's own sitecustomize further down sys.path still runs; never this file again,
+    whatever path reaches it (a symlink, the resolved path `allocwatch run` puts on
+    PYTHONPATH beside the one the .pth file adds): it would chain to itself."""
+    this = os.path.realpath(__file__)
     import importlib.util
 
     for entry in sys.path:
-        if not entry or os.path.abspath(entry) == here:
-            continue
         candidate = os.path.join(entry, "sitecustomize.py")
-        if os.path.isfile(candidate):
+        if entry and os.path.isfile(candidate) and os.path.realpath(candidate) != this:
             spec = importlib.util.spec_from_file_location("_site_sitecustomize", candidate)
             if spec and spec.loader:
                 spec.loader.exec_module(importlib.util.module_from_spec(spec))

@@ -14,6 +14,8 @@ or, with no code change, set ALLOCWATCH_TARGET and call maybe_start_from_env() (
 | ALLOCWATCH_SNAPSHOT_DIR  | where snapshots are written (default: beside the Unix socket,    |
 |                          | in snapshots/; else the temp dir)                                |
 | ALLOCWATCH_AGENT_NVML    | 0 to stop the agent reading NVML                                 |
+| ALLOCWATCH_WARN_UNCONNECTED_SECONDS | after how long without ever reaching the sidecar the  |
+|                          | agent warns, once, naming the target and the reason (default 60) |
 
 The process's identity comes from the environment too: see allocator_ext.agent.identity.
 """
@@ -122,6 +124,7 @@ def start_agent(
     backoff: Backoff | None = None,
     stop_at_exit: bool = True,
     tls: TlsSettings | None = None,
+    warn_unconnected_after: float = 60.0,
 ) -> Agent:
     """Start publishing to the sidecar at `target` (default: ALLOCWATCH_TARGET).
 
@@ -130,6 +133,8 @@ def start_agent(
     identity: overrides of Identity fields (e.g. {"training_job": "llm-7b"}).
     nvml: False to skip NVML; True to read it; or a pynvml-like module (tests).
     tls: TLS to a TCP target (default: from ALLOCWATCH_TLS_CA etc., see agent/tls.py).
+    warn_unconnected_after: seconds without ever reaching the sidecar before the agent warns,
+    once, in the process's log.
     Never raises for an unreachable sidecar: the agent keeps retrying in the background.
     """
     target = target or os.environ.get("ALLOCWATCH_TARGET")
@@ -160,7 +165,8 @@ def start_agent(
     agent = Agent(
         target, resolved, ident, interval=interval,
         snapshot_dir=Path(snapshot_dir) if snapshot_dir else _default_snapshot_dir(target),
-        nvml=reader, buffer_reports=buffer_reports, backoff=backoff, tls=tls)
+        nvml=reader, buffer_reports=buffer_reports, backoff=backoff, tls=tls,
+        warn_unconnected_after=warn_unconnected_after)
     agent.start()
     if stop_at_exit:
         atexit.register(agent.stop, 1.0)
@@ -182,7 +188,9 @@ def maybe_start_from_env(source: Any = None) -> Agent | None:
             interval = float(os.environ.get("ALLOCWATCH_INTERVAL", "1"))
             chosen = source if source is not None else os.environ.get("ALLOCWATCH_SOURCE", "auto")
             use_nvml = os.environ.get("ALLOCWATCH_AGENT_NVML", "1") != "0"
-            _env_agent = start_agent(target, interval=interval, source=chosen, nvml=use_nvml)
+            warn_after = float(os.environ.get("ALLOCWATCH_WARN_UNCONNECTED_SECONDS", "60"))
+            _env_agent = start_agent(target, interval=interval, source=chosen, nvml=use_nvml,
+                                     warn_unconnected_after=warn_after)
         except Exception as err:  # a bad setting must not stop the training job
             log.warning("allocwatch agent not started", extra={"reason": repr(err)})
             return None

@@ -47,6 +47,7 @@ class Agent:
         backoff: Backoff | None = None,
         protocol_version: pb.ProtocolVersion | None = None,
         tls: TlsSettings | None = None,
+        warn_unconnected_after: float = 60.0,
     ):
         self.target = target
         self.tls = tls if tls is not None and not target.startswith("unix:") else None
@@ -65,6 +66,11 @@ class Agent:
         self.connected = threading.Event()
         self.last_error: str | None = None
         self.agent_key: str | None = None
+        # An agent that never reaches its sidecar says so once, loudly, in the process's log.
+        self.warn_unconnected_after = warn_unconnected_after
+        self.ever_connected = False
+        self.warned_unconnected = False
+        self._started = time.monotonic()
         # Reports handed to gRPC: the load benchmark compares them with the sidecar's count.
         self.reports_sent = 0
         self._stop = threading.Event()
@@ -118,12 +124,30 @@ class Agent:
         next_at = time.monotonic()
         while not self._stopping.is_set():
             self.sample_once()
+            self._warn_if_never_connected()
             next_at += self.interval
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind (suspended process): skip, never burst
                 next_at = time.monotonic()
                 delay = 0
             self._stopping.wait(delay)
+
+    def _warn_if_never_connected(self) -> None:
+        if self.ever_connected or self.warned_unconnected:
+            return
+        waited = time.monotonic() - self._started
+        if waited < self.warn_unconnected_after:
+            return
+        self.warned_unconnected = True
+        # The whole story in the message itself: a process that configured no logging still
+        # prints it (logging's last-resort handler shows warnings, without extra fields).
+        log.warning(
+            "allocwatch: the agent has not reached its sidecar at %s in %.0f s (%s): this "
+            "process's allocator figures are not published. Check that the sidecar runs and "
+            "listens there (docs/runbooks.md#allocwatchnoagentconnected).",
+            self.target, waited, self.last_error or "no answer yet",
+            extra={"target": self.target, "waited_seconds": round(waited),
+                   "reason": self.last_error or "no answer yet"})
 
     def sample_once(self) -> pb.Report | None:
         try:
@@ -254,6 +278,7 @@ class Agent:
                 return
             self.agent_key = message.welcome.agent_key
             self.backoff.reset()
+            self.ever_connected = True
             self.connected.set()
             log.info("agent connected to the sidecar", extra={"target": self.target,
                                                               "agent": self.agent_key})

@@ -10,6 +10,7 @@ from pathlib import Path
 from allocator_ext.agent.snapshots import DEFAULT_MAX_BYTES, write_snapshot
 from allocator_ext.agent.sources import CommandRefusedNow, Source, UnsupportedCommand
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
 
 log = logging.getLogger("allocator_ext.agent")
 Status = pb.CommandResult.Status
@@ -25,6 +26,26 @@ def _target_devices(source: Source, command: pb.Command) -> list[int]:
         raise ValueError(f"cuda_device {command.cuda_device} is not used by this process "
                          f"(it uses {devices})")
     return [command.cuda_device]
+
+
+def _record_history(command: pb.Command, source: Source) -> str:
+    wanted = command.record_history
+    entries = wanted.max_entries or DEFAULT_HISTORY_ENTRIES
+    if entries > MAX_HISTORY_ENTRIES:
+        raise ValueError(f"record_history.max_entries must be at most {MAX_HISTORY_ENTRIES}, "
+                         f"got {entries}")
+    record = getattr(source, "record_history", None)
+    if record is None:
+        raise UnsupportedCommand(f"the {type(source).__name__} source has no memory history")
+    devices = _target_devices(source, command)
+    if not devices:
+        raise ValueError("this process uses no CUDA device yet")
+    for device in devices:
+        record(device, wanted.enabled, entries)
+    where = ", ".join(f"cuda:{d}" for d in devices)
+    if wanted.enabled:
+        return f"memory history on for {where} (the last {entries} entries)"
+    return f"memory history off for {where}"
 
 
 def execute(command: pb.Command, source: Source, snapshot_dir: Path, rank: int) -> pb.CommandResult:
@@ -61,9 +82,11 @@ def execute(command: pb.Command, source: Source, snapshot_dir: Path, rank: int) 
                 max_bytes=min(cap, DEFAULT_MAX_BYTES))
             result.snapshot_path, result.snapshot_bytes = str(path), size
             result.message = f"snapshot of cuda:{device} written"
+        elif action == "record_history":
+            result.message = _record_history(command, source)
         else:
             raise UnsupportedCommand(f"unknown command {action or '(none)'}: this agent knows "
-                                     "set_config, reclaim, reset_peaks, snapshot")
+                                     "set_config, reclaim, reset_peaks, snapshot, record_history")
         result.status = Status.OK
     except UnsupportedCommand as err:
         result.status, result.message = Status.UNSUPPORTED, str(err)

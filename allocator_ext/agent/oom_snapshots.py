@@ -3,7 +3,9 @@
 An out-of-memory error is the moment an operator most wants the allocator's layout, and the
 moment it is gone once the job restarts. The agent notices a rise of `num_ooms` when it samples
 and writes a snapshot beside the on-demand ones, without stack frames, capped in number (per
-process) and in size, and at most one per device per `min_interval` seconds.
+process: ALLOCWATCH_OOM_SNAPSHOTS, default 3, 0 for none) and in size, and at most one per
+device per `min_interval` seconds. Its path is logged; like the on-demand ones, the file is
+readable by the sidecar (docs/deploy.md#snapshots-and-memory-history).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class OomSnapshots:
                         extra={"device": device, "reason": repr(err)})
             return None
         self.written.append(path)
-        log.warning("out of memory: snapshot written",
+        # The path in the message itself: a program that configured no logging prints only that.
+        log.warning("allocwatch: out of memory on cuda:%d: snapshot written to %s", device, path,
                     extra={"device": device, "path": str(path), "bytes": size, "num_ooms": ooms})
         return path

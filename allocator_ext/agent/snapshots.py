@@ -1,8 +1,10 @@
 """Allocator snapshots written by the agent for the sidecar to fetch.
 
 Files are gzip-compressed pickles in the layout of torch.cuda.memory._snapshot(), so PyTorch's
-memory viewer opens them. Stack frames (which hold source paths) are removed unless asked for;
-the files are readable by owner and group only (the pod's containers share the group).
+memory viewer opens them (`gunzip -c F | python -m torch.cuda._memory_viz trace_plot - -o
+F.html`). Stack frames (which hold source paths) are removed unless asked for. Files are
+readable by owner and group only, whatever the process's umask: the sidecar makes the directory
+set-group-ID (exporter/admin/snapshot_dir.py), so they belong to its group whoever writes them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from allocator_ext.agent.history import with_starting_state
 
 DEFAULT_MAX_BYTES = 256 << 20
 FILE_MODE = 0o640
@@ -30,7 +34,11 @@ def strip_frames(value: Any) -> Any:
 
 def write_snapshot(directory: Path, snapshot: dict[str, Any], *, rank: int, device: int,
                    include_frames: bool, max_bytes: int) -> tuple[Path, int]:
-    """Write the snapshot; returns (path, size). ValueError when larger than max_bytes."""
+    """Write the snapshot; returns (path, size). ValueError when larger than max_bytes.
+
+    A history that began with memory in use is preceded by that state (agent.history), so
+    that the file replays."""
+    snapshot = with_starting_state(snapshot)
     if not include_frames:
         snapshot = strip_frames(snapshot)
     data = gzip.compress(pickle.dumps(snapshot, protocol=4), compresslevel=6)
@@ -46,6 +54,7 @@ def write_snapshot(directory: Path, snapshot: dict[str, Any], *, rank: int, devi
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), FILE_MODE)  # a umask of 077 must not hide it from the group
         f.write(data)
     os.replace(tmp, path)  # the sidecar never sees a half-written file
     return path, len(data)

@@ -4,7 +4,8 @@
 - TorchSource: PyTorch's own allocator, through torch.cuda.memory_stats(device) for every device
   the process uses. torch is imported here only, and only when this source is used.
 
-Commands (set_config, reclaim, reset_peaks, snapshot) go through the same interface.
+Commands (set_config, reclaim, reset_peaks, snapshot, record_history) go through the same
+interface.
 
 Two figures only some sources have are optional methods, not part of Source (the agent asks
 with getattr): `interval_peaks(device)`, the allocated and reserved bytes at their highest
@@ -60,6 +61,10 @@ class Source(Protocol):
 
     def versions(self) -> tuple[str, str]:
         """(torch version, CUDA version), '' where unknown."""
+
+    # Optional, so that sources written before it keep working (the command then answers
+    # UNSUPPORTED): record_history(device, enabled, max_entries), memory history (a snapshot's
+    # device_traces) on or off.
 
     def gpu_uuid(self, device: int) -> str: ...
 
@@ -134,6 +139,11 @@ class AllocatorSource:
 
     def snapshot(self, device: int) -> dict[str, Any]:
         return dict(self._allocator(device).snapshot())
+
+    def record_history(self, device: int, enabled: bool, max_entries: int) -> None:
+        # The core's trace ring buffer. Where the native back end serves torch, PyTorch's own
+        # _record_memory_history reaches the same buffer.
+        self._allocator(device).record_history(enabled, max_entries)
 
     def versions(self) -> tuple[str, str]:
         torch = sys.modules.get("torch")  # never imported by us for this source
@@ -210,6 +220,11 @@ class TorchSource:
 
     def snapshot(self, device: int) -> dict[str, Any]:
         return dict(self._torch.cuda.memory._snapshot())
+
+    def record_history(self, device: int, enabled: bool, max_entries: int) -> None:
+        # "all": allocations with their Python and C++ stacks, and the trace's every action.
+        self._torch.cuda.memory._record_memory_history(
+            "all" if enabled else None, max_entries=max_entries, device=device)
 
     def versions(self) -> tuple[str, str]:
         return str(self._torch.__version__), str(self._torch.version.cuda or "")

@@ -21,6 +21,7 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
@@ -149,6 +150,59 @@ def compiler() -> str:
     return path
 
 
+def process_libstdcxx() -> Path | None:
+    """The libstdc++ this process runs on, torch's own (None where none is loaded)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libstdc++.so"):
+            return Path(fields[5])
+    return None
+
+
+def needed_libraries(library: Path) -> list[str]:
+    """The DT_NEEDED names of an ELF64 little-endian shared object (what ldd starts from)."""
+    data = library.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise BuildError(f"{library}: not a 64-bit little-endian ELF file")
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    loads, dynamic = [], None
+    for i in range(phnum):
+        kind, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", data,
+                                                               phoff + i * phentsize)
+        if kind == 1:  # PT_LOAD: maps file offsets to addresses
+            loads.append((vaddr, offset, filesz))
+        elif kind == 2:  # PT_DYNAMIC
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        return []
+    entries = [struct.unpack_from("<qQ", data, dynamic[0] + i * 16)
+               for i in range(dynamic[1] // 16)]
+    strtab = next((value for tag, value in entries if tag == 5), None)  # DT_STRTAB, an address
+    if strtab is None:
+        return []
+    base = next((offset + strtab - vaddr for vaddr, offset, size in loads
+                 if vaddr <= strtab < vaddr + size), None)
+    if base is None:
+        raise BuildError(f"{library}: its string table lies outside every loaded segment")
+    return [data[base + value:data.index(b"\0", base + value)].decode()
+            for tag, value in entries if tag == 1]  # DT_NEEDED
+
+
+def _runtime_link(libstdcxx: Path | None) -> list[str]:
+    # The back end includes c10's headers, whose error messages are built with ostringstream
+    # and whose exceptions cross into torch: it must run on torch's libstdc++. Some compilers'
+    # specs link libstdc++ statically (one GPU image's g++ does); the copy of its own that gives
+    # the library crashed the first out-of-memory message. Naming the process's libstdc++
+    # before the compiler's own libraries resolves every symbol from it, so the static archive
+    # contributes nothing; _compile checks that the result depends on it.
+    return [str(libstdcxx)] if libstdcxx is not None else []
+
+
 def plan(torch: Any, extra_includes: Sequence[str] = (), link: bool = True,
          cuda_version: str | None = None) -> Plan:
     """The build for `torch`. For the ABI test, which compiles against a CPU build's headers:
@@ -170,8 +224,8 @@ def plan(torch: Any, extra_includes: Sequence[str] = (), link: bool = True,
                "-Wsuggest-override"]
     command += [f"-I{d}" for d in includes]
     if link:
-        command += ["-shared", str(SOURCE), "-o", "{output}", f"-L{lib}", "-lc10", "-lc10_cuda",
-                    f"-Wl,-rpath,{lib}", "-ldl"]
+        command += ["-shared", str(SOURCE), "-o", "{output}", *_runtime_link(process_libstdcxx()),
+                    f"-L{lib}", "-lc10", "-lc10_cuda", f"-Wl,-rpath,{lib}", "-ldl"]
     else:
         command += ["-c", str(SOURCE), "-o", "{output}"]
     identity = "|".join([torch.__version__, str(torch.version.git_version), str(cuda),
@@ -220,6 +274,12 @@ def _compile(p: Plan, folder: Path) -> Path:
         errors = [line for line in done.stderr.splitlines() if "error" in line][:3]
         raise BuildError(f"compiling the native back end for {p.describe} failed ("
                          f"{folder / LOG_NAME}): {' / '.join(errors) or done.stderr[-400:]}")
+    if "-shared" in command and not any(name.startswith("libstdc++.so")
+                                        for name in needed_libraries(partial)):
+        partial.unlink(missing_ok=True)
+        raise BuildError(f"{command[0]} linked a copy of libstdc++ into the native back end "
+                         f"for {p.describe}, which must share torch's: set CXX to a compiler "
+                         f"that links libstdc++ as a shared library")
     os.replace(partial, target)  # readers see the whole library or none
     return target
 

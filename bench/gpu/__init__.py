@@ -1,1 +1,1 @@
-"""Studies on the GPU, and the shells that run a GPU session."""
+"""Studies on the GPU, and the shells that run a whole GPU check in one command."""

@@ -6,8 +6,8 @@
 #   install      python -m pip install --no-build-isolation --no-deps -e .
 #   tests        the gpu-marked tests (tests/*/test_*gpu*.py; the torchrun ones need 2 GPUs)
 #   torchrun     only the torchrun tests (2 GPUs)
-#   soak-start   starts bench/gpu/gpu_soak.py (10 min, sidecar SIGKILLed every 60 s) in its own
-#                session on the last GPU, so other parts can use GPU 0 meanwhile
+#   soak-start   starts bench/gpu/gpu_soak.py (10 min, sidecar SIGKILLed every 60 s) in its own process
+#                group on the last GPU, so other parts can use GPU 0 meanwhile
 #   soak-wait    waits for it and copies its JSON and log to $OUT
 #   overhead     bench/sidecar/agent_overhead.py (in-process A/B blocks) for allocwatch's allocator and
 #                PyTorch's

@@ -3,7 +3,7 @@
 #   source bench/lib/parts.sh; part NAME COMMAND...; ...; parts_summary
 declare -a PART_NAMES=() PART_RESULTS=()
 
-# part NAME COMMAND...: runs one part, records its status and time, never stops the session.
+# part NAME COMMAND...: runs one part, records its status and time, never stops the run of parts.
 # A command (not a shell function) is stopped after PART_TIMEOUT seconds (default 540), so
 # that one hung part cannot use up a whole device call.
 part() {

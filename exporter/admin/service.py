@@ -7,6 +7,7 @@ them).
     POST /v1/snapshot     {"frames": false, selectors}   -> path, bytes, download URL
     GET  /v1/snapshots/NAME                         the snapshot file's bytes
     POST /v1/reset-peaks  {selectors}
+    POST /v1/record-history {"enabled": true|false, "max_entries": N, selectors}
 
 A bad request (unknown field, invalid settings, no agent selected) is refused with a message and
 sends nothing. Commands are handed to the sidecar's event loop and awaited from the request's
@@ -27,6 +28,7 @@ from typing import Any
 
 from exporter.admin.views import agent_view, result_view
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
 from exporter.protocol.settings import validate_settings
 from exporter.sidecar.registry import AgentState, Outcome, Registry, send_command
 
@@ -92,6 +94,7 @@ ENDPOINTS = {
     "/v1/reclaim": _Endpoint("reclaim", frozenset({"mode"})),
     "/v1/snapshot": _Endpoint("snapshot", frozenset({"frames", "max_bytes"})),
     "/v1/reset-peaks": _Endpoint("reset_peaks", frozenset()),
+    "/v1/record-history": _Endpoint("record_history", frozenset({"enabled", "max_entries"})),
 }
 
 
@@ -124,6 +127,17 @@ def build_command(endpoint: _Endpoint, body: Mapping[str, Any]) -> pb.Command:
             raise AdminError(400, f"max_bytes: expected a byte count, got {max_bytes!r}")
         return pb.Command(cuda_device=-1, snapshot=pb.Snapshot(include_frames=frames,
                                                                max_bytes=max_bytes))
+    if endpoint.command == "record_history":
+        enabled, entries = body.get("enabled"), body.get("max_entries", 0)
+        if not isinstance(enabled, bool):
+            raise AdminError(400, f"enabled: expected true or false, got {enabled!r}")
+        if (isinstance(entries, bool) or not isinstance(entries, int)
+                or not 0 <= entries <= MAX_HISTORY_ENTRIES):
+            raise AdminError(400, f"max_entries: expected 0 (the agent's default, "
+                                  f"{DEFAULT_HISTORY_ENTRIES}) to {MAX_HISTORY_ENTRIES}, "
+                                  f"got {entries!r}")
+        return pb.Command(cuda_device=-1, record_history=pb.RecordHistory(
+            enabled=enabled, max_entries=entries))
     return pb.Command(cuda_device=-1, reset_peaks=pb.ResetPeaks())
 
 

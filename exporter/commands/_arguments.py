@@ -38,6 +38,18 @@ def tcp_port(text: str) -> int:
     return value
 
 
+def count(maximum: int) -> Callable[[str], int]:
+    """A whole number from 0 to `maximum`."""
+
+    def parse(text: str) -> int:
+        value = _parsed(text, int, "a whole number")
+        if not 0 <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{text}: give a whole number from 0 to {maximum:,}")
+        return value
+
+    return parse
+
+
 def fraction(text: str) -> float:
     """A share of the device's memory, in (0, 1]."""
     value = _parsed(text, float, "a number")

@@ -49,8 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=seconds(), default=30.0, metavar="S",
                         help="seconds to run (default 30)")
-    parser.add_argument("--port", type=tcp_port, default=9464,
-                        help="metrics port (default 9464; 0: any free port)")
+    parser.add_argument("--port", type=tcp_port, default=9471,
+                        help="metrics port (default 9471; 0: any free port)")
     parser.add_argument("--workload", choices=("auto", "gpu", "sim"), default="auto",
                         help="auto (default): gpu where torch sees CUDA, else sim")
     parser.set_defaults(func=run)
@@ -234,7 +234,7 @@ class Headline:
                 f"{int(figures['reports'])}")
 
 
-def run_demo(duration: float = 30.0, port: int = 9464, workload: str = "auto",
+def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
              out: Any = None) -> int:
     from exporter.logs import configure_logging
     from exporter.sidecar.app import SidecarThread

@@ -14,7 +14,7 @@ Runs the exporter daemon beside a training container. Agents in the training pro
 over gRPC (a Unix socket in a shared directory by default, TCP where configured) and publish
 their allocator's figures; Prometheus scrapes them from /metrics (with /healthz, /readyz and a
 landing page listing the agents). Settings: a YAML file, described in docs/sidecar.md; without
-one, the defaults (socket /run/allocwatch/agent.sock, metrics on port 9464)."""
+one, the defaults (socket /run/allocwatch/agent.sock, metrics on port 9471)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -18,6 +18,7 @@ from prometheus_client.process_collector import ProcessCollector
 from exporter.admin.collector import AdminCollector
 from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
+from exporter.admin.snapshot_dir import prepare_snapshot_dir, snapshot_dir_for
 from exporter.config import ConfigError, apply_reload
 from exporter.policy.collector import PolicyCollector
 from exporter.policy.engine import PolicyEngine
@@ -98,6 +99,7 @@ class Sidecar:
         except Exception:
             self.http.stop()
             raise
+        self._prepare_snapshot_dir()
         try:
             self._start_admin()
         except Exception:
@@ -116,6 +118,16 @@ class Sidecar:
             "admin": self.admin.addresses() if self.admin else [],
             "policy_rules": [r.name for r in policy.rules], "policy_dry_run": policy.dry_run,
             "watching": str(self.config_path) if self.watcher else None})
+
+    def _prepare_snapshot_dir(self) -> None:
+        """Before any command can ask for a snapshot: the agents' snapshot directory, made so
+        that the sidecar can read what agents of any user write there."""
+        directory = snapshot_dir_for(self.config.agents.unix_socket)
+        if directory is None:
+            return
+        problem = prepare_snapshot_dir(directory, self.config.agents.socket_mode)
+        if problem is not None:
+            log.warning("snapshots may not be downloadable", extra={"reason": problem})
 
     def _start_admin(self) -> None:
         admin = self.config.admin

@@ -272,6 +272,12 @@ class AgentsCollector(Collector):
                                       "Agents with an open stream")
         connected.add_metric([], sum(1 for a in agents if a.connected))
         yield connected
+        # An agent that never connects cannot say so itself: the sidecar does.
+        waiting = GaugeMetricFamily(
+            "allocwatch_agent_wait_seconds",
+            "Seconds since the sidecar started, while no agent has ever connected (0 once one has)")
+        waiting.add_metric([], self._registry.seconds_without_any_agent())
+        yield waiting
 
         last = GaugeMetricFamily("allocwatch_agent_last_report_timestamp_seconds",
                                  "When the sidecar last received a report from the agent",

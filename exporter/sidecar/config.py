@@ -53,7 +53,9 @@ class AgentsConfig(Section):
 class MetricsConfig(Section):
     # Prometheus and the kubelet reach the endpoint from outside the pod: all interfaces.
     address: str = "0.0.0.0"
-    port: Port = 9464
+    # 9471: clear of dcgm-exporter (9400) and OpenTelemetry's Prometheus exporter (9464), which
+    # share GPU nodes with training pods (docs/deploy.md#the-metrics-port).
+    port: Port = 9471
 
 
 @dataclasses.dataclass(frozen=True)

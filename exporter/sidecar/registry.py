@@ -136,6 +136,7 @@ class Registry:
         self.stream_errors_total: Counter[str] = Counter()
         self.series = SeriesSlots()
         self.ever_connected = False
+        self._started = time.monotonic()
         # When the last connected agent left (monotonic); None while any is connected.
         self.all_gone_since: float | None = None
 
@@ -207,6 +208,11 @@ class Registry:
                 del self._agents[key]
                 self.series.forget(key)
                 log.info("agent expired", extra={"agent": key})
+
+    def seconds_without_any_agent(self) -> float:
+        """How long the sidecar has waited for its first agent; 0 once one has connected."""
+        with self._lock:
+            return 0.0 if self.ever_connected else time.monotonic() - self._started
 
     def agents(self) -> list[AgentState]:
         """Current agents (connected, or departed but not yet expired), oldest first."""

@@ -1,5 +1,5 @@
 """The agent writes a snapshot by itself when the allocator runs out of memory: without
-stack frames, readable by the pod's containers only, capped in number."""
+stack frames, readable by the pod's containers only, capped in number, its path in the log."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def run_out_of_memory(alloc: ae.Allocator) -> None:
         alloc.malloc(512 * MiB)
 
 
-def test_an_out_of_memory_error_leaves_a_snapshot(tmp_path: Path) -> None:
+def test_an_out_of_memory_error_leaves_a_snapshot(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     alloc = ae.Allocator(ae.SimDevice(capacity=256 * MiB), "native")
     keep = alloc.malloc(100 * MiB)
     # No sidecar listens here: the agent keeps sampling regardless.
@@ -36,6 +37,7 @@ def test_an_out_of_memory_error_leaves_a_snapshot(tmp_path: Path) -> None:
         agent.sample_once()
         files = list(tmp_path.glob("*.pickle.gz"))
         assert len(files) == 1
+        assert f"out of memory on cuda:0: snapshot written to {files[0]}" in caplog.text
         assert stat.S_IMODE(files[0].stat().st_mode) == 0o640
         snapshot = pickle.loads(gzip.decompress(files[0].read_bytes()))
         blocks = [b for s in snapshot["segments"] for b in s["blocks"]]

@@ -58,3 +58,130 @@ def test_pytorch_source_on_the_gpu(tmp_path: Path) -> None:
         agent.stop()
         running.stop()
         del keep
+
+
+def test_record_history_mid_run_with_pytorchs_allocator(tmp_path: Path) -> None:
+    """record_history on PyTorch's allocator, switched on while tensors are live: the snapshot
+    replays (its prologue holds them) and PyTorch's memory viewer reads it."""
+    import gzip
+    import pickle
+    import subprocess
+    import sys
+
+    from allocator_ext.agent.history import PROLOGUE
+    from allocator_ext.replay.engine import replay
+    from allocator_ext.replay.trace import parse_snapshot
+
+    running = start_sidecar(tmp_path)
+    torch.cuda.init()
+    device = torch.device("cuda", 0)
+    weights = [torch.empty(64 * MiB, dtype=torch.uint8, device=device) for _ in range(3)]
+    agent = start_agent(running.sidecar.agent_targets[0], interval=0.1, source="pytorch",
+                        identity={"rank": 0}, snapshot_dir=tmp_path / "snapshots",
+                        stop_at_exit=False)
+    try:
+        wait_for(lambda: running.sidecar.registry.agents(), what="the agent")
+        session = running.sidecar.registry.agents()[0].session
+        on = running.call(session.send(pb.Command(
+            cuda_device=0, record_history=pb.RecordHistory(enabled=True, max_entries=100_000))))
+        assert on.status == pb.CommandResult.OK, on.message
+        for step in range(20):
+            activations = [torch.empty((step + 1) * k * MiB, dtype=torch.uint8, device=device)
+                           for k in (1, 2, 3)]
+            del activations
+        taken = running.call(session.send(pb.Command(cuda_device=0, snapshot=pb.Snapshot())))
+        assert taken.status == pb.CommandResult.OK, taken.message
+        data = pickle.loads(gzip.decompress(Path(taken.snapshot_path).read_bytes()))
+        trace = data["device_traces"][0]
+        assert any(e.get("user_metadata") == PROLOGUE for e in trace)
+        replay(parse_snapshot(data, device=0), config="native")
+        viewer = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot",
+                                 "-", "-o", str(tmp_path / "t.html")],
+                                input=pickle.dumps(data), capture_output=True, timeout=120)
+        assert viewer.returncode == 0, viewer.stderr.decode()
+        off = running.call(session.send(pb.Command(
+            cuda_device=0, record_history=pb.RecordHistory(enabled=False))))
+        assert off.status == pb.CommandResult.OK, off.message
+    finally:
+        agent.stop()
+        running.stop()
+        del weights
+
+
+NATIVE_HISTORY = """
+import gzip, pickle, subprocess, sys
+from pathlib import Path
+
+tests, tmp = Path(sys.argv[1]), Path(sys.argv[2])
+sys.path.insert(0, str(tests))
+from support.sidecar import MiB, start_sidecar
+from support.waiting import wait_for
+
+running = start_sidecar(tmp)  # listens where ALLOCWATCH_TARGET points, before install()
+import torch
+import allocator_ext
+from allocator_ext import torch_integration
+from allocator_ext.agent.history import PROLOGUE
+from allocator_ext.replay.engine import replay
+from allocator_ext.replay.trace import parse_snapshot
+from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+
+assert allocator_ext.install() and torch_integration.native(), "the native back end is not in"
+device = torch.device("cuda", 0)
+weights = [torch.empty(64 * MiB, dtype=torch.uint8, device=device) for _ in range(3)]
+state = wait_for(lambda: [a for a in running.sidecar.registry.agents() if a.session], timeout=30,
+                 what="the agent install() started")[0]
+assert state.identity.backend == "allocwatch", state.identity.backend
+session = state.session
+OK = pb.CommandResult.OK
+
+def command(**action):
+    result = running.call(session.send(pb.Command(cuda_device=0, **action)))
+    assert result.status == OK, result.message
+    return result
+
+def allocs(trace):
+    return [(e["action"], e["addr"], e["size"]) for e in trace
+            if e.get("user_metadata") != PROLOGUE and e["action"] == "alloc"]
+
+command(record_history=pb.RecordHistory(enabled=True, max_entries=100_000))
+for step in range(20):
+    activations = [torch.empty((step + 1) * k * MiB, dtype=torch.uint8, device=device)
+                   for k in (1, 2, 3)]
+    del activations
+# PyTorch's own call reads the buffer the command switched on.
+from_torch = torch.cuda.memory._snapshot()["device_traces"][0]
+assert len(allocs(from_torch)) == 60, len(allocs(from_torch))
+data = pickle.loads(gzip.decompress(Path(command(snapshot=pb.Snapshot()).snapshot_path)
+                                    .read_bytes()))
+trace = data["device_traces"][0]
+assert any(e.get("user_metadata") == PROLOGUE for e in trace)  # the weights, live at the start
+assert allocs(trace) == allocs(from_torch)
+replay(parse_snapshot(data, device=0), config="native")
+viewer = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", "-",
+                         "-o", str(tmp / "t.html")], input=pickle.dumps(data),
+                        capture_output=True, timeout=120)
+assert viewer.returncode == 0, viewer.stderr.decode()
+command(record_history=pb.RecordHistory(enabled=False))
+extra = torch.empty(8 * MiB, dtype=torch.uint8, device=device)
+assert len(allocs(torch.cuda.memory._snapshot()["device_traces"][0])) == 60  # stopped
+running.stop()
+print("PASS native record-history")
+"""
+
+
+def test_record_history_mid_run_with_the_native_back_end(tmp_path: Path) -> None:
+    """allocwatch's allocator serving torch through the native back end: record_history sent to
+    the agent install() started switches on the core's ring buffer, the one PyTorch's own
+    torch.cuda.memory._snapshot() reads; the agent's snapshot replays and opens in the viewer,
+    and after `stop` nothing more is recorded. In a fresh process: install() precedes CUDA."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
+    env["ALLOCWATCH_TARGET"] = f"unix://{tmp_path / 'run' / 'agent.sock'}"
+    out = subprocess.run([sys.executable, "-c", NATIVE_HISTORY, str(Path(__file__).parents[1]),
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    assert "PASS native record-history" in out.stdout

@@ -1,10 +1,13 @@
 """allocwatch run: every Python process it starts — and their children, as torchrun's workers
 are — installs allocwatch when it imports torch, before the user's next line, without code
-changes. Here (no GPU) install() keeps PyTorch's allocator and says why; on a GPU it swaps it
-in. tests/pytorch/test_startup_hook.py says what start-up leaves alone."""
+changes. The processes here see no GPU (CUDA_VISIBLE_DEVICES is emptied, also on a machine with
+one), so install() keeps PyTorch's allocator and says why, once in each process that installs:
+the count of those lines is the count of installing processes. tests/pytorch/test_startup_hook.py
+says what start-up leaves alone; tests/pytorch/test_native_gpu.py what it does on a GPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +21,8 @@ CHILD = ("import sys, torch; print('torch-loaded' if 'allocator_ext.torch_integr
 
 def allocwatch_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "exporter.cli", "run", *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+                          capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
 def test_the_command_runs_with_allocwatch_installed_at_start_up() -> None:

@@ -72,7 +72,7 @@ def test_lock_pins_every_dependency_of_pyproject_with_hashes() -> None:
 
 def test_entrypoint_matches_the_manifests() -> None:
     assert 'ENTRYPOINT ["allocwatch"]' in DOCKERFILE
-    assert "EXPOSE 9400" in DOCKERFILE
+    assert "EXPOSE 9471" in DOCKERFILE
     ignore = [
         line
         for line in (IMAGE / "Dockerfile.dockerignore").read_text().splitlines()

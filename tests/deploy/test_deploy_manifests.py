@@ -14,18 +14,24 @@ import pytest
 import yaml
 from support.deploy import (
     DEPLOY,
+    ESSENTIAL_FIELDS,
     GRAFANA,
     METRICS_PORT,
     REPO,
     SIDECAR,
     SOCKET_DIR,
     all_containers,
+    canonical_sidecar,
+    component_dirs,
     find_sidecar,
     kustomization_dirs,
     kustomize_build,
-    load_yaml_documents,
+    newest_known_version,
     pod_templates,
     selector_matches,
+    starts_the_agent,
+    trainer_additions,
+    validate_strict,
 )
 
 kubernetes_validate = pytest.importorskip(
@@ -50,20 +56,6 @@ NATIVE_EXAMPLES = ["job", "pytorchjob", "jobset"]
 EXAMPLES = NATIVE_EXAMPLES + ["job-legacy-sidecar"]
 
 
-def newest_known_version() -> str:
-    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
-    versions = [
-        tuple(int(x) for x in m.group(1).split("."))
-        for p in schemas.iterdir()
-        if (m := re.fullmatch(r"v(\d+\.\d+\.\d+)-local-strict", p.name))
-    ]
-    return ".".join(map(str, max(versions)))
-
-
-def validate_strict(resource: dict, version: str) -> None:
-    kubernetes_validate.validate(resource, version, True)
-
-
 def build(relative: str) -> list[dict]:
     return kustomize_build(REPO / relative)
 
@@ -72,13 +64,6 @@ def one(resources: list[dict], kind: str) -> dict:
     matches = [r for r in resources if r["kind"] == kind]
     assert len(matches) == 1, f"expected one {kind}, found {len(matches)}"
     return matches[0]
-
-
-def canonical_sidecar() -> dict:
-    job = one(load_yaml_documents(DEPLOY / "examples/job/job.yaml"), "Job")
-    sidecar = find_sidecar(job["spec"]["template"]["spec"])
-    assert sidecar is not None
-    return sidecar
 
 
 # --- builds and schemas --------------------------------------------------------------------
@@ -95,6 +80,7 @@ def test_every_kustomization_builds(directory: Path) -> None:
 
 
 def test_all_kustomizations_are_found() -> None:
+    assert [str(p.relative_to(REPO)) for p in component_dirs()] == ["deploy/components/allocwatch"]
     found = {str(p.relative_to(REPO)) for p in kustomization_dirs()}
     assert {
         "deploy/base",
@@ -154,7 +140,7 @@ def test_strict_validation_rejects_a_misspelt_field() -> None:
     job = one(build("deploy/examples/job"), "Job")
     broken = copy.deepcopy(job)
     find_sidecar(broken["spec"]["template"]["spec"])["readinesProbe"] = {
-        "httpGet": {"path": "/readyz", "port": 9400}
+        "httpGet": {"path": "/readyz", "port": 9471}
     }
     with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
         validate_strict(broken, newest_known_version())
@@ -183,17 +169,6 @@ def test_pod_templates_inside_custom_resources_are_valid_pods(example: str) -> N
 
 # --- the sidecar, everywhere it appears ----------------------------------------------------
 
-ESSENTIAL_FIELDS = (
-    "image",
-    "ports",
-    "env",
-    "startupProbe",
-    "readinessProbe",
-    "livenessProbe",
-    "resources",
-    "securityContext",
-    "volumeMounts",
-)
 
 
 def example_pods(example: str) -> list[tuple[str, dict]]:
@@ -264,7 +239,7 @@ def test_mutating_admission_policy_injects_the_same_sidecar() -> None:
     for needle in [
         f'"{reference["image"]}"',
         'restartPolicy: "Always"',
-        f"containerPort: {METRICS_PORT}",
+        f"containerPort: {METRICS_PORT},",
         '"/healthz"',
         '"/readyz"',
         "runAsNonRoot: true",
@@ -275,7 +250,7 @@ def test_mutating_admission_policy_injects_the_same_sidecar() -> None:
         '"allocwatch-sidecar-config"',
         '"allocwatch.io/sidecar": "true"',
         f'mountPath: "{SOCKET_DIR}"',
-    ] + [f'"{e["name"]}"' for e in reference["env"]]:
+    ] + [f'"{e["name"]}"' for e in trainer_additions()["env"]]:
         assert needle in cel, needle
     assert (
         cel.count("{") == cel.count("}")
@@ -307,6 +282,58 @@ def test_legacy_sidecar_exits_after_training() -> None:
     assert f"trap 'touch {SOCKET_DIR}/training-done' EXIT" in script
 
 
+JOB_NAME_LABELS = {
+    "job": "batch.kubernetes.io/job-name",
+    "job-legacy-sidecar": "batch.kubernetes.io/job-name",
+    "pytorchjob": "training.kubeflow.org/job-name",
+    "jobset": "jobset.sigs.k8s.io/jobset-name",
+}
+IDENTITY = {
+    "ALLOCWATCH_POD_NAME": "metadata.name",
+    "ALLOCWATCH_POD_NAMESPACE": "metadata.namespace",
+    "ALLOCWATCH_NODE_NAME": "spec.nodeName",
+}
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_example_starts_the_agent_as_copied(example: str) -> None:
+    """Copied verbatim, every example starts the agent: without it the sidecar would wait for
+    an agent that never comes (AllocwatchNoAgentConnected)."""
+    for where, template in example_pods(example):
+        trainers = [c for c in template["spec"]["containers"] if c["name"] != SIDECAR]
+        assert trainers, where
+        for container in trainers:
+            assert starts_the_agent(container), f"{where} {container['name']}"
+            words = " ".join(container.get("command", []) + container.get("args", []))
+            assert "allocwatch run -- torchrun" in words, f"{where}: the command says so, too"
+
+
+WORKLOAD_KINDS = ("Job", "PyTorchJob", "JobSet")
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_each_examples_opening_comment_names_its_own_kind(example: str) -> None:
+    """What a user reads first describes the workload below it, not another example's."""
+    [manifest] = [p for p in (DEPLOY / "examples" / example).glob("*.yaml")
+                  if p.name != "kustomization.yaml"]
+    text = manifest.read_text()
+    [kind] = {r["kind"] for r in yaml.safe_load_all(text) if r and r["kind"] in WORKLOAD_KINDS}
+    opening = " ".join(line for line in text.split("\napiVersion:")[0].splitlines()
+                       if line.startswith("#")).split(".")[0]
+    named = set(re.findall(r"\b(" + "|".join(WORKLOAD_KINDS) + r")\b", opening))
+    assert named == {kind}, f"{manifest.name} opens with {opening!r}"
+
+
+def test_both_injections_start_the_agent_through_the_environment() -> None:
+    patch = kyverno_pod_patch()
+    [every] = patch["spec"]["containers"]
+    assert starts_the_agent(every)
+    cel = one(build("deploy/admission/mutating-admission-policy"), "MutatingAdmissionPolicy")[
+        "spec"]["mutations"][0]["applyConfiguration"]["expression"]
+    containers = cel[cel.index("containers: object.spec.containers.map"):]
+    assert re.search(r'name: "ALLOCWATCH_RUN",\s*value: "1"', containers)
+
+
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_sidecar_pod_wiring(example: str) -> None:
     config = one(build("deploy/base"), "ConfigMap")
@@ -314,7 +341,6 @@ def test_sidecar_pod_wiring(example: str) -> None:
     socket_path = sidecar_config["agents"]["unix_socket"]
     for where, template in example_pods(example):
         spec = template["spec"]
-        labels = template["metadata"]["labels"]
         sidecar = find_sidecar(spec)
         volumes = {v["name"]: v for v in spec["volumes"]}
 
@@ -340,20 +366,20 @@ def test_sidecar_pod_wiring(example: str) -> None:
         )
         assert Path(config_flag).name in config["data"]
 
-        # pod identity through the downward API
-        env = {
-            e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-            for e in sidecar["env"]
-        }
-        assert env == {
-            "ALLOCWATCH_POD_NAME": "metadata.name",
-            "ALLOCWATCH_POD_NAMESPACE": "metadata.namespace",
-            "ALLOCWATCH_NODE_NAME": "spec.nodeName",
-            "ALLOCWATCH_TRAINING_JOB": "metadata.labels['allocwatch.io/training-job']",
-        }, where
-        assert labels.get("allocwatch.io/training-job"), (
-            f"{where}: the label ALLOCWATCH_TRAINING_JOB reads"
-        )
+        # who the process is, through the downward API, on every training container (the
+        # agent reads it; the sidecar needs none of it)
+        assert "env" not in sidecar, where
+        for container in spec["containers"]:
+            if container["name"] == SIDECAR:
+                continue
+            env = {
+                e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+                for e in container["env"]
+            }
+            assert {k: env.get(k) for k in IDENTITY} == IDENTITY, where
+            # the training job's name, from the label its controller sets on its pods
+            assert env["ALLOCWATCH_TRAINING_JOB"] == (
+                f"metadata.labels['{JOB_NAME_LABELS[example]}']"), where
 
         # the metrics port, named, where the config listens; probes on it
         ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
@@ -434,7 +460,20 @@ def test_servicemonitor_variant_reaches_the_sidecar_port() -> None:
             ), where
 
 
-def test_networkpolicy_admits_prometheus_to_metrics_and_peers_to_everything_else() -> None:
+def port_set(rule: dict, protocol: str) -> set[int]:
+    found: set[int] = set()
+    for port in rule["ports"]:
+        if port["protocol"] == protocol:
+            found |= set(range(port["port"], port.get("endPort", port["port"]) + 1))
+    return found
+
+
+ALL_PORTS = set(range(1, 65536))
+
+
+def test_networkpolicy_restricts_the_metrics_port_and_nothing_else() -> None:
+    """Once a policy selects a pod, whatever it does not allow is denied: so it allows every
+    other port from anywhere, and the training pods' other traffic is as it was."""
     policy = one(build("deploy/base"), "NetworkPolicy")
     for example in EXAMPLES:
         for where, template in example_pods(example):
@@ -442,22 +481,15 @@ def test_networkpolicy_admits_prometheus_to_metrics_and_peers_to_everything_else
                 policy["spec"]["podSelector"], template["metadata"]["labels"]
             ), where
     assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress (datasets, checkpoints) untouched
-    metrics_rules = [
-        r
-        for r in policy["spec"]["ingress"]
-        if {"protocol": "TCP", "port": METRICS_PORT} in r["ports"]
-    ]
+    metrics_rules = [r for r in policy["spec"]["ingress"] if METRICS_PORT in port_set(r, "TCP")]
     assert len(metrics_rules) == 1
-    assert all("namespaceSelector" in peer for peer in metrics_rules[0]["from"])
-    # the peers' rule covers every TCP port but the metrics port, and all of UDP
-    [peers] = [r for r in policy["spec"]["ingress"] if r is not metrics_rules[0]]
-    assert peers["from"] == [{"podSelector": {}}]
-    tcp = set()
-    for port in peers["ports"]:
-        if port["protocol"] == "TCP":
-            tcp |= set(range(port["port"], port.get("endPort", port["port"]) + 1))
-    assert tcp == set(range(1, 65536)) - {METRICS_PORT}
-    assert {"protocol": "UDP", "port": 1, "endPort": 65535} in peers["ports"]
+    [metrics] = metrics_rules
+    assert port_set(metrics, "TCP") == {METRICS_PORT} and not port_set(metrics, "UDP")
+    assert metrics["from"] and all("namespaceSelector" in peer for peer in metrics["from"])
+    [others] = [r for r in policy["spec"]["ingress"] if r is not metrics]
+    assert "from" not in others  # any source
+    assert port_set(others, "TCP") == ALL_PORTS - {METRICS_PORT}
+    assert port_set(others, "UDP") == ALL_PORTS and port_set(others, "SCTP") == ALL_PORTS
 
 
 def test_prometheusrule_is_the_generated_one() -> None:
@@ -552,3 +584,34 @@ def test_sidecar_configmap_is_accepted_by_the_sidecar() -> None:
     assert config.metrics.port == METRICS_PORT and config.metrics.address == "0.0.0.0"
     assert config.agents.unix_socket == f"{SOCKET_DIR}/agent.sock"
     assert config.agents.socket_mode == 0o666
+
+
+# --- the one metrics port --------------------------------------------------------------------
+
+DCGM_EXPORTER_PORT, OPENTELEMETRY_PORT = 9400, 9464
+
+
+def test_one_metrics_port_everywhere_and_clear_of_the_gpu_nodes_exporters() -> None:
+    """The default, the manifests, the image and the demo agree on one port, which is neither
+    dcgm-exporter's nor OpenTelemetry's (both run beside training pods, under hostNetwork too)."""
+    import argparse
+
+    from exporter.commands import demo
+    from exporter.sidecar.config import MetricsConfig
+
+    assert METRICS_PORT not in (DCGM_EXPORTER_PORT, OPENTELEMETRY_PORT)
+    assert MetricsConfig().port == METRICS_PORT
+    parser = argparse.ArgumentParser()
+    demo.register(parser.add_subparsers())
+    assert parser.parse_args(["demo"]).port == METRICS_PORT
+    assert f"EXPOSE {METRICS_PORT}" in (DEPLOY / "image/Dockerfile").read_text()
+    # Every other mention of the two neighbours' ports says whose they are.
+    texts = [p for root in (DEPLOY, GRAFANA) for p in root.rglob("*")
+             if p.suffix in (".yaml", ".json", ".py", "")]
+    texts += [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+    for path in texts:
+        if not path.is_file():
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if re.search(rf"\b({DCGM_EXPORTER_PORT}|{OPENTELEMETRY_PORT})\b", line):
+                assert re.search(r"dcgm|OpenTelemetry", line, re.I), f"{path}:{n}: {line.strip()}"

@@ -98,6 +98,7 @@ def test_the_alerts_the_issue_asks_for_exist() -> None:
         "torch_cuda_allocator_sync_all_streams_total",
         "allocwatch_agent_last_report_timestamp_seconds",
         "allocwatch_agents_connected",
+        "allocwatch_agent_wait_seconds",
         "up{",
     ]:
         assert needle in expressions, needle

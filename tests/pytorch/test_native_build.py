@@ -201,3 +201,56 @@ def test_without_a_compiler_install_falls_back_and_calls_no_driver_function(
     assert "keeping PyTorch's CUDA allocator: neither the native back end nor the pluggable" \
         in out.stdout
     assert "installed False False" in out.stdout
+
+
+STREAMING_LIBRARY = """
+#include <sstream>
+#include <string>
+extern "C" int message_length(long n) {
+  std::ostringstream s;
+  s << "n=" << n;
+  return (int)s.str().size();
+}
+"""
+
+
+def _static_libstdcxx_link(tmp_path: Path, extra: list[str]) -> list[str]:
+    """A link of a small library that streams, by a compiler told to link libstdc++ statically,
+    as some images' g++ is by its specs."""
+    source = tmp_path / "streams.cpp"
+    source.write_text(STREAMING_LIBRARY)
+    return [build.compiler(), "-std=c++17", "-fPIC", "-static-libstdc++", "-shared", str(source),
+            "-o", "{output}", *extra]
+
+
+def test_the_dependencies_of_a_shared_object_are_read_from_its_elf_header() -> None:
+    needed = build.needed_libraries(Path(torch._C.__file__))
+    assert any(name.startswith("libtorch_python") for name in needed), needed
+    with pytest.raises(build.BuildError, match="not a 64-bit"):
+        build.needed_libraries(Path(__file__))
+
+
+def test_the_back_end_runs_on_torchs_libstdcxx() -> None:
+    libstdcxx = build.process_libstdcxx()
+    assert libstdcxx is not None and libstdcxx.is_file()
+    needed = build.needed_libraries(Path(torch._C.__file__).parent / "lib" / "libc10.so")
+    assert libstdcxx.name in needed or "libstdc++.so.6" in needed, needed
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+def test_a_compiler_that_links_libstdcxx_statically_still_gives_a_library_on_torchs(
+        tmp_path: Path) -> None:
+    runtime = build._runtime_link(build.process_libstdcxx())
+    p = build.Plan(key="streams", command=tuple(_static_libstdcxx_link(tmp_path, runtime)),
+                   describe="a library that streams")
+    built = build.ensure_built(p, root=tmp_path / "cache")
+    assert any(n.startswith("libstdc++.so") for n in build.needed_libraries(built))
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+def test_a_library_with_a_copy_of_libstdcxx_of_its_own_is_refused(tmp_path: Path) -> None:
+    p = build.Plan(key="streams", command=tuple(_static_libstdcxx_link(tmp_path, [])),
+                   describe="a library that streams")
+    with pytest.raises(build.BuildError, match="linked a copy of libstdc[+][+] into"):
+        build.ensure_built(p, root=tmp_path / "cache")
+    assert not (tmp_path / "cache" / "streams" / build.LIBRARY_NAME).exists()

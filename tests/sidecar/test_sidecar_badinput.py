@@ -17,6 +17,7 @@ from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
 from allocator_ext.agent.identity import build_identity
+from exporter.protocol.handshake import local_version
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.service import CONNECT_METHOD
 from exporter.protocol.version import PROTOCOL_MINOR
@@ -73,7 +74,7 @@ def _raw_call(target: str, messages: list[bytes], wait_close: bool = False) -> g
 
 def _hello(**identity: object) -> pb.AgentMessage:
     return pb.AgentMessage(hello=pb.Hello(
-        protocol_version=pb.ProtocolVersion(major=1, minor=0),
+        protocol_version=local_version(),
         identity=build_identity(backend="allocwatch", overrides=identity)))
 
 
@@ -165,7 +166,7 @@ def test_out_of_order_report_is_ignored(served) -> None:
     older = pb.Report(sequence=4, devices=[older_device])
     outgoing: queue.Queue[pb.AgentMessage | None] = queue.Queue()
     for message in (pb.AgentMessage(hello=pb.Hello(
-            protocol_version=pb.ProtocolVersion(major=1, minor=0), identity=ident)),
+            protocol_version=local_version(), identity=ident)),
             pb.AgentMessage(report=newer), pb.AgentMessage(report=older)):
         outgoing.put(message)
     with grpc.insecure_channel(target) as channel:

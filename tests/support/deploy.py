@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -20,7 +21,8 @@ RULES = DEPLOY / "rules"
 DASHBOARD = GRAFANA / "dashboards" / "allocwatch.json"
 
 SIDECAR = "allocwatch-sidecar"
-METRICS_PORT = 9400
+COMPONENT = DEPLOY / "components" / "allocwatch"
+METRICS_PORT = 9471
 SOCKET_DIR = "/run/allocwatch"
 
 # The names DESIGN.md fixes for what the sidecar exposes.
@@ -71,6 +73,7 @@ SIDECAR_METRICS = frozenset(
         "allocwatch_gpu_memory_used_bytes",
         "allocwatch_process_gpu_memory_used_bytes",
         "allocwatch_agents_connected",
+        "allocwatch_agent_wait_seconds",
         "allocwatch_agent_last_report_timestamp_seconds",
         "allocwatch_reports_received_total",
         "allocwatch_agent_dropped_reports_total",
@@ -82,6 +85,40 @@ SIDECAR_METRICS = frozenset(
 )
 # Series that come from elsewhere: Prometheus' own per-target `up`, dcgm-exporter.
 FOREIGN_METRICS = frozenset(["up", "DCGM_FI_DEV_FB_USED"])
+
+
+ESSENTIAL_FIELDS = (
+    "image",
+    "ports",
+    "env",
+    "startupProbe",
+    "readinessProbe",
+    "livenessProbe",
+    "resources",
+    "securityContext",
+    "volumeMounts",
+)
+
+
+def _kubernetes_validate() -> Any:
+    return pytest.importorskip(
+        "kubernetes_validate",
+        reason="kubernetes-validate is not installed (pip install kubernetes-validate)",
+    )
+
+
+def newest_known_version() -> str:
+    schemas = Path(_kubernetes_validate().__file__).parent / "kubernetes-json-schema"
+    versions = [
+        tuple(int(x) for x in m.group(1).split("."))
+        for p in schemas.iterdir()
+        if (m := re.fullmatch(r"v(\d+\.\d+\.\d+)-local-strict", p.name))
+    ]
+    return ".".join(map(str, max(versions)))
+
+
+def validate_strict(resource: dict, version: str) -> None:
+    _kubernetes_validate().validate(resource, version, True)
 
 
 def require_binary(name: str) -> str:
@@ -101,8 +138,18 @@ def kustomize_build(directory: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+def _is_component(kustomization: Path) -> bool:
+    return yaml.safe_load(kustomization.read_text()).get("kind") == "Component"
+
+
 def kustomization_dirs() -> list[Path]:
-    return sorted(p.parent for root in (DEPLOY, GRAFANA) for p in root.rglob("kustomization.yaml"))
+    """Every kustomization that builds on its own (Components are applied by others)."""
+    return sorted(p.parent for root in (DEPLOY, GRAFANA) for p in root.rglob("kustomization.yaml")
+                  if not _is_component(p))
+
+
+def component_dirs() -> list[Path]:
+    return sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml") if _is_component(p))
 
 
 def load_yaml_documents(path: Path) -> list[dict]:
@@ -134,6 +181,33 @@ def find_sidecar(pod_spec: dict) -> dict | None:
         if container["name"] == SIDECAR:
             return container
     return None
+
+
+def component_additions() -> dict:
+    """The Pod (local-config, never applied) whose parts the Component copies into workloads."""
+    pods = [d for d in load_yaml_documents(COMPONENT / "additions.yaml") if d["kind"] == "Pod"]
+    assert len(pods) == 1
+    return pods[0]
+
+
+def canonical_sidecar() -> dict:
+    sidecar = find_sidecar(component_additions()["spec"])
+    assert sidecar is not None
+    return sidecar
+
+
+def trainer_additions() -> dict:
+    """What the Component adds to every container, whatever the workload's kind."""
+    return {c["name"]: c for c in component_additions()["spec"]["containers"]}["trainer"]
+
+
+def starts_the_agent(container: dict) -> bool:
+    """`allocwatch run --` in the command (or the shell script it runs), or the same start-up
+    hook enabled through the environment (ALLOCWATCH_RUN=1, the .pth file)."""
+    words = " ".join(container.get("command", []) + container.get("args", []))
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    return bool(re.search(r"(^|\s)allocwatch run --(\s|$)", words)) or env.get(
+        "ALLOCWATCH_RUN") == "1"
 
 
 def selector_matches(selector: dict, labels: dict) -> bool:

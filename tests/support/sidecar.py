@@ -158,6 +158,10 @@ class FakeSource:
                 "device_traces": [[{"action": "alloc", "addr": 4096, "size": 512, "stream": 0,
                                     "frames": frames}]]}
 
+    def record_history(self, device: int, enabled: bool, max_entries: int) -> None:
+        with self.lock:
+            self.calls.append(("record_history", (device, enabled, max_entries)))
+
     def versions(self) -> tuple[str, str]:
         return "", ""
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from exporter.commands._arguments import seconds
+from exporter.commands._arguments import count, seconds
+from exporter.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
 
 HELP = "talk to a running sidecar: list agents, change allocator settings, reclaim, snapshot"
 DESCRIPTION = """\
@@ -24,6 +25,9 @@ each agent answers with its result and the settings now in force.
                                                          threshold (--all: every unused one)
   allocwatch ctl snapshot [--frames] -o snap.pickle.gz   a memory snapshot (PyTorch's layout)
   allocwatch ctl reset-peaks
+  allocwatch ctl record-history start|stop [--max-entries N]
+                                                         memory history on or off, in a running
+                                                         job; a snapshot taken then replays
   allocwatch ctl diagnose --rank 0 [--replay] [--apply]  walk the out-of-memory checklist
 
 Address: --admin unix:///run/allocwatch/admin.sock (the default; $ALLOCWATCH_ADMIN) or
@@ -41,6 +45,7 @@ SUBCOMMANDS = {
     "reclaim": "release cached memory (garbage collection down to the threshold, or --all)",
     "snapshot": "have the agent write a memory snapshot; fetch it with -o",
     "reset-peaks": "reset the peak statistics",
+    "record-history": "switch the allocator's memory history on (start) or off (stop)",
     "diagnose": "walk the out-of-memory troubleshooting order for one agent",
 }
 
@@ -96,6 +101,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub["snapshot"].add_argument("-o", "--output", metavar="FILE",
                                  help="fetch the snapshot into FILE (a directory: one file per "
                                       "agent); open it with PyTorch's memory viewer")
+    history = sub["record-history"]
+    history.add_argument("state", choices=["start", "stop"],
+                         help="start: record every allocation, free and segment change from now "
+                              "on (what a snapshot's trace holds); stop: stop recording")
+    history.add_argument("--max-entries", type=count(MAX_HISTORY_ENTRIES), default=0,
+                         metavar="N", help=f"keep the last N entries (default: the agent's, "
+                                           f"{DEFAULT_HISTORY_ENTRIES:,}; at most "
+                                           f"{MAX_HISTORY_ENTRIES:,})")
     diagnose = sub["diagnose"]
     diagnose.add_argument("--window", type=seconds(zero_allowed=True), default=5.0, metavar="S",
                           help="read the counters twice, S seconds apart, to see rates "

@@ -55,6 +55,11 @@ def cmd_reset_peaks(args: argparse.Namespace, client: AdminClient, out: TextIO) 
     return _emit(args, client.post("/v1/reset-peaks", selectors(args)), out)
 
 
+def cmd_record_history(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
+    body = {"enabled": args.state == "start", "max_entries": args.max_entries, **selectors(args)}
+    return _emit(args, client.post("/v1/record-history", body), out)
+
+
 def cmd_snapshot(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
     target = Path(args.output) if args.output else None
     if target is not None and not target.is_dir() and not target.parent.is_dir():
@@ -89,6 +94,7 @@ COMMANDS = {
     "reclaim": cmd_reclaim,
     "snapshot": cmd_snapshot,
     "reset-peaks": cmd_reset_peaks,
+    "record-history": cmd_record_history,
     "diagnose": cmd_diagnose,
 }
 

@@ -273,20 +273,22 @@ class Welcome(_message.Message):
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., sidecar_version: _Optional[str] = ..., agent_key: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "cuda_device", "set_config", "reclaim", "reset_peaks", "snapshot")
+    __slots__ = ("id", "cuda_device", "set_config", "reclaim", "reset_peaks", "snapshot", "record_history")
     ID_FIELD_NUMBER: _ClassVar[int]
     CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     SET_CONFIG_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_FIELD_NUMBER: _ClassVar[int]
     RESET_PEAKS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RECORD_HISTORY_FIELD_NUMBER: _ClassVar[int]
     id: int
     cuda_device: int
     set_config: SetConfig
     reclaim: Reclaim
     reset_peaks: ResetPeaks
     snapshot: Snapshot
-    def __init__(self, id: _Optional[int] = ..., cuda_device: _Optional[int] = ..., set_config: _Optional[_Union[SetConfig, _Mapping]] = ..., reclaim: _Optional[_Union[Reclaim, _Mapping]] = ..., reset_peaks: _Optional[_Union[ResetPeaks, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
+    record_history: RecordHistory
+    def __init__(self, id: _Optional[int] = ..., cuda_device: _Optional[int] = ..., set_config: _Optional[_Union[SetConfig, _Mapping]] = ..., reclaim: _Optional[_Union[Reclaim, _Mapping]] = ..., reset_peaks: _Optional[_Union[ResetPeaks, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., record_history: _Optional[_Union[RecordHistory, _Mapping]] = ...) -> None: ...
 
 class SetConfig(_message.Message):
     __slots__ = ("settings",)
@@ -319,3 +321,11 @@ class Snapshot(_message.Message):
     include_frames: bool
     max_bytes: int
     def __init__(self, include_frames: bool = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class RecordHistory(_message.Message):
+    __slots__ = ("enabled", "max_entries")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    max_entries: int
+    def __init__(self, enabled: bool = ..., max_entries: _Optional[int] = ...) -> None: ...
