@@ -13,8 +13,10 @@ Settings, each layer overriding the keys it names: allocwatch's defaults, then t
 ``ALLOCWATCH_ALLOC_CONF``, then the ``config`` argument. ``ALLOCWATCH_DISABLE=1``, an untested
 torch version, a CPU build of torch, a missing driver or ``backend:cudaMallocAsync`` leave
 PyTorch's allocator in place, with a warning that says why; the agent then reports PyTorch's
-own allocator. Nothing here calls the CUDA driver: the allocator is installed before CUDA
-starts, and CUDA starts when the program first uses it.
+own allocator. ``TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK`` is switched off, with a warning,
+where NCCL's registrations could not follow the allocator (paged segments, the pluggable path).
+Nothing here calls the CUDA driver: the allocator is installed before CUDA starts, and CUDA
+starts when the program first uses it.
 """
 
 from __future__ import annotations
@@ -144,9 +146,35 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
         reason = "ALLOCWATCH_NATIVE=0" if not native else "the native back end is unavailable"
         warnings.warn(f"allocwatch: serving PyTorch through its pluggable path ({reason}), "
                       f"which does not serve: {PLUGGABLE_LIMITS} (docs/torch.md)", stacklevel=2)
+    paged = bool(_core.parse_config(base or "")["expandable_segments"])
+    conflict = nccl_registration_conflict(os.environ, native=_native, paged=paged)
+    if conflict:
+        # Read by PyTorch's NCCL process group when it is created, after this.
+        os.environ[NCCL_REGISTER_HOOK] = "0"
+        warnings.warn(f"allocwatch: {NCCL_REGISTER_HOOK} switched off: {conflict} (docs/torch.md, "
+                      "\"NCCL buffer registration\")", stacklevel=2)
     _installed = True
     _start_agent_for_ours()
     return True
+
+
+NCCL_REGISTER_HOOK = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
+
+
+def nccl_registration_conflict(environ: Any, native: bool, paged: bool) -> str | None:
+    """Why NCCL's buffer registration through the allocator's trace hooks, asked for in
+    `environ`, cannot work with allocwatch's allocator as installed; None where it can or is
+    not asked for. PyTorch switches the hook off only for its own expandable segments."""
+    if environ.get(NCCL_REGISTER_HOOK, "").strip().lower() in ("", "0", "false", "no", "n",
+                                                               "off"):
+        return None
+    if not native:
+        return ("the pluggable path has no trace trackers, and PyTorch's NCCL process group "
+                "would fail attaching them")
+    if paged:
+        return ("NCCL's registrations do not yet follow allocwatch's paged segments "
+                "(expandable_segments:True): they would outlive the pages unmapped under them")
+    return None
 
 
 def _split_layers(layers: list[tuple[str, str]]) -> tuple[list[str], list[str]]:

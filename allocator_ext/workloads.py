@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,17 @@ class Workload:
 
     def step(self) -> None:
         self.run(self.draw())
+
+    def wrap(self, wrapper: Callable[[nn.Module], nn.Module]) -> None:
+        """Puts the model under `wrapper` (DistributedDataParallel, FSDP's fully_shard, ...),
+        before the first step; the optimizer then trains the parameters the wrapped model has,
+        since fully_shard replaces every parameter with its shard."""
+        self.model = wrapper(self.model)
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            if optimizer.state:
+                raise RuntimeError("wrap() a workload before its first step")
+            optimizer.param_groups[0]["params"] = list(self.model.parameters())
 
     def parameter_count(self) -> int:
         return sum(math.prod(p.shape) for p in self.model.parameters())

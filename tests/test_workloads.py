@@ -88,3 +88,21 @@ def test_the_largest_shapes_are_the_top_of_every_range_and_leave_the_sequence_al
     assert drawn == _shapes(two, 40)                # drawing the largest did not advance it
     assert all(d <= top for shape in drawn for dims, tops in zip(shape, largest, strict=True)
                for d, top in zip(dims, tops, strict=True))
+
+
+def test_a_wrapped_model_trains_the_parameters_its_wrapper_gave_it() -> None:
+    """As FSDP's fully_shard does, the wrapper here replaces every parameter: the optimizer
+    must step the new ones, and the old ones stay as they were."""
+    import copy
+
+    work = workloads.build("transformer", torch.device("cpu"), tiny=True, seed=1)
+    old = [p.detach().clone() for p in work.model.parameters()]
+    originals = list(work.model.parameters())
+    work.wrap(copy.deepcopy)
+    before = [p.detach().clone() for p in work.model.parameters()]
+    work.step()
+    assert all(torch.equal(p, o) for p, o in zip(originals, old, strict=True))
+    assert any(not torch.equal(p, b) for p, b in zip(work.model.parameters(), before,
+                                                    strict=True))
+    with pytest.raises(RuntimeError, match="before its first step"):
+        work.wrap(copy.deepcopy)

@@ -14,6 +14,8 @@ or, with no code change, set ALLOCWATCH_TARGET and call maybe_start_from_env() (
 | ALLOCWATCH_SNAPSHOT_DIR  | where snapshots are written (default: beside the Unix socket,    |
 |                          | in snapshots/; else the temp dir)                                |
 | ALLOCWATCH_AGENT_NVML    | 0 to stop the agent reading NVML                                 |
+| ALLOCWATCH_TOKEN_FILE    | over TCP: the file holding the sidecar's agent token             |
+|                          | (agents.token_file; or ALLOCWATCH_TOKEN, the token itself)       |
 | ALLOCWATCH_WARN_UNCONNECTED_SECONDS | after how long without ever reaching the sidecar the  |
 |                          | agent warns, once, naming the target and the reason (default 60) |
 
@@ -31,6 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.client import Agent
 from allocator_ext.agent.identity import build_identity, visible_device_entry
@@ -124,6 +127,7 @@ def start_agent(
     backoff: Backoff | None = None,
     stop_at_exit: bool = True,
     tls: TlsSettings | None = None,
+    token: AgentToken | None = None,
     warn_unconnected_after: float = 60.0,
 ) -> Agent:
     """Start publishing to the sidecar at `target` (default: ALLOCWATCH_TARGET).
@@ -133,6 +137,8 @@ def start_agent(
     identity: overrides of Identity fields (e.g. {"training_job": "llm-7b"}).
     nvml: False to skip NVML; True to read it; or a pynvml-like module (tests).
     tls: TLS to a TCP target (default: from ALLOCWATCH_TLS_CA etc., see agent/tls.py).
+    token: the token for a TCP target (default: ALLOCWATCH_TOKEN_FILE or ALLOCWATCH_TOKEN,
+    see agent/auth.py).
     warn_unconnected_after: seconds without ever reaching the sidecar before the agent warns,
     once, in the process's log.
     Never raises for an unreachable sidecar: the agent keeps retrying in the background.
@@ -143,6 +149,7 @@ def start_agent(
     if interval <= 0:
         raise ValueError(f"interval must be > 0 seconds, got {interval}")
     tls = tls if tls is not None else TlsSettings.from_env()
+    token = token if token is not None else AgentToken.from_env()
     if tls is not None:
         tls.check()
     resolved = _resolve_source(source)
@@ -165,7 +172,7 @@ def start_agent(
     agent = Agent(
         target, resolved, ident, interval=interval,
         snapshot_dir=Path(snapshot_dir) if snapshot_dir else _default_snapshot_dir(target),
-        nvml=reader, buffer_reports=buffer_reports, backoff=backoff, tls=tls,
+        nvml=reader, buffer_reports=buffer_reports, backoff=backoff, tls=tls, token=token,
         warn_unconnected_after=warn_unconnected_after)
     agent.start()
     if stop_at_exit:

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from allocator_ext.agent import convert
+from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.commands import execute
 from allocator_ext.agent.oom_snapshots import OomSnapshots
@@ -47,10 +48,12 @@ class Agent:
         backoff: Backoff | None = None,
         protocol_version: pb.ProtocolVersion | None = None,
         tls: TlsSettings | None = None,
+        token: AgentToken | None = None,
         warn_unconnected_after: float = 60.0,
     ):
         self.target = target
         self.tls = tls if tls is not None and not target.startswith("unix:") else None
+        self.token = token if not target.startswith("unix:") else None
         self.source = source
         self.identity = identity
         self.interval = interval
@@ -237,13 +240,19 @@ class Agent:
         options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0)]
         if self.tls is not None:
-            channel_cm = grpc.secure_channel(self.target, self.tls.credentials(),
+            try:
+                credentials = self.tls.credentials()
+            except OSError as err:
+                self._note_error(f"TLS: cannot read {err}")
+                return
+            channel_cm = grpc.secure_channel(self.target, credentials,
                                              options=options + self.tls.options())
         else:
             channel_cm = grpc.insecure_channel(self.target, options=options)
         with channel_cm as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
-            call = stub.Connect(self._requests(hello, stream_done))
+            call = stub.Connect(self._requests(hello, stream_done),
+                                metadata=self.token.metadata() if self.token else None)
             with self._call_lock:
                 self._call = call
             try:

@@ -10,12 +10,14 @@ from pathlib import Path
 from allocator_ext.agent.snapshots import DEFAULT_MAX_BYTES, write_snapshot
 from allocator_ext.agent.sources import CommandRefusedNow, Source, UnsupportedCommand
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
+from exporter.protocol.service import (
+    DEFAULT_HISTORY_ENTRIES,
+    MAX_HISTORY_ENTRIES,
+    MAX_SETTINGS_CHARACTERS,
+)
 
 log = logging.getLogger("allocator_ext.agent")
 Status = pb.CommandResult.Status
-
-MAX_SETTINGS_LENGTH = 4096
 
 
 def _target_devices(source: Source, command: pb.Command) -> list[int]:
@@ -54,8 +56,9 @@ def execute(command: pb.Command, source: Source, snapshot_dir: Path, rank: int) 
     try:
         if action == "set_config":
             text = command.set_config.settings
-            if not text.strip() or len(text) > MAX_SETTINGS_LENGTH:
-                raise ValueError(f"set_config.settings must be 1-{MAX_SETTINGS_LENGTH} characters")
+            if not text.strip() or len(text) > MAX_SETTINGS_CHARACTERS:
+                raise ValueError(
+                    f"set_config.settings must be 1-{MAX_SETTINGS_CHARACTERS} characters")
             source.set_config(text)
             result.message = f"applied {text}"
         elif action == "reclaim":

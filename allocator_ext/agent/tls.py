@@ -14,6 +14,11 @@ from collections.abc import Mapping
 
 import grpc
 
+from exporter.protocol.files import read_regular_file
+
+# A PEM certificate chain or key is a few kilobytes.
+MAX_PEM_BYTES = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class TlsSettings:
@@ -41,11 +46,16 @@ class TlsSettings:
                 raise ValueError(f"TLS: cannot read the {what} file {path}")
 
     def credentials(self) -> grpc.ChannelCredentials:
+        """Read at each connection (renewed files take effect at the next); OSError naming a
+        file that is no regular file of at most MAX_PEM_BYTES (a FIFO would hold the
+        connection thread, /dev/zero fill the training process's memory)."""
         def read(path: str) -> bytes | None:
             if not path:
                 return None
-            with open(path, "rb") as f:
-                return f.read()
+            data = read_regular_file(path, MAX_PEM_BYTES)
+            if len(data) > MAX_PEM_BYTES:
+                raise OSError(f"larger than {MAX_PEM_BYTES} bytes: {path}")
+            return data
 
         return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file),
                                             read(self.cert_file))

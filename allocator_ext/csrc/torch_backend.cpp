@@ -18,11 +18,11 @@ auto guarded(Failure* failure, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const std::invalid_argument& e) {
-    if (failure) *failure = Failure{Failure::invalid_argument, e.what()};
+    if (failure) failure->set(Failure::invalid_argument, e.what());
   } catch (const std::exception& e) {
-    if (failure) *failure = Failure{Failure::other, e.what()};
+    if (failure) failure->set(Failure::other, e.what());
   } catch (...) {
-    if (failure) *failure = Failure{Failure::other, "allocwatch: unknown error"};
+    if (failure) failure->set(Failure::other, "allocwatch: unknown error");
   }
   return decltype(f())();
 }
@@ -45,20 +45,24 @@ class CoreTorchBackend final : public TorchBackend {
  public:
   void* malloc(int device, std::size_t size, StreamId stream, const ContextHandle& context,
                OutOfMemory* oom, Failure* failure) override {
-    try {
-      if (!context) return hot(device).malloc(size, stream);
+    // Out of memory is a report, not an exception, from the core up to the back end.
+    OutOfMemoryReport report;
+    void* ptr = guarded(failure, [&] {
+      if (!context) return hot(device).malloc(size, stream, &report);
       TraceContextScope scope(context);
-      return hot(device).malloc(size, stream);
-    } catch (const OutOfMemoryError& e) {
-      if (oom) {
-        *oom = OutOfMemory{e.requested, e.alloc_size, e.device_free, e.device_total,
-                           e.allocated, e.reserved, e.limit, e.advice};
-      }
-      return nullptr;
-    } catch (const std::exception& e) {
-      if (failure) *failure = Failure{Failure::other, e.what()};
-      return nullptr;
+      return hot(device).malloc(size, stream, &report);
+    });
+    if (ptr == nullptr && oom != nullptr) {  // out of memory, or the failure says what else
+      oom->requested = report.requested;
+      oom->alloc_size = report.alloc_size;
+      oom->device_free = report.device_free;
+      oom->device_total = report.device_total;
+      oom->allocated = report.allocated;
+      oom->reserved = report.reserved;
+      oom->limit = report.limit;
+      copy_text(oom->advice, report.advice.c_str());
     }
+    return ptr;
   }
 
   bool free(void* ptr, const ContextHandle& context, Failure* failure) override {
@@ -132,7 +136,9 @@ class CoreTorchBackend final : public TorchBackend {
 
   void begin_allocate_to_pool(int device, MempoolId pool, std::function<bool(StreamId)> filter,
                               Failure* failure) override {
-    guarded(failure, [&] { hot(device).begin_allocate_to_pool(pool, std::move(filter)); });
+    guarded(failure, [&] {
+      hot(device).begin_allocate_to_pool(pool, std::move(filter), /*plain_segments=*/true);
+    });
   }
 
   void end_allocate_to_pool(int device, MempoolId pool, Failure* failure) override {
@@ -143,9 +149,8 @@ class CoreTorchBackend final : public TorchBackend {
     guarded(failure, [&] { hot(device).release_pool(pool); });
   }
 
-  void create_or_incref_pool(int device, MempoolId pool, bool plain_segments,
-                             Failure* failure) override {
-    guarded(failure, [&] { hot(device).create_or_incref_pool(pool, plain_segments); });
+  void create_or_incref_pool(int device, MempoolId pool, Failure* failure) override {
+    guarded(failure, [&] { hot(device).create_or_incref_pool(pool, /*plain_segments=*/true); });
   }
 
   int pool_use_count(int device, MempoolId pool) override {
@@ -162,6 +167,10 @@ class CoreTorchBackend final : public TorchBackend {
                                    Failure* failure) override {
     return guarded(failure,
                    [&] { return hot(device).check_pool_live_allocations(pool, expected); });
+  }
+
+  void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs) override {
+    torch_shim::set_capture_graphs(std::move(graphs));
   }
 
   PoolCheckpoint checkpoint_pool(int device, MempoolId pool, Failure* failure) override {

@@ -15,11 +15,13 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/allocator.h"
+#include "core/capture_graphs.h"
 #include "core/checkpoint.h"
 #include "core/history.h"
 #include "core/trace.h"
@@ -27,20 +29,40 @@
 namespace allocwatch::torch_shim {
 
 // Bumped whenever TorchBackend changes: a back end built for another version is refused.
-constexpr int kTorchBackendVersion = 1;
+constexpr int kTorchBackendVersion = 2;
 
+// Text copied into a fixed buffer, cut to fit: errors cross between the libraries as plain
+// bytes, never as objects whose memory one library allocates and the other frees.
+template <std::size_t N>
+void copy_text(char (&to)[N], const char* text) {
+  std::size_t n = 0;
+  if (text != nullptr) {
+    while (n + 1 < N && text[n] != '\0') {
+      to[n] = text[n];
+      ++n;
+    }
+  }
+  to[n] = '\0';
+}
+
+// Both are made on every allocation and filled only when it fails: the buffers are written
+// before they are read, and left unset until then (zeroing them would cost the hot path).
 struct Failure {
   enum Kind { none = 0, invalid_argument = 1, other = 2 };
   Kind kind = none;
-  std::string message;
+  char message[2048];  // set with kind
+  void set(Kind k, const char* text) {
+    kind = k;
+    copy_text(message, text);
+  }
   explicit operator bool() const { return kind != none; }
 };
 
-// Why a request could not be met (CachingAllocator's OutOfMemoryError, field by field).
+// Why a request could not be met (the core's OutOfMemoryReport, field by field).
 struct OutOfMemory {
   std::size_t requested = 0, alloc_size = 0, device_free = 0, device_total = 0;
   std::size_t allocated = 0, reserved = 0, limit = 0;
-  std::string advice;
+  char advice[1024];  // set with the rest, on out of memory
 };
 
 // The settings an allocator runs with, as PyTorch's snapshots report them.
@@ -83,17 +105,22 @@ class TorchBackend {
   virtual std::pair<int, std::size_t> block_of(const void* ptr) = 0;
 
   // --- private pools: CUDA graphs and torch.cuda.MemPool ---
+  // The pools PyTorch's callers make (CUDA graphs', torch.cuda.MemPool's) have plain
+  // segments, as PyTorch's default makes them: their users and PyTorch's own tests expect
+  // its layout there (docs/torch.md).
   virtual void begin_allocate_to_pool(int device, MempoolId pool,
                                       std::function<bool(StreamId)> filter, Failure* failure) = 0;
   virtual void end_allocate_to_pool(int device, MempoolId pool, Failure* failure) = 0;
   virtual void release_pool(int device, MempoolId pool, Failure* failure) = 0;
-  virtual void create_or_incref_pool(int device, MempoolId pool, bool plain_segments,
-                                     Failure* failure) = 0;
+  virtual void create_or_incref_pool(int device, MempoolId pool, Failure* failure) = 0;
   virtual int pool_use_count(int device, MempoolId pool) = 0;
   virtual void set_pool_no_split(int device, MempoolId pool, Failure* failure) = 0;
   virtual bool check_pool_live_allocations(int device, MempoolId pool,
                                            const std::vector<std::uintptr_t>& expected,
                                            Failure* failure) = 0;
+  // How the allocators ask about captures, to reuse blocks the capture's graph has ordered
+  // (PyTorch's graph_capture_record_stream_reuse; capture_graphs.h).
+  virtual void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs) = 0;
   virtual PoolCheckpoint checkpoint_pool(int device, MempoolId pool, Failure* failure) = 0;
   virtual CheckpointRestore restore_pool(int device, const PoolCheckpoint& checkpoint,
                                          const ContextHandle& context, Failure* failure) = 0;

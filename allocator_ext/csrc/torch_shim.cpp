@@ -58,6 +58,7 @@ struct History {
   std::uint32_t skipped = 0;
 } g_history;
 double g_default_fraction = -1.0;  // none
+std::shared_ptr<CaptureGraphs> g_capture_graphs;
 
 // The hot path (every tensor's malloc and free) reads the device's allocator from here without
 // the mutex or a shared_ptr copy: allocators are made once and live as long as the process
@@ -106,6 +107,7 @@ std::shared_ptr<CachingAllocator> get(int device, bool create) {
     if (g_default_fraction >= 0.0) slot->set_memory_fraction(g_default_fraction);
     if (g_history.enabled) slot->record_history(true, g_history.max_entries);
     slot->set_trace_skipped(g_history.skipped);
+    if (g_capture_graphs) slot->set_capture_graphs(g_capture_graphs);
     for (const auto& observer : g_observers) {
       slot->add_trace_observer([observer, device](const TraceEntry& e) { observer(device, e); });
     }
@@ -168,6 +170,13 @@ void set_default_memory_fraction(double fraction) {
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   g_default_fraction = fraction;
+}
+
+void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_capture_graphs = graphs;
+  for (auto& a : g_allocators)
+    if (a) a->set_capture_graphs(graphs);
 }
 
 double default_memory_fraction() {

@@ -34,6 +34,8 @@ bool free_any(void* ptr);
 void set_history(bool enabled, std::size_t max_entries, bool clear, std::uint32_t skipped);
 void add_trace_observer(std::function<void(int device, const TraceEntry&)> observer);
 void set_default_memory_fraction(double fraction);
+// How every allocator asks about CUDA graph captures (capture_graphs.h; nullptr: it does not).
+void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs);
 double default_memory_fraction();
 
 }  // namespace allocwatch::torch_shim

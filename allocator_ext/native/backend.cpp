@@ -28,6 +28,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -228,6 +229,120 @@ struct PoolState : cca::AllocatorState {
   std::unordered_map<std::uintptr_t, std::shared_ptr<c10::GatheredContext>> stacks;
 };
 
+// The capture graphs' topology, for reusing during a capture blocks whose last uses the graph
+// has ordered (PyTorch's graph_capture_record_stream_reuse, read from PyTorch's own settings
+// on every question, as its allocator reads it; core/capture_graphs.h says the rule). Called
+// under a device allocator's lock: runtime calls only, no GIL, and nothing thrown (an error
+// is "not capturing" or "not yet": the block then waits for the capture's end).
+class TorchCaptureGraphs final : public allocwatch::CaptureGraphs {
+ public:
+  bool terminals(allocwatch::StreamId stream, std::vector<std::uintptr_t>* out) override {
+    try {
+      Capture capture;
+      if (!reuse_on() || !capture_of(stream, &capture)) return false;
+      *out = std::move(capture.terminals);
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+
+  bool precede(allocwatch::StreamId stream, const std::vector<std::uintptr_t>& nodes) override {
+    try {
+      return walked_to(stream, nodes);
+    } catch (...) {
+      return false;
+    }
+  }
+
+  // A capture that ended: what was walked of its graph goes.
+  void forget_ended() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = ancestors_.begin(); it != ancestors_.end();) {
+      Capture capture;
+      const bool live = capture_of(it->first.second, &capture) && capture.id == it->first.first;
+      it = live ? std::next(it) : ancestors_.erase(it);
+    }
+  }
+
+ private:
+  bool walked_to(allocwatch::StreamId stream, const std::vector<std::uintptr_t>& nodes) {
+    Capture capture;
+    if (!reuse_on() || !capture_of(stream, &capture) || capture.terminals.empty()) return false;
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Ancestors of a stream's terminals stay its ancestors as the capture grows: each graph and
+    // stream is walked once, from the nodes added since.
+    auto& seen = ancestors_[{capture.id, stream}];
+    std::vector<cudaGraphNode_t> walk;
+    for (std::uintptr_t t : capture.terminals) walk.push_back(reinterpret_cast<cudaGraphNode_t>(t));
+    while (!walk.empty()) {
+      cudaGraphNode_t node = walk.back();
+      walk.pop_back();
+      if (!seen.insert(reinterpret_cast<std::uintptr_t>(node)).second) continue;
+      std::size_t count = 0;
+      if (!dependencies(node, nullptr, &count)) return false;
+      std::vector<cudaGraphNode_t> parents(count);
+      if (count > 0 && !dependencies(node, parents.data(), &count)) return false;
+      walk.insert(walk.end(), parents.begin(), parents.begin() + static_cast<long>(count));
+    }
+    return std::all_of(nodes.begin(), nodes.end(),
+                       [&](std::uintptr_t n) { return seen.count(n) > 0; });
+  }
+
+  struct Capture {
+    unsigned long long id = 0;
+    std::vector<std::uintptr_t> terminals;
+  };
+  struct KeyHash {
+    std::size_t operator()(const std::pair<unsigned long long, allocwatch::StreamId>& k) const {
+      return std::hash<unsigned long long>()(k.first) * 31 + std::hash<allocwatch::StreamId>()(k.second);
+    }
+  };
+
+  static bool reuse_on() { return cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse(); }
+
+  static bool capture_of(allocwatch::StreamId stream, Capture* out) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaGraphNode_t* deps = nullptr;
+    std::size_t count = 0;
+    cudaGraph_t graph = nullptr;
+#if CUDART_VERSION >= 13000
+    const cudaError_t err = cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream), &status,
+                                                     &out->id, &graph, &deps, nullptr, &count);
+#else
+    const cudaError_t err = cudaStreamGetCaptureInfo_v2(reinterpret_cast<cudaStream_t>(stream),
+                                                        &status, &out->id, &graph, &deps, &count);
+#endif
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    if (status != cudaStreamCaptureStatusActive) return false;
+    out->terminals.clear();
+    for (std::size_t i = 0; i < count; ++i)
+      out->terminals.push_back(reinterpret_cast<std::uintptr_t>(deps[i]));
+    return true;
+  }
+
+  static bool dependencies(cudaGraphNode_t node, cudaGraphNode_t* out, std::size_t* count) {
+#if CUDART_VERSION >= 13000
+    const cudaError_t err = cudaGraphNodeGetDependencies(node, out, nullptr, count);
+#else
+    const cudaError_t err = cudaGraphNodeGetDependencies(node, out, count);
+#endif
+    if (err == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return false;
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<std::pair<unsigned long long, allocwatch::StreamId>,
+                     std::unordered_set<std::uintptr_t>, KeyHash>
+      ancestors_;
+};
+
+std::shared_ptr<TorchCaptureGraphs> g_capture_graphs;
+
 void delete_block(void* ptr);
 void delete_uncached(void* ptr);
 
@@ -390,6 +505,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     shim::Failure failure;
     g_core->end_allocate_to_pool(device, pool_id(mempool_id), &failure);
+    g_capture_graphs->forget_ended();
     check(failure);
   }
 
@@ -411,7 +527,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
                 "): create the pool without one, or run without allocwatch's allocator "
                 "(ALLOCWATCH_DISABLE=1 or allocwatch run --keep-pytorch-allocator)");
     shim::Failure failure;
-    g_core->create_or_incref_pool(device, pool_id(mempool_id), /*plain_segments=*/true, &failure);
+    g_core->create_or_incref_pool(device, pool_id(mempool_id), &failure);
     check(failure);
   }
 
@@ -1110,6 +1226,8 @@ __attribute__((visibility("default"))) int allocwatch_native_install(const char*
     }
     g_allocator = ours;
     register_settings_hook();
+    g_capture_graphs = std::make_shared<TorchCaptureGraphs>();
+    g_core->set_capture_graphs(g_capture_graphs);
     cca::allocator.store(g_allocator);
     return 0;
   } catch (const std::exception& e) {

@@ -199,8 +199,10 @@ def _runtime_link(libstdcxx: Path | None) -> list[str]:
     # specs link libstdc++ statically (one GPU image's g++ does); the copy of its own that gives
     # the library crashed the first out-of-memory message. Naming the process's libstdc++
     # before the compiler's own libraries resolves every symbol from it, so the static archive
-    # contributes nothing; _compile checks that the result depends on it.
-    return [str(libstdcxx)] if libstdcxx is not None else []
+    # contributes nothing; _compile checks that the result depends on it. Whatever the archive
+    # of a newer compiler still adds (what the process's libstdc++ lacks) is kept private to
+    # the library (--exclude-libs), so that nothing of it interposes or is interposed on.
+    return [*([str(libstdcxx)] if libstdcxx is not None else []), "-Wl,--exclude-libs,ALL"]
 
 
 def plan(torch: Any, extra_includes: Sequence[str] = (), link: bool = True,

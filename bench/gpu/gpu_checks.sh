@@ -28,6 +28,13 @@
 #                share and its sample's time with CUDA tensors and NVML
 #   cap          bench/gpu/torch_bench.py train --fraction-of-peak 1.03 (transformer)
 #   policy       bench/gpu/policy_under_cap.py --fraction-of-peak 1.03 (POLICY_FRACTION overrides)
+#   native       allocwatch native build (ahead of the parts below, so no launch pays for it)
+#   distributed1 bench/gpu/distributed_train.py --nproc 1: DDP and FSDP, one rank on GPU 0 (NCCL),
+#                under PyTorch's allocator, its expandable segments and allocwatch's
+#   distributed  the same with every GPU of the host (2 at least), 2 rounds
+#   distributedhook  TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, every GPU: PyTorch's allocator,
+#                allocwatch's defaults (hook switched off), allocwatch with plain segments (hook on)
+#   distributedtests tests/distributed/test_distributed_gpu.py (1 GPU for one test, 2 for the others)
 # Everything printed is also in $OUT/checks.log.
 set -u -o pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -100,6 +107,19 @@ run_part() {
         --fraction-of-peak 1.03 --allocators expandable,allocwatch --json "$OUT/cap.json" ;;
     policy) part policy "$PYTHON" bench/gpu/policy_under_cap.py --fraction-of-peak "${POLICY_FRACTION:-1.03}" --steps 40 \
         --json "$OUT/policy.json" ;;
+    native) part "native build" "$PYTHON" -m exporter.cli native build ;;
+    distributed1) part "distributed, 1 GPU" env CUDA_VISIBLE_DEVICES=0 "$PYTHON" \
+        bench/gpu/distributed_train.py --nproc 1 --steps 15 --warmup 2 --interval 0.5 \
+        --out-dir /tmp/allocwatch-distributed1 --json "$OUT/distributed_1gpu.json" ;;
+    distributed) part "distributed, every GPU" "$PYTHON" bench/gpu/distributed_train.py \
+        --nproc "$(nvidia-smi -L | wc -l)" --repeats 2 --out-dir /tmp/allocwatch-distributed \
+        --json "$OUT/distributed.json" ;;
+    distributedhook) part "distributed, NCCL registration hook" "$PYTHON" \
+        bench/gpu/distributed_train.py --nproc "$(nvidia-smi -L | wc -l)" \
+        --allocators pytorch,allocwatch,allocwatch-plain --nccl-register-hook --out-dir /tmp/allocwatch-distributed-hook \
+        --json "$OUT/distributed_nccl_hook.json" ;;
+    distributedtests) part "distributed tests" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+        tests/distributed/test_distributed_gpu.py ;;
     *) echo "unknown part: $1 (the parts are listed at the top of bench/gpu/gpu_checks.sh)"
        part "unknown part $1" false ;;
   esac

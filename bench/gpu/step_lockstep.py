@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib.allocators import ALLOCATORS, setup_in_child  # noqa: E402
+from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child  # noqa: E402
 from bench.lib.stats import mean_and_stderr  # noqa: E402
 
 TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
@@ -61,30 +61,6 @@ CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
 # ------------------------------------------------------------------------------- the child
-
-class Counters:
-    """The memory statistics of the allocator serving this process: allocwatch's core where
-    it is installed (reachable through either back end), else PyTorch's."""
-
-    def __init__(self, torch: Any) -> None:
-        import allocator_ext
-
-        self.torch = torch
-        self.core = allocator_ext.allocator(0) if allocator_ext.installed() else None
-
-    def stats(self) -> dict[str, int]:
-        if self.core is not None:
-            return dict(self.core.stats())
-        if self.torch.cuda.is_available():
-            return dict(self.torch.cuda.memory_stats())
-        return {}
-
-    def reset_peak(self) -> None:
-        if self.core is not None:
-            self.core.reset_peak_stats()
-        elif self.torch.cuda.is_available():
-            self.torch.cuda.reset_peak_memory_stats()
-
 
 def shape_of(batch: tuple) -> list:
     return [list(t.shape) if hasattr(t, "shape") else t for t in batch]

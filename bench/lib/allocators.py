@@ -40,3 +40,31 @@ def setup_in_child() -> Any:
 
         start_agent(target, interval=1.0, source="allocwatch" if installed else "pytorch")
     return torch
+
+
+class Counters:
+    """The memory statistics of the allocator serving this process on CUDA device `device`:
+    `core` where given (a CPU run's simulated device), else allocwatch's core where it is
+    installed (reachable through either back end), else PyTorch's."""
+
+    def __init__(self, torch: Any, device: int = 0, core: Any = None) -> None:
+        import allocator_ext
+
+        self.torch = torch
+        self.device = device
+        if core is None and allocator_ext.installed():
+            core = allocator_ext.allocator(device)
+        self.core = core
+
+    def stats(self) -> dict[str, int]:
+        if self.core is not None:
+            return dict(self.core.stats())
+        if self.torch.cuda.is_available():
+            return dict(self.torch.cuda.memory_stats(self.device))
+        return {}
+
+    def reset_peak(self) -> None:
+        if self.core is not None:
+            self.core.reset_peak_stats()
+        elif self.torch.cuda.is_available():
+            self.torch.cuda.reset_peak_memory_stats(self.device)

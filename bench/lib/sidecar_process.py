@@ -3,12 +3,14 @@
     sidecar = SidecarProcess("allocwatch-soak-", agents_yaml="  expiry_seconds: 120\n")
     sidecar.start(); ...; sidecar.kill(); sidecar.start(); ...; sidecar.stop()
 
-Its settings file, agents' socket and log live in a fresh temporary folder; metrics on a free
-loopback port. `extra_yaml` adds top-level sections (a policy, say).
+Its settings file, agents' socket and log live in a fresh folder (under `parent` where given, else
+in the temporary directory); metrics on a free loopback port. `extra_yaml` adds top-level
+sections (a policy, say).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -17,12 +19,17 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# A Unix socket's path must fit sockaddr_un (108 bytes with its terminator on Linux).
+MAX_SOCKET_PATH = 100
 
 
 class SidecarProcess:
-    def __init__(self, prefix: str, agents_yaml: str = "", extra_yaml: str = ""):
-        self.folder = Path(tempfile.mkdtemp(prefix=prefix))
+    def __init__(self, prefix: str, agents_yaml: str = "", extra_yaml: str = "",
+                 parent: Path | None = None):
+        self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         self.socket = self.folder / "run" / "agent.sock"
+        if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:  # a deep parent: the socket alone
+            self.socket = Path(tempfile.mkdtemp(prefix=prefix)) / "agent.sock"  # goes short
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])

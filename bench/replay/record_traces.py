@@ -19,12 +19,17 @@ stored in the manifest and in the snapshot under "allocwatch_recording") and rou
 --oom records traces that end in out-of-memory errors, for replay and tune to answer "would
 another setting have avoided it?": for each of gpt_varlen, convnet and moe, a measuring run under
 PyTorch's defaults gives the workload's peak requested bytes; then the default and gc settings
-are recorded under a per-process memory fraction of OOM_CAP x that peak, low enough that
-PyTorch's settings fail where allocwatch's fit. Each run catches torch.cuda.OutOfMemoryError,
+are recorded under a per-process memory fraction of OOM_CAPS[0] (1.02) x that peak, low enough
+that PyTorch's settings fail where allocwatch's fit. Each run catches torch.cuda.OutOfMemoryError,
 drops the step's gradients and goes on with the next step (as jobs that skip a batch do) until
-it has caught --max-ooms errors or run its steps. Writes DIR/<workload>__<setting>_oom.pickle.gz
-and DIR/oom_manifest.json; the workloads record side by side on the one GPU (about a minute on
-an H200). A recording that did not run out of memory is marked "no_oom" and not used.
+it has caught --max-ooms errors or run its steps. A recording that did not run out of memory
+(cuDNN, say, chose algorithms with smaller workspaces and the step fitted) is recorded again
+under the next, lower cap of OOM_CAPS (0.98, 0.94, 0.90 x), until one fails; the manifest keeps
+every attempt under "attempts", and one that never failed is marked "no_oom" and not used.
+Writes DIR/<workload>__<setting>_oom.pickle.gz and DIR/oom_manifest.json; the workloads record
+side by side on the one GPU (about a minute on an H200). An oom_manifest.json already in DIR
+keeps the entries of the traces this run does not record, so that `--only convnet__gc`
+re-records one trace and leaves the others' entries as they were.
 
 The manifest gives, per trace, what torch.cuda.memory_stats() said at the end
 (reserved_bytes.all.peak, num_device_alloc, ...) beside the same figures counted from the trace
@@ -47,6 +52,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -73,7 +79,9 @@ GC_HEADROOM = 1.3  # memory cap = this x peak reserved under default settings
 # --oom: which recordings, and their cap.
 OOM_WORKLOADS = ("gpt_varlen", "convnet", "moe")
 OOM_SETTINGS = ("default", GC_SETTING)
-OOM_CAP = 1.02     # memory cap = this x peak requested bytes under default settings, uncapped
+# Memory cap = this x peak requested bytes under default settings, uncapped: the first for every
+# recording, each next one for a recording that did not run out of memory under the one before.
+OOM_CAPS = (1.02, 0.98, 0.94, 0.90)
 OOM_MAX = 3        # out-of-memory errors a recording catches before it stops
 OOM_SUFFIX = "_oom"
 OOM_MANIFEST = "oom_manifest.json"
@@ -140,8 +148,54 @@ def select_oom_runs(only: list[str] | None) -> list[tuple[str, str]]:
     return [(w, s) for w, s in select_runs(only) if w in OOM_WORKLOADS and s in OOM_SETTINGS]
 
 
-def oom_memory_fraction(peak_requested_default: int, device_total: int) -> float:
-    return min(1.0, OOM_CAP * peak_requested_default / device_total)
+def oom_memory_fraction(peak_requested_default: int, device_total: int, cap: float) -> float:
+    return min(1.0, cap * peak_requested_default / device_total)
+
+
+def record_under_lowering_caps(record_at: Callable[[float, float], dict[str, Any]],
+                               peak_requested: int, device_total: int,
+                               caps: Sequence[float] = OOM_CAPS) -> dict[str, Any]:
+    """Records under each cap of `caps` in turn (record_at(cap, memory fraction) records once)
+    until a recording runs out of memory or fails otherwise; the last recording's result, with
+    every attempt's cap and outcome under "attempts"."""
+    attempts = []
+    for cap in caps:
+        result = record_at(cap, oom_memory_fraction(peak_requested, device_total, cap))
+        result["cap_of_peak_requested"] = cap
+        attempts.append({"cap_of_peak_requested": cap, "memory_fraction": result.get(
+            "memory_fraction"), "allowed_bytes": result.get("allowed_bytes"),
+            "status": result["status"], "ooms_caught": result.get("ooms_caught"),
+            "oom_events": result.get("trace", {}).get("actions", {}).get("oom", 0)})
+        if result["status"] != "no_oom":
+            break
+    result["attempts"] = attempts
+    return result
+
+
+def merge_oom_manifest(previous: dict[str, Any] | None, manifest: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """`manifest` (this run's) with the entries of `previous` (the folder's earlier manifest) for
+    the traces this run did not record, in the order --oom records them; the earlier recordings
+    they come from are named under "earlier_recordings"."""
+    if not previous:
+        return manifest
+    recorded = {(t["workload"], t["setting"]) for t in manifest["traces"]}
+    kept = {(t["workload"], t["setting"]): t for t in previous.get("traces", [])
+            if (t["workload"], t["setting"]) not in recorded}
+    if not kept:
+        return manifest
+    ours = {(t["workload"], t["setting"]): t for t in manifest["traces"]}
+    every = {**kept, **ours}
+    order = sorted(every, key=lambda k: (WORKLOAD_NAMES.index(k[0]), list(SETTINGS).index(k[1])))
+    kept_names = {trace_name(*k, oom=True) for k in kept}
+    earlier = [{**e, "traces": [n for n in e["traces"] if n in kept_names]}
+               for e in previous.get("earlier_recordings", [])]
+    earlier = [e for e in earlier if e["traces"]]
+    from_previous = sorted(kept_names - {n for e in earlier for n in e["traces"]})
+    if from_previous:
+        earlier.append({"created": previous.get("created"), "command": previous.get("command"),
+                        "traces": from_previous})
+    return {**manifest, "traces": [every[k] for k in order], "earlier_recordings": earlier}
 
 
 def run_steps(work: Any, steps: int, max_events: int, max_ooms: int,
@@ -409,12 +463,15 @@ def record_oom_workload(workload: str, settings: list[str], args: argparse.Names
                f"{measured.get('error', measured['status'])})")
         return [{"workload": workload, "setting": s, "status": "failed", "error": why}
                 for s in settings]
-    fraction = oom_memory_fraction(measured["stats"]["requested_bytes.all.peak"],
-                                   measured["device_total_bytes"])
+    def record_setting(setting: str) -> dict[str, Any]:
+        return record_under_lowering_caps(
+            lambda _cap, fraction: run_child(workload, setting, steps, out_dir, args.timeout_s,
+                                             args.max_events, fraction=fraction,
+                                             max_ooms=args.max_ooms),
+            measured["stats"]["requested_bytes.all.peak"], measured["device_total_bytes"])
+
     with ThreadPoolExecutor(len(settings)) as pool:
-        return list(pool.map(lambda s: run_child(
-            workload, s, steps, out_dir, args.timeout_s, args.max_events, fraction=fraction,
-            max_ooms=args.max_ooms), settings))
+        return list(pool.map(record_setting, settings))
 
 
 def oom_parent_main(args: argparse.Namespace) -> int:
@@ -431,15 +488,21 @@ def oom_parent_main(args: argparse.Namespace) -> int:
         results = [result for chain in chains for result in chain]
     for result in results:
         if result["status"] == "no_oom":
-            result["error"] = "the cap did not make this run fail: not an out-of-memory trace"
+            result["error"] = ("no cap made this run fail, down to "
+                               f"{OOM_CAPS[-1]} x: not an out-of-memory trace")
         print(one_line(result, oom=True), flush=True)
     manifest = build_manifest(args, results)
     manifest["oom_setting"] = {
-        "memory_fraction": f"{OOM_CAP} x the workload's peak requested bytes under default "
-                           "settings, uncapped / device total",
+        "memory_fraction": f"{OOM_CAPS[0]} x the workload's peak requested bytes under default "
+                           "settings, uncapped / device total; a recording that did not run out "
+                           "of memory is recorded again at "
+                           f"{', '.join(map(str, OOM_CAPS[1:]))} x in turn until one does "
+                           "(each trace's attempts)",
         "max_ooms": args.max_ooms,
         "on_oom": "the step is skipped, its gradients dropped, and the next step runs"}
-    (out_dir / OOM_MANIFEST).write_text(json.dumps(manifest, indent=1))
+    path = out_dir / OOM_MANIFEST
+    previous = json.loads(path.read_text()) if path.exists() else None
+    path.write_text(json.dumps(merge_oom_manifest(previous, manifest), indent=1))
     ok = [r for r in results if r["status"] == "ok"]
     print(f"{len(ok)} of {len(results)} out-of-memory traces recorded in {out_dir}")
     return 0 if len(ok) == len(results) else 1
@@ -450,7 +513,11 @@ def one_line(result: dict[str, Any], oom: bool = False) -> str:
     if result["status"] != "ok":
         return f"{name:28s} {result['status']}: {result.get('error', '')}"
     stats, trace = result["stats"], result["trace"]
-    return (f"{name:28s} ok  steps {result['steps']:3d}  events {trace['events']:7d}  "
+    cap = ""
+    if oom and "cap_of_peak_requested" in result:
+        cap = (f"  cap {result['cap_of_peak_requested']} x (attempt "
+               f"{len(result.get('attempts', [])) or 1})")
+    return (f"{name:28s} ok{cap}  steps {result['steps']:3d}  events {trace['events']:7d}  "
             f"peak reserved {stats['reserved_bytes.all.peak'] / 2**30:6.2f} GiB  "
             f"device allocs {stats['num_device_alloc']:4d} (trace: "
             f"{trace['actions'].get('segment_alloc', 0)} alloc, "
@@ -555,7 +622,7 @@ def _self_check_oom_mode(torch: Any, workloads: Any) -> None:
     assert select_oom_runs(["convnet"]) == [("convnet", "default"), ("convnet", GC_SETTING)]
     assert len(select_oom_runs(None)) == len(OOM_WORKLOADS) * len(OOM_SETTINGS)
     assert trace_name("moe", "gc", oom=True) == "moe__gc_oom"
-    assert abs(oom_memory_fraction(10 * 2**30, 100 * 2**30) - OOM_CAP / 10) < 1e-9
+    assert abs(oom_memory_fraction(10 * 2**30, 100 * 2**30, 1.02) - 0.102) < 1e-9
     for refused in (["--oom", "--out", "x", "--only", "decode"], ["--out", "x", "--max-ooms", "2"]):
         try:
             with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):

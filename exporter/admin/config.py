@@ -9,6 +9,7 @@
       tls_cert_file: /etc/allocwatch/tls/tls.crt      # HTTPS on the TCP port (optional)
       tls_key_file: /etc/allocwatch/tls/tls.key
       tls_client_ca_file: /etc/allocwatch/tls/ca.crt # and client certificates (optional)
+      snapshot_dir: /run/allocwatch/snapshots        # default: snapshots/ beside the socket
 
 The token itself never enters the settings object (only where to read it), so printing or
 logging the settings cannot leak it.
@@ -17,14 +18,20 @@ logging the settings cannot leak it.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 from exporter.admin.tls import server_tls_context
-from exporter.config import ConfigError, FileMode, Port, Section, check_tls_files, setting
-
-MAX_TOKEN_BYTES = 4096
-MIN_TOKEN_BYTES = 16
+from exporter.config import (
+    ConfigError,
+    FileMode,
+    Port,
+    Section,
+    check_tls_files,
+    setting,
+    shown,
+)
+from exporter.config import read_token as read_secret
+from exporter.sidecar.bounded_http import HttpLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +52,37 @@ class AdminConfig(Section):
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
-    command_timeout_seconds: float = setting(30.0, positive=True, reload=True)
+    command_timeout_seconds: float = setting(30.0, positive=True, maximum=3600, reload=True)
+    # Connections, deadlines and sizes of both listeners (exporter.sidecar.bounded_http). A
+    # request's deadline covers waiting for the agents: it must exceed command_timeout_seconds.
+    limits: HttpLimits = setting(default_factory=lambda: HttpLimits(
+        max_connections=32, request_timeout_seconds=60.0))
+    # Where agents write snapshots, and the only place GET /v1/snapshots/NAME reads from.
+    # None: snapshots/ beside agents.unix_socket (the agents' default); "": none served.
+    snapshot_dir: str | None = None
 
     def socket_path(self, agents_socket: str) -> str:
-        if self.unix_socket is not None:
-            return self.unix_socket
-        return str(Path(agents_socket).parent / "admin.sock") if agents_socket else ""
+        return self._beside(self.unix_socket, agents_socket, "admin.sock")
+
+    def snapshot_path(self, agents_socket: str) -> str:
+        return self._beside(self.snapshot_dir, agents_socket, "snapshots")
+
+    @staticmethod
+    def _beside(given: str | None, agents_socket: str, name: str) -> str:
+        if given is not None:
+            return given
+        return str(Path(agents_socket).parent / name) if agents_socket else ""
 
     def validate(self, path: str) -> None:
         if self.socket_mode & 0o007:
             raise ConfigError(f"{path}.socket_mode: {oct(self.socket_mode)} lets every user of "
                               "the machine steer training; use 0600 or 0660")
+        if self.limits.request_timeout_seconds <= self.command_timeout_seconds:
+            raise ConfigError(f"{path}.limits.request_timeout_seconds: "
+                              f"{shown(self.limits.request_timeout_seconds)} must exceed "
+                              f"{path}.command_timeout_seconds "
+                              f"({shown(self.command_timeout_seconds)}): a command request "
+                              "waits that long for the agents")
         if self.token_file and self.token_env:
             raise ConfigError(f"{path}: give token_file or token_env, not both")
         if self.enabled and self.tcp_port is not None:
@@ -79,22 +106,4 @@ class AdminConfig(Section):
 def read_token(config: AdminConfig) -> bytes | None:
     """The configured token (file first, then environment), stripped; None if none configured.
     ConfigError when configured but unreadable, empty, or too short to resist guessing."""
-    if config.token_file:
-        try:
-            raw = Path(config.token_file).read_bytes()[:MAX_TOKEN_BYTES + 1]
-        except OSError as err:
-            raise ConfigError(f"admin.token_file: cannot read {config.token_file}: "
-                              f"{err.strerror}") from None
-        where = "admin.token_file"
-    elif config.token_env:
-        raw = os.environb.get(config.token_env.encode(), b"")
-        where = f"admin.token_env (${config.token_env})"
-    else:
-        return None
-    token = raw.strip()
-    if len(token) > MAX_TOKEN_BYTES:
-        raise ConfigError(f"{where}: the token is longer than {MAX_TOKEN_BYTES} bytes")
-    if len(token) < MIN_TOKEN_BYTES:
-        raise ConfigError(f"{where}: the token is empty or shorter than {MIN_TOKEN_BYTES} "
-                          "bytes (generate one: openssl rand -hex 32)")
-    return token
+    return read_secret(config, "admin")

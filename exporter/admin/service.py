@@ -5,35 +5,31 @@ them).
     POST /v1/settings     {"settings": "...", selectors}
     POST /v1/reclaim      {"mode": "gc"|"all", selectors}
     POST /v1/snapshot     {"frames": false, selectors}   -> path, bytes, download URL
-    GET  /v1/snapshots/NAME                         the snapshot file's bytes
+    GET  /v1/snapshots/NAME                         a file of the snapshot directory, by name
     POST /v1/reset-peaks  {selectors}
     POST /v1/record-history {"enabled": true|false, "max_entries": N, selectors}
 
 A bad request (unknown field, invalid settings, no agent selected) is refused with a message and
-sends nothing. Commands are handed to the sidecar's event loop and awaited from the request's
-own thread, so waiting for agents never holds up the gRPC server.
+sends nothing: `CommandRequest.parse` validates it whole before anything is sent. Commands are
+awaited on the sidecar's event loop, so waiting for agents never holds up the gRPC server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
-import os
-import stat
-import threading
+import re
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+from exporter.admin.snapshots import MAX_SNAPSHOT_BYTES, SnapshotUnavailable, open_snapshot
 from exporter.admin.views import agent_view, result_view
+from exporter.config import shown
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
 from exporter.protocol.settings import validate_settings
 from exporter.sidecar.registry import AgentState, Outcome, Registry, send_command
 
-MAX_SNAPSHOT_BYTES = 256 << 20
-SNAPSHOTS_KEPT = 64
 SELECTOR_FIELDS = ("rank", "host", "job", "agent")
 
 
@@ -45,6 +41,21 @@ class AdminError(Exception):
         self.status = status
 
 
+_RANK = re.compile(r"-?[0-9]{1,10}")
+
+
+def _rank(value: Any) -> int | None:
+    """A rank from JSON (an integer) or a query string (its digits); a float is no rank, not
+    even 1.0 (int() would take 0.9 for rank 0)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) and _RANK.fullmatch(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value < 2**31:
+        raise AdminError(400, f"rank: expected an integer, got {shown(value)}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Selector:
     rank: int | None = None
@@ -54,23 +65,13 @@ class Selector:
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> Selector:
-        rank = values.get("rank")
-        if rank is not None and rank != "":
-            if isinstance(rank, bool):
-                raise AdminError(400, f"rank: expected an integer, got {rank!r}")
-            try:
-                rank = int(rank)
-            except (TypeError, ValueError):
-                raise AdminError(400, f"rank: expected an integer, got {rank!r}") from None
-        else:
-            rank = None
         strings = {}
         for name in ("host", "job", "agent"):
             value = values.get(name)
             if value is not None and not isinstance(value, str):
-                raise AdminError(400, f"{name}: expected a string, got {value!r}")
+                raise AdminError(400, f"{name}: expected a string, got {shown(value)}")
             strings[name] = value or None
-        return cls(rank=rank, **strings)
+        return cls(rank=_rank(values.get("rank")), **strings)
 
     def matches(self, state: AgentState) -> bool:
         ident = state.identity
@@ -116,15 +117,17 @@ def build_command(endpoint: _Endpoint, body: Mapping[str, Any]) -> pb.Command:
     if endpoint.command == "reclaim":
         mode = body.get("mode", "gc")
         if mode not in ("gc", "all"):
-            raise AdminError(400, f"mode: must be gc or all, got {mode!r}")
+            raise AdminError(400, f"mode: must be gc or all, got {shown(mode)}")
         return pb.Command(cuda_device=-1, reclaim=pb.Reclaim(
             mode=pb.Reclaim.EMPTY_CACHE if mode == "all" else pb.Reclaim.GARBAGE_COLLECT))
     if endpoint.command == "snapshot":
         frames, max_bytes = body.get("frames", False), body.get("max_bytes", 0)
         if not isinstance(frames, bool):
-            raise AdminError(400, f"frames: expected true or false, got {frames!r}")
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise AdminError(400, f"max_bytes: expected a byte count, got {max_bytes!r}")
+            raise AdminError(400, f"frames: expected true or false, got {shown(frames)}")
+        if (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                or not 0 <= max_bytes <= MAX_SNAPSHOT_BYTES):
+            raise AdminError(400, f"max_bytes: expected a byte count from 0 (the agent's cap) "
+                                  f"to {MAX_SNAPSHOT_BYTES}, got {shown(max_bytes)}")
         return pb.Command(cuda_device=-1, snapshot=pb.Snapshot(include_frames=frames,
                                                                max_bytes=max_bytes))
     if endpoint.command == "record_history":
@@ -141,40 +144,49 @@ def build_command(endpoint: _Endpoint, body: Mapping[str, Any]) -> pb.Command:
     return pb.Command(cuda_device=-1, reset_peaks=pb.ResetPeaks())
 
 
+@dataclasses.dataclass(frozen=True)
+class CommandRequest:
+    """A command endpoint's request, validated: nothing is sent before this exists."""
+
+    endpoint: _Endpoint
+    selector: Selector
+    command: pb.Command
+
+    @classmethod
+    def parse(cls, path: str, body: Mapping[str, Any]) -> CommandRequest:
+        """AdminError (400) naming the first bad field."""
+        endpoint = ENDPOINTS[path]
+        unknown = set(body) - set(SELECTOR_FIELDS) - endpoint.fields
+        if unknown:
+            known = sorted(set(SELECTOR_FIELDS) | endpoint.fields)
+            raise AdminError(400, f"unknown field {shown(sorted(unknown)[0])} (known: "
+                                  f"{', '.join(known)})")
+        return cls(endpoint, Selector.parse(body), build_command(endpoint, body))
+
+
 class AdminService:
     """What the endpoints do, independent of HTTP."""
 
-    def __init__(self, registry: Registry, loop: asyncio.AbstractEventLoop,
-                 timeout: Callable[[], float]):
+    def __init__(self, registry: Registry, timeout: Callable[[], float], snapshot_dir: str = ""):
         self.registry = registry
-        self.loop = loop
         self.timeout = timeout
-        self._snapshots: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self.snapshot_dir = snapshot_dir
 
     def list_agents(self, selector: Selector) -> dict[str, Any]:
         agents = [agent_view(a) for a in self.registry.agents() if selector.matches(a)]
         return {"agents": agents}
 
-    def run(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        endpoint = ENDPOINTS[path]
-        unknown = set(body) - set(SELECTOR_FIELDS) - endpoint.fields
-        if unknown:
-            known = sorted(set(SELECTOR_FIELDS) | endpoint.fields)
-            raise AdminError(400, f"unknown field {sorted(unknown)[0]!r} (known: "
-                                  f"{', '.join(known)})")
-        selector = Selector.parse(body)
-        command = build_command(endpoint, body)
+    async def run(self, request: CommandRequest) -> dict[str, Any]:
+        """Send a validated request's command to the agents it selects (on the event loop:
+        waiting for them holds up nothing else) and gather their results."""
+        selector, command = request.selector, request.command
         targets = [a for a in self.registry.agents()
                    if a.connected and a.session is not None and selector.matches(a)]
         if not targets:
             raise AdminError(404, f"no connected agent matches {selector.describe() or 'any'}")
-        timeout = self.timeout()
-        future = asyncio.run_coroutine_threadsafe(self._dispatch(targets, command, timeout),
-                                                  self.loop)
-        outcomes = future.result(timeout + 5.0)
+        outcomes = await self._dispatch(targets, command, self.timeout())
         results = [self._result_view(state, outcome) for state, outcome in outcomes]
-        return {"command": endpoint.command, "selector": selector.describe(),
+        return {"command": request.endpoint.command, "selector": selector.describe(),
                 "selected": len(targets), "ok": all(r["status"] == "ok" for r in results),
                 "results": results}
 
@@ -185,28 +197,14 @@ class AdminService:
         return list(zip(targets, outcomes, strict=True))
 
     def _result_view(self, state: AgentState, outcome: Outcome) -> dict[str, Any]:
-        if not isinstance(outcome, str) and outcome.snapshot_path:
-            # Only files an agent reported through this API are ever served.
-            with self._lock:
-                self._snapshots[Path(outcome.snapshot_path).name] = outcome.snapshot_path
-                while len(self._snapshots) > SNAPSHOTS_KEPT:
-                    self._snapshots.popitem(last=False)
         return result_view(state, outcome)
 
-    def snapshot_bytes(self, name: str) -> bytes:
-        """A snapshot an agent reported through this API (no other file is ever served)."""
-        with self._lock:
-            path = self._snapshots.get(name)
-        if path is None:
-            raise AdminError(404, f"no snapshot named {name!r} was taken through this sidecar")
+    def open_snapshot(self, name: str) -> tuple[int, int]:
+        """(descriptor, size) of the snapshot file `name` of the snapshot directory
+        (exporter.admin.snapshots: no other file is ever served); the caller closes it."""
+        if not self.snapshot_dir:
+            raise AdminError(404, "this sidecar has no snapshot directory (admin.snapshot_dir)")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as err:
-            raise AdminError(409, f"cannot read {path}: {err.strerror} (the sidecar needs read "
-                                  "access to the agents' snapshot directory)") from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SNAPSHOT_BYTES:
-                raise AdminError(409, f"{path} is not a regular file of at most "
-                                      f"{MAX_SNAPSHOT_BYTES} bytes")
-            return f.read(MAX_SNAPSHOT_BYTES)
+            return open_snapshot(self.snapshot_dir, name)
+        except SnapshotUnavailable as err:
+            raise AdminError(err.status, str(err)) from None

@@ -1,11 +1,13 @@
 """HTTPS for the admin API's TCP listener: the token then never crosses a network in clear, and
-with a client CA, clients must also present a certificate signed by it (mutual TLS)."""
+with a client CA, clients must also present a certificate signed by it (mutual TLS). The
+handshake runs on the event loop (asyncio's TLS), bounded by the listener's idle deadline."""
 
 from __future__ import annotations
 
 import logging
 import os
 import ssl
+import stat
 import threading
 
 log = logging.getLogger("exporter.admin")
@@ -34,10 +36,28 @@ class RenewingTlsContext:
         self._context = server_tls_context(*self._files)
 
     def _read_stamp(self) -> tuple[float, ...]:
+        """The files' modification times; () while any is missing or no regular file (the
+        reload runs in a handshake, on the event loop: a FIFO there must not hold it)."""
         try:
-            return tuple(os.stat(f).st_mtime for f in self._files if f)
+            found = [os.stat(f) for f in self._files if f]
         except OSError:
             return ()
+        if not all(stat.S_ISREG(st.st_mode) for st in found):
+            return ()
+        return tuple(st.st_mtime for st in found)
+
+    def listening_context(self) -> ssl.SSLContext:
+        """The context to listen with: each handshake switches to `context()` (from the SNI
+        callback, which OpenSSL calls for every ClientHello, with or without a server name),
+        so renewed files serve the next connection, no restart."""
+        listening = server_tls_context(*self._files)
+
+        def current(ssl_object: ssl.SSLObject, server_name: str | None,
+                    _: ssl.SSLContext) -> None:
+            ssl_object.context = self.context()
+
+        listening.sni_callback = current  # type: ignore[assignment]
+        return listening
 
     def context(self) -> ssl.SSLContext:
         with self._lock:

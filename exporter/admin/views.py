@@ -4,9 +4,9 @@ command's result."""
 from __future__ import annotations
 
 import urllib.parse
-from pathlib import Path
 from typing import Any
 
+from exporter.admin.snapshots import snapshot_name
 from exporter.protocol.figures import (
     fragmentation_ratio,
     peak_fragmentation_ratio,
@@ -75,8 +75,9 @@ def agent_view(state: AgentState) -> dict[str, Any]:
 
 
 def snapshot_download(path: str) -> str:
-    """Where a snapshot an agent wrote is fetched from this API."""
-    return f"/v1/snapshots/{urllib.parse.quote(Path(path).name)}"
+    """Where a snapshot an agent wrote is fetched from this API (by its name alone: only the
+    snapshot directory is served)."""
+    return f"/v1/snapshots/{urllib.parse.quote(snapshot_name(path))}"
 
 
 def result_view(state: AgentState, outcome: Outcome) -> dict[str, Any]:

@@ -7,7 +7,8 @@
 - `nvml`: GPU memory figures through NVML (the agent reads its own GPU, the sidecar every GPU
   it can see);
 - `figures`: figures derived from a report (the fragmentation ratios);
-- `settings`: the check of an allocator settings string.
+- `settings`: the check of an allocator settings string;
+- `files`: the bounded read of a file named in settings or the environment (a token).
 
 Kept free of imports, like the packages above it: importing the protocol pulls in neither the
 sidecar nor the compiled core.

@@ -10,6 +10,9 @@ CONNECT_METHOD = f"/{SERVICE_NAME}/Connect"
 # peer. Applies to every message the sidecar receives.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 
+# The longest allocator settings string an agent accepts (SetConfig.settings): every key of the
+# allocator fits many times over.
+MAX_SETTINGS_CHARACTERS = 4096
 # RecordHistory.max_entries: PyTorch's own example records 100,000 entries; a trace entry costs
 # the core about 100 bytes and PyTorch's, with stacks, a few KiB.
 DEFAULT_HISTORY_ENTRIES = 100_000

@@ -25,6 +25,8 @@ from exporter.policy.engine import PolicyEngine
 from exporter.policy.runner import PolicyRunner
 from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.version import PACKAGE_VERSION
+from exporter.sidecar.bounded_http import HttpCollector
+from exporter.sidecar.bounds_collector import BoundsCollector
 from exporter.sidecar.collectors import (
     AgentsCollector,
     AllocatorCollector,
@@ -47,7 +49,8 @@ class Sidecar:
                  config_path: str | Path | None = None):
         self.config = config
         self.config_path = config_path
-        self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents)
+        self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents,
+                                 config.agents.max_departed_agents, config.agents.max_series)
         self.nvml: NvmlReader | None = None
         if config.nvml.enabled:
             self.nvml = NvmlReader(nvml_module, cache_seconds=config.nvml.cache_seconds)
@@ -64,9 +67,12 @@ class Sidecar:
         # One collector per source; the admin API's joins them once it listens.
         self.metrics_registry = CollectorRegistry(auto_describe=False)
         for collector in (AllocatorCollector(self.registry), GpuCollector(self.registry, self.nvml),
-                          AgentsCollector(self.registry), SidecarCollector(self.watcher),
+                          AgentsCollector(self.registry), BoundsCollector(self.registry),
+                          SidecarCollector(self.watcher),
                           PolicyCollector(self.policy)):
             self.metrics_registry.register(collector)
+        self.http_collector = HttpCollector()  # each listener joins it once it listens
+        self.metrics_registry.register(self.http_collector)
         # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
         ProcessCollector(registry=self.metrics_registry)
         self.grpc_server: aio.Server | None = None
@@ -91,20 +97,24 @@ class Sidecar:
             await asyncio.to_thread(self.nvml.start)
         self.http = MetricsHttpServer(
             self.config.metrics.address, self.config.metrics.port, self.metrics_registry,
-            self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy)
-        self.http.start()
+            self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy,
+            limits=self.config.metrics.limits)
+        await self.http.start()
+        self.http_collector.servers.append(self.http.http)
         try:
             self.grpc_server, self.agent_targets = await start_grpc_server(
                 self.registry, self.config.agents)
         except Exception:
-            self.http.stop()
+            await self.http.stop()
             raise
         self._prepare_snapshot_dir()
         try:
-            self._start_admin()
+            await self._start_admin()
         except Exception:
             await self.grpc_server.stop(0)
-            self.http.stop()
+            if self.admin is not None:
+                await self.admin.stop()
+            await self.http.stop()
             raise
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self.policy_runner.run()))
@@ -129,16 +139,17 @@ class Sidecar:
         if problem is not None:
             log.warning("snapshots may not be downloadable", extra={"reason": problem})
 
-    def _start_admin(self) -> None:
+    async def _start_admin(self) -> None:
         admin = self.config.admin
         if not admin.enabled:
             log.info("admin API disabled by settings (admin.enabled: false)")
             return
         service = AdminService(
-            self.registry, asyncio.get_running_loop(),
-            timeout=lambda: self.config.admin.command_timeout_seconds)
+            self.registry, timeout=lambda: self.config.admin.command_timeout_seconds,
+            snapshot_dir=admin.snapshot_path(self.config.agents.unix_socket))
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
-        self.admin.start()
+        await self.admin.start()
+        self.http_collector.servers.append(self.admin.http)
         self.metrics_registry.register(AdminCollector(self.admin))
 
     def apply_config(self, new: SidecarConfig) -> list[str]:
@@ -154,6 +165,8 @@ class Sidecar:
                           extra={"reason": str(err)})
         self.registry.expiry_seconds = effective.agents.expiry_seconds
         self.registry.max_agents = effective.agents.max_agents
+        self.registry.max_departed = effective.agents.max_departed_agents
+        self.registry.max_series = effective.agents.max_series
         logging.getLogger().setLevel(effective.logging.level.upper())
         if self.watcher is not None:
             self.watcher.interval_seconds = effective.reload.interval_seconds
@@ -176,11 +189,11 @@ class Sidecar:
         for task in self._tasks:
             task.cancel()
         if self.admin is not None:
-            await asyncio.to_thread(self.admin.stop)
+            await self.admin.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
         if self.http is not None:
-            self.http.stop()
+            await self.http.stop()
         if self.nvml is not None:
             self.nvml.close()
         log.info("sidecar stopped")

@@ -9,15 +9,25 @@ docs/sidecar.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from exporter.admin.config import AdminConfig
-from exporter.config import ConfigError, FileMode, Port, Section, check_tls_files, setting
+from exporter.config import (
+    ConfigError,
+    FileMode,
+    Port,
+    Section,
+    check_tls_files,
+    parse_yaml,
+    read_settings_file,
+    read_token,
+    setting,
+)
 from exporter.policy.config import PolicyConfig
 from exporter.protocol.service import DEFAULT_MAX_MESSAGE_BYTES
+from exporter.sidecar.bounded_http import HttpLimits
 
 DEFAULT_UNIX_SOCKET = "/run/allocwatch/agent.sock"
 
@@ -36,17 +46,40 @@ class AgentsConfig(Section):
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
-    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, positive=True)
-    hello_timeout_seconds: float = setting(10.0, positive=True)
+    # On TCP (which any local user reaches, loopback included), agents present this bearer
+    # token, unless mutual TLS identifies them. A token file that does not exist is created at
+    # start with a fresh token, readable as the socket is (put it on the directory shared with
+    # the training container); token_env names an environment variable holding it instead.
+    token_file: str = ""
+    token_env: str = ""
+    # Above 64 MiB a message is no report; gRPC itself takes no more than 2 GiB.
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, minimum=1024, maximum=64 << 20)
+    hello_timeout_seconds: float = setting(10.0, positive=True, maximum=3600)
     # A disconnected agent's series stay this long, then disappear from /metrics.
-    expiry_seconds: float = setting(60.0, positive=True, reload=True)
-    max_agents: int = setting(1024, positive=True, reload=True)
+    expiry_seconds: float = setting(60.0, positive=True, maximum=7 * 86400, reload=True)
+    max_agents: int = setting(1024, positive=True, maximum=65536, reload=True)
+    # Departed agents kept until their expiry; past this many, the oldest go first.
+    max_departed_agents: int = setting(256, minimum=0, maximum=65536, reload=True)
+    # The series all agents may show in /metrics (about 36 a device): past it, departed agents'
+    # series go first, then new agents are refused.
+    max_series: int = setting(50_000, positive=True, maximum=10_000_000, reload=True)
 
     def validate(self, path: str) -> None:
         if not self.unix_socket and self.tcp_port is None:
             raise ConfigError(f"{path}: no listener: set {path}.unix_socket or {path}.tcp_port "
                               "(or both)")
         check_tls_files(self, path)
+        if self.token_file and self.token_env:
+            raise ConfigError(f"{path}: give token_file or token_env, not both")
+        if self.tcp_port is None:
+            return
+        if not (self.token_file or self.token_env or self.tls_client_ca_file):
+            raise ConfigError(
+                f"{path}.tcp_port: agents on TCP must authenticate: set {path}.token_file (a "
+                "file on the directory shared with the training container, created if absent) "
+                f"or {path}.tls_client_ca_file (mutual TLS)")
+        if self.token_env or os.path.exists(self.token_file):
+            read_token(self, path)  # refuse now, not at the first hello
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +89,15 @@ class MetricsConfig(Section):
     # 9471: clear of dcgm-exporter (9400) and OpenTelemetry's Prometheus exporter (9464), which
     # share GPU nodes with training pods (docs/deploy.md#the-metrics-port).
     port: Port = 9471
+    # Connections, deadlines and sizes (exporter.sidecar.bounded_http); a GET has no body.
+    limits: HttpLimits = setting(default_factory=lambda: HttpLimits(max_body_bytes=0))
 
 
 @dataclasses.dataclass(frozen=True)
 class NvmlConfig(Section):
     enabled: bool = True
     # NVML figures are cached this long, so that scrapes stay cheap.
-    cache_seconds: float = 1.0
+    cache_seconds: float = setting(1.0, minimum=0, maximum=3600)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +111,7 @@ class ReloadConfig(Section):
     """Watching the file given with --config (exporter.sidecar.reload)."""
 
     enabled: bool = True
-    interval_seconds: float = setting(5.0, positive=True, reload=True)
+    interval_seconds: float = setting(5.0, positive=True, maximum=86400, reload=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +131,22 @@ def parse_config(raw: Any) -> SidecarConfig:
     return SidecarConfig.parse(raw)
 
 
+def config_from_bytes(data: bytes) -> SidecarConfig:
+    """Validated settings from a settings file's bytes (at most exporter.config's
+    MAX_FILE_BYTES); ConfigError for anything that cannot be used, memory exhausted included."""
+    try:
+        return parse_config(parse_yaml(data))
+    except MemoryError:
+        pass  # raised below, once the handler has let go of what was built
+    raise ConfigError("the settings exhausted the memory")
+
+
 def load_config(path: str | Path | None) -> SidecarConfig:
     """Settings from a YAML file; defaults when path is None."""
     if path is None:
         return parse_config(None)
+    data = read_settings_file(path)
     try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ConfigError(f"cannot read settings file {path}: {err.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    try:
-        return parse_config(raw)
+        return config_from_bytes(data)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None

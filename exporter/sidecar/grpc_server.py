@@ -2,33 +2,46 @@
 
 Each stream: the agent's Hello (within agents.hello_timeout_seconds, with a compatible protocol
 version, else the stream is refused with a message saying why), the sidecar's Welcome, then
-reports from the agent and commands from the sidecar, concurrently. Bad input ends that one
-stream with a clear status; other agents are not affected.
+reports from the agent and commands from the sidecar, concurrently. Bad input (screened by
+exporter.sidecar.screening) ends that one stream with a clear status; other agents are not
+affected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
+import secrets
 from pathlib import Path
 
 import grpc
 from grpc import aio
 
+from exporter.config import ConfigError, read_token
 from exporter.protocol.handshake import format_version, incompatibility, local_version
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
 from exporter.protocol.service import SERVICE_NAME
 from exporter.protocol.version import PACKAGE_VERSION
 from exporter.sidecar.config import AgentsConfig
-from exporter.sidecar.registry import AgentLimitError, AgentSession, AgentState, Registry
+from exporter.sidecar.registry import (
+    AgentRefusedError,
+    AgentSession,
+    AgentState,
+    IdentityInUseError,
+    Registry,
+)
+from exporter.sidecar.screening import message_problem, screened_report, screened_result
 
 log = logging.getLogger("exporter.grpc")
 
-MAX_DEVICES_PER_REPORT = 64
-MAX_IDENTITY_STRING = 512
+
+
+_REFUSAL_CODES: dict[type[AgentRefusedError], grpc.StatusCode] = {
+    IdentityInUseError: grpc.StatusCode.ALREADY_EXISTS}
 
 
 class ListenError(RuntimeError):
@@ -36,9 +49,6 @@ class ListenError(RuntimeError):
 
 
 def _identity_problem(identity: pb.Identity) -> str | None:
-    for field, value in identity.ListFields():
-        if isinstance(value, str) and len(value) > MAX_IDENTITY_STRING:
-            return f"identity.{field.name} is longer than {MAX_IDENTITY_STRING} characters"
     if identity.pid <= 0:
         return "identity.pid must be a positive process id"
     if not identity.instance_id:
@@ -46,20 +56,75 @@ def _identity_problem(identity: pb.Identity) -> str | None:
     return None
 
 
+def _over_tcp(peer: str) -> bool:
+    return peer.startswith(("ipv4:", "ipv6:"))
+
+
+def agent_token(config: AgentsConfig) -> bytes | None:
+    """The token agents on TCP must present, or None (no TCP listener, or mutual TLS alone).
+    A token file that does not exist is created with a fresh token, readable by those the
+    socket's mode admits and writable by nobody."""
+    if config.tcp_port is None or not (config.token_file or config.token_env):
+        return None
+    if config.token_file and not os.path.lexists(config.token_file):
+        _create_token_file(Path(config.token_file), config.socket_mode & 0o444)
+    try:
+        return read_token(config, "agents")
+    except ConfigError as err:  # replaced or emptied since the settings were checked
+        raise ListenError(str(err)) from None
+
+
+def _create_token_file(path: Path, mode: int) -> None:
+    try:
+        path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return  # another sidecar of the pod made it first: read theirs
+    except OSError as err:
+        raise ListenError(f"cannot create the agents' token file {path}: {err.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+        os.fchmod(f.fileno(), mode)
+    log.info("agents' token file created", extra={"path": str(path), "mode": oct(mode)})
+
+
 class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, registry: Registry, config: AgentsConfig):
+    def __init__(self, registry: Registry, config: AgentsConfig, token: bytes | None = None):
         self._registry = registry
         self._config = config
+        self._token = token
+
+    def _authenticated(self, context: aio.ServicerContext) -> bool:
+        """Whether a stream may go on: any on the Unix socket (its mode guards it); on TCP,
+        one presenting the token where one is required (compared in constant time)."""
+        if self._token is None or not _over_tcp(context.peer() or ""):
+            return True
+        header = dict(context.invocation_metadata() or ()).get("authorization", "")
+        presented = b""
+        if isinstance(header, str) and header[:7].lower() == "bearer ":
+            presented = header[7:].strip().encode("utf-8", "replace")
+        return hmac.compare_digest(presented, self._token)
 
     async def _refuse(self, context: aio.ServicerContext, code: grpc.StatusCode, reason: str,
-                      message: str, peer: str) -> None:
-        self._registry.count_stream_error(reason)
+                      message: str, peer: str, counted: bool = False) -> None:
+        """End the stream with `code`; counted as a stream error unless the refusal was
+        counted where it was decided (`counted`)."""
+        if not counted:
+            self._registry.count_stream_error(reason)
         log.warning("agent stream refused", extra={"peer": peer, "reason": reason,
                                                    "detail": message})
         await context.abort(code, message)
 
     async def Connect(self, request_iterator, context: aio.ServicerContext):  # noqa: N802
         peer = context.peer() or "unknown"
+        if not self._authenticated(context):
+            self._registry.count_refused("unauthenticated")
+            await self._refuse(
+                context, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                "missing or wrong agent token: on TCP an agent presents the token of "
+                "agents.token_file (ALLOCWATCH_TOKEN_FILE) or agents.token_env "
+                "(ALLOCWATCH_TOKEN)", peer, counted=True)
+            return
         try:
             first = await asyncio.wait_for(context.read(), self._config.hello_timeout_seconds)
         except asyncio.TimeoutError:
@@ -86,7 +151,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "protocol_version",
                                f"sidecar {PACKAGE_VERSION}: agent {why}", peer)
             return
-        problem = _identity_problem(hello.identity)
+        problem = message_problem(first) or _identity_problem(hello.identity)
         if problem is not None:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_hello", problem,
                                peer)
@@ -94,9 +159,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         protocol = format_version(hello.protocol_version)
         try:
             state = self._registry.connect(hello.identity, protocol, peer)
-        except AgentLimitError as err:
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_many_agents",
-                               str(err), peer)
+        except AgentRefusedError as err:
+            code = _REFUSAL_CODES.get(type(err), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await self._refuse(context, code, err.reason, str(err), peer, counted=True)
             return
         session = AgentSession(asyncio.get_running_loop(), self._registry, state.key)
         state.session = session
@@ -131,19 +196,22 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             if message is aio.EOF:
                 return "agent closed the stream"
             kind = message.WhichOneof("body")
+            problem = message_problem(message)
+            if problem is not None:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                   "bad_report" if kind == "report" else "bad_message", problem,
+                                   state.peer)
             if kind == "report":
-                report = message.report
-                if len(report.devices) > MAX_DEVICES_PER_REPORT:
-                    await self._refuse(
-                        context, grpc.StatusCode.INVALID_ARGUMENT, "bad_report",
-                        f"a report has {len(report.devices)} devices, more than "
-                        f"{MAX_DEVICES_PER_REPORT}", state.peer)
+                report, dropped = screened_report(message.report)
+                self._registry.count_figures_dropped(dropped)
                 self._registry.record_report(state, report)
             elif kind == "command_result":
-                state.last_result = message.command_result
-                if not session.resolve(message.command_result):
+                result, dropped = screened_result(message.command_result)
+                self._registry.count_figures_dropped(dropped)
+                state.last_result = result
+                if not session.resolve(result):
                     log.warning("result for an unknown command", extra={
-                        "agent": state.key, "command_id": message.command_result.command_id})
+                        "agent": state.key, "command_id": result.command_id})
             elif kind == "goodbye":
                 return f"goodbye: {message.goodbye.reason}"
             elif kind == "hello":
@@ -173,7 +241,8 @@ async def start_grpc_server(registry: Registry, config: AgentsConfig
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ])
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(registry, config), server)
+    service = AgentService(registry, config, agent_token(config))
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(service, server)
     health = _add_health_service(server)
     targets = []
     if config.unix_socket:

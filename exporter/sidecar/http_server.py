@@ -1,36 +1,81 @@
-"""The sidecar's HTTP endpoint: /metrics, /healthz, /readyz and a landing page.
+"""The sidecar's HTTP endpoint: /metrics, /healthz, /readyz and a landing page, served on the
+sidecar's event loop with every client resource bounded (exporter.sidecar.bounded_http).
 
 /metrics uses prometheus_client's own exposition: the format is chosen from the Accept header
-(OpenMetrics when asked) and the body is gzip-compressed when the scraper accepts it.
+(`choose_encoder`: OpenMetrics when asked) and the body is gzip-compressed when the scraper
+accepts it (`gzip_accepted`). Building it is CPU work, so it runs off the loop, on one worker
+thread (`Exposition`): a slow scrape can hold neither the agents' gRPC stream nor another
+scrape's connection, and concurrent scrapes share a build.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import gzip
 import html
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from exporter.protocol.version import PACKAGE_VERSION
+from exporter.sidecar.bounded_http import BoundedHttpServer, HttpLimits
 from exporter.sidecar.registry import Registry
 
 log = logging.getLogger("exporter.http")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class Exposition:
+    """/metrics bodies, built on one worker thread.
 
+    A scrape joins the build of its format that is queued or running, else queues a new one:
+    N scrapers arriving together cost one build and wait for one, not N. A joined body may
+    have started building before the request arrived, by less than one build's time: less
+    than the age of the agents' figures it shows (a report interval)."""
 
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="allocwatch-exposition")
+        # Reentrant: a build that ends before its done callback is added runs the callback at
+        # once, on the thread that holds the lock.
+        self._lock = threading.RLock()
+        self._building: dict[tuple[str, bool], concurrent.futures.Future[bytes]] = {}
+
+    async def body(self, accept: str, accept_encoding: str) -> tuple[bytes, str, bool]:
+        """(body, content type, gzip-compressed)."""
+        encoder, content_type = choose_encoder(accept)
+        compressed = gzip_accepted(accept_encoding)
+        key = (content_type, compressed)
+        with self._lock:  # held across submit: the build cannot end before it is listed
+            future = self._building.get(key)
+            if future is None:
+                future = self._worker.submit(self._build, encoder, compressed)
+                self._building[key] = future
+                future.add_done_callback(lambda done: self._built(key, done))
+        return await asyncio.wrap_future(future), content_type, compressed
+
+    def _built(self, key: tuple[str, bool], done: concurrent.futures.Future[bytes]) -> None:
+        with self._lock:  # finished: scrapes from now on start a fresh build
+            if self._building.get(key) is done:
+                del self._building[key]
+
+    def _build(self, encoder: Callable[[CollectorRegistry], bytes], compressed: bool) -> bytes:
+        body = encoder(self._registry)
+        # Speed over size: scrapes are frequent.
+        return gzip.compress(body, compresslevel=1) if compressed else body
+
+    def run(self, work: Callable[[], bytes]) -> asyncio.Future[bytes]:
+        """Other CPU work of the endpoint (the landing page), on the same thread."""
+        return asyncio.wrap_future(self._worker.submit(work))
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
 
 class MetricsHttpServer:
@@ -42,81 +87,55 @@ class MetricsHttpServer:
         agents: Registry,
         is_ready: Callable[[], bool],
         is_healthy: Callable[[], bool],
+        limits: HttpLimits | None = None,
     ):
-        self._metrics_registry = metrics_registry
+        self._address = address
+        self._requested_port = port
         self._agents = agents
         self._is_ready = is_ready
         self._is_healthy = is_healthy
-        handler = self._make_handler()
-        # IPv6 "::" listens on both families where the host allows it; "0.0.0.0" on IPv4 only.
-        server_class = _Server6 if ":" in address else _Server
-        self._server = server_class((address, port), handler)
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="allocwatch-http", daemon=True)
+        self._exposition = Exposition(metrics_registry)
+        self.http = BoundedHttpServer("metrics", self._handle, limits or HttpLimits())
+        self.port = 0
 
-    def start(self) -> None:
-        self._thread.start()
+    async def start(self) -> None:
+        self.port = await self.http.listen_tcp(self._address, self._requested_port)
 
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+    async def stop(self) -> None:
+        await self.http.close()
+        self._exposition.close()
 
-    def _make_handler(self) -> type[BaseHTTPRequestHandler]:
-        outer = self
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(status=405, text="only GET and HEAD\n", headers={"Allow": "GET"})
+        path = request.path
+        if path == "/metrics":
+            return await self._metrics(request)
+        if path == "/healthz":
+            ok = self._is_healthy()
+            return web.Response(status=200 if ok else 503, text="ok\n" if ok else "unhealthy\n")
+        if path == "/readyz":
+            ok = self._is_ready()
+            return web.Response(status=200 if ok else 503,
+                                text="ready\n" if ok else "not ready\n")
+        if path == "/":
+            page = await self._exposition.run(self._landing_page)
+            return web.Response(body=page, content_type="text/html", charset="utf-8")
+        return web.Response(status=404, text="not found: try /metrics, /healthz, /readyz or /\n")
 
-        class Handler(BaseHTTPRequestHandler):
-            server_version = f"allocwatch/{PACKAGE_VERSION}"
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                path = self.path.split("?", 1)[0]
-                try:
-                    if path == "/metrics":
-                        outer._metrics(self)
-                    elif path == "/healthz":
-                        ok = outer._is_healthy()
-                        self._reply(200 if ok else 503, b"ok\n" if ok else b"unhealthy\n")
-                    elif path == "/readyz":
-                        ok = outer._is_ready()
-                        self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
-                    elif path == "/":
-                        self._reply(200, outer._landing_page(), "text/html; charset=utf-8")
-                    else:
-                        self._reply(404, b"not found: try /metrics, /healthz, /readyz or /\n")
-                except BrokenPipeError:
-                    pass  # the scraper went away
-
-            def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8",
-                       headers: dict[str, str] | None = None) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                log.debug("http " + format % args)
-
-        return Handler
-
-    def _metrics(self, handler: BaseHTTPRequestHandler) -> None:
+    async def _metrics(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
-        encoder, content_type = choose_encoder(handler.headers.get("Accept", ""))
         try:
-            body = encoder(self._metrics_registry)
+            body, content_type, compressed = await self._exposition.body(
+                request.headers.get("Accept", ""), request.headers.get("Accept-Encoding", ""))
         except Exception:
             log.exception("building the metrics failed")
-            handler._reply(500, b"metrics collection failed\n")  # type: ignore[attr-defined]
-            return
-        headers = {}
-        if "gzip" in handler.headers.get("Accept-Encoding", ""):
-            body = gzip.compress(body, compresslevel=1)  # speed over size: scrapes are frequent
-            headers["Content-Encoding"] = "gzip"
-        handler._reply(200, body, content_type, headers)  # type: ignore[attr-defined]
+            return web.Response(status=500, text="metrics collection failed\n")
+        response = web.Response(body=body, headers={"Content-Type": content_type})
+        if compressed:
+            response.headers["Content-Encoding"] = "gzip"
         log.debug("scrape served", extra={"seconds": round(time.perf_counter() - started, 6)})
+        return response
 
     def _landing_page(self) -> bytes:
         rows = []

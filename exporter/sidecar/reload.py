@@ -7,7 +7,8 @@ mtime and size of the file it resolves to) and hashes its content; the content h
 swapped symlink, an in-place edit and a same-second rewrite are all seen, and a file rewritten
 with the same content is not a change.
 
-An invalid file is refused, logged once per distinct content, counted
+The file is read, hashed and parsed on a worker thread; only installing new settings runs on the
+event loop. An invalid file is refused, logged once per distinct content, counted
 (allocwatch_config_reloads_total{result="invalid"}), and the settings in force stay.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import logging
 import os
@@ -22,14 +24,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
-from exporter.config import ConfigError
-from exporter.sidecar.config import SidecarConfig, parse_config
+from exporter.config import MAX_FILE_BYTES, ConfigError
+from exporter.protocol.files import read_regular_file
+from exporter.sidecar.config import SidecarConfig, config_from_bytes
 
 log = logging.getLogger("exporter.reload")
-
-MAX_FILE_BYTES = 1 << 20
 
 
 def file_signature(path: Path) -> tuple[int, int, int, int]:
@@ -41,8 +40,21 @@ def content_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """What one poll found: new content (parsed, or why it was refused), or an unreadable
+    file."""
+
+    digest: str = ""
+    config: SidecarConfig | None = None
+    refusal: str | None = None
+    unreadable: OSError | None = None
+
+
 class ConfigWatcher:
-    """`check()` is one poll; `run()` polls forever on the event loop (reads off the loop).
+    """`run()` polls forever from the event loop: each poll reads, hashes and parses the file
+    on a worker thread (`poll`), so that no file, however hostile, holds up the loop, and only
+    installing the result (`settle`) runs on it. `check()` is one poll, inline (tests).
 
     `apply(config)` installs valid settings and returns the fields it could not change without a
     restart (listeners, ports), which keep their old values.
@@ -61,7 +73,7 @@ class ConfigWatcher:
         self._lock = threading.Lock()
         self.reloads_total: collections.Counter[str] = collections.Counter()
         try:
-            self.current_hash = content_hash(self.path.read_bytes()[:MAX_FILE_BYTES])
+            self.current_hash = content_hash(read_regular_file(self.path, MAX_FILE_BYTES))
             self.signature = file_signature(self.path)
         except OSError:
             pass
@@ -70,60 +82,69 @@ class ConfigWatcher:
         while True:
             await asyncio.sleep(self.interval_seconds)
             try:
-                data = await asyncio.to_thread(self._read)
-                self.check(data)
+                change = await asyncio.to_thread(self.poll)
+                if change is not None:
+                    self.settle(change)
             except Exception:  # never let a reload bug stop the sidecar
                 log.exception("settings reload failed unexpectedly")
 
     def _read(self) -> bytes | OSError:
         try:
-            with open(self.path, "rb") as f:  # follows the ConfigMap's symlinks
-                st = os.fstat(f.fileno())
-                self.signature = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-                return f.read(MAX_FILE_BYTES + 1)
-        except OSError as err:
+            data = read_regular_file(self.path, MAX_FILE_BYTES)  # follows the symlinks
+            self.signature = file_signature(self.path)
+            return data
+        except OSError as err:  # missing, unreadable, or no regular file (a FIFO)
             return err
 
-    def check(self, data: bytes | OSError | None = None) -> str | None:
-        """One poll: the result label when something happened, None when nothing changed."""
+    def poll(self, data: bytes | OSError | None = None) -> Change | None:
+        """Read (unless given), hash and parse; None when nothing changed."""
         if data is None:
             data = self._read()
         if isinstance(data, OSError):
-            if not self._unreadable:  # e.g. mid-swap or a removed ConfigMap: keep the old one
-                self._unreadable = True
-                log.warning("settings file unreadable, keeping the settings in force",
-                            extra={"path": str(self.path), "reason": data.strerror})
-                return self._count("unreadable")
-            return None
-        self._unreadable = False
+            return None if self._unreadable else Change(unreadable=data)
         digest = content_hash(data)
         if digest in (self.current_hash, self._refused_hash):
+            self._unreadable = False
             return None
+        if len(data) > MAX_FILE_BYTES:
+            return Change(digest, refusal=f"the file is larger than {MAX_FILE_BYTES} bytes")
         try:
-            if len(data) > MAX_FILE_BYTES:
-                raise ConfigError(f"the file is larger than {MAX_FILE_BYTES} bytes")
-            try:
-                raw = yaml.safe_load(data)
-            except yaml.YAMLError as err:
-                raise ConfigError(f"not valid YAML: {err}") from None
-            config = parse_config(raw)
+            return Change(digest, config=config_from_bytes(data))
         except ConfigError as err:
-            self._refused_hash = digest
+            return Change(digest, refusal=str(err))
+
+    def settle(self, change: Change) -> str:
+        """Install, refuse or note what a poll found; the result label."""
+        if change.unreadable is not None:  # e.g. mid-swap or a removed ConfigMap: keep the old
+            self._unreadable = True
+            log.warning("settings file unreadable, keeping the settings in force",
+                        extra={"path": str(self.path), "reason": change.unreadable.strerror})
+            return self._count("unreadable")
+        self._unreadable = False
+        if change.config is None:
+            self._refused_hash = change.digest
             self.last_successful = False
             log.error("settings reload refused, keeping the settings in force",
-                      extra={"path": str(self.path), "reason": str(err), "sha256": digest[:16]})
+                      extra={"path": str(self.path), "reason": change.refusal,
+                             "sha256": change.digest[:16]})
             return self._count("invalid")
-        restart_needed = self.apply(config)
-        self.current_hash, self._refused_hash = digest, None
+        restart_needed = self.apply(change.config)
+        self.current_hash, self._refused_hash = change.digest, None
         self.last_successful = True
         log.info("settings reloaded", extra={
-            "path": str(self.path), "sha256": digest[:16], "signature": self.signature,
+            "path": str(self.path), "sha256": change.digest[:16], "signature": self.signature,
             "needs_restart": restart_needed or None})
         if restart_needed:
             log.warning("some changed settings take effect only after a restart",
                         extra={"fields": restart_needed})
             return self._count("partial")
         return self._count("ok")
+
+    def check(self, data: bytes | OSError | None = None) -> str | None:
+        """One poll, inline: the result label when something happened, None when nothing
+        changed."""
+        change = self.poll(data)
+        return self.settle(change) if change is not None else None
 
     def _count(self, result: str) -> str:
         with self._lock:

@@ -5,17 +5,14 @@ metrics, and snapshots come back with their path and bytes."""
 from __future__ import annotations
 
 import gzip
-import http.client
-import json
 import logging
 import pickle
-import socket
 import stat
 from pathlib import Path
-from typing import Any
 
 import pytest
-from support.control import connect_agent, metric, start_control_sidecar, two_agents_running
+from support.admin import call
+from support.control import connect_agent, metric, start_control_sidecar
 from support.sidecar import FakeSource, MiB, scrape
 
 from exporter.config import ConfigError
@@ -25,39 +22,6 @@ ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is no
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "4f1c0a9e7b2d4c6a8e0f1b3d5c7a9e2f"
-
-
-class _Unix(http.client.HTTPConnection):
-    def __init__(self, path: str):
-        super().__init__("localhost", timeout=30)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self._path)
-
-
-def call(address: str, method: str, path: str, body: Any = None,
-         headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    if address.startswith("unix://"):
-        conn: http.client.HTTPConnection = _Unix(address[len("unix://"):])
-    else:
-        conn = http.client.HTTPConnection(address[len("http://"):], timeout=30)
-    data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None
-                                                 else None)
-    conn.request(method, path, body=data, headers=headers or {})
-    response = conn.getresponse()
-    payload = response.read()
-    conn.close()
-    if response.getheader("Content-Type") == "application/json":
-        return response.status, json.loads(payload)
-    return response.status, payload
-
-
-@pytest.fixture
-def two_agents(tmp_path: Path):
-    with two_agents_running(tmp_path) as running:
-        yield running
 
 
 def test_unix_socket_is_private_and_lists_agents_by_selector(two_agents) -> None:
@@ -229,6 +193,6 @@ def test_snapshot_returns_path_and_bytes(two_agents) -> None:
     status, answer = call(address, "POST", "/v1/snapshot", {"rank": 0, "frames": True})
     data = call(address, "GET", answer["results"][0]["snapshot"]["download"])[1]
     assert pickle.loads(gzip.decompress(data))["segments"][0]["frames"]
-    # Only files an agent reported are served.
+    # Only files of the snapshot directory are served (tests/admin/test_snapshot_confinement.py).
     assert call(address, "GET", "/v1/snapshots/passwd")[0] == 404
-    assert call(address, "GET", "/v1/snapshots/..%2F..%2Fetc%2Fpasswd")[0] == 404
+    assert call(address, "GET", "/v1/snapshots/..%2F..%2Fetc%2Fpasswd")[0] == 400

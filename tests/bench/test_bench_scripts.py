@@ -43,7 +43,8 @@ def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_pa
 @pytest.mark.parametrize("script", ["sidecar/agent_overhead.py", "gpu/torch_bench.py",
                                     "gpu/gpu_soak.py", "replay/fragmentation.py",
                                     "gpu/policy_under_cap.py", "sidecar/agent_cpu_cost.py",
-                                    "gpu/step_lockstep.py", "replay/steady_state.py"])
+                                    "gpu/step_lockstep.py", "replay/steady_state.py",
+                                    "gpu/long_run.py", "gpu/distributed_train.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)

@@ -47,7 +47,12 @@ def installed() -> str:
 
 
 def history_and_snapshot() -> str:
-    """Memory history with stacks; the snapshot opens in torch.cuda._memory_viz."""
+    """Memory history with stacks; the snapshot opens in torch.cuda._memory_viz: its views that
+    work offline as commands (stats, trace, trace_plot, segment_plot), and the flamegraph views
+    (segments, memory) as the lines they hand to flamegraph.pl, which _memory_viz downloads
+    from the network on first use (the GPU machine has none)."""
+    from torch.cuda import _memory_viz
+
     torch.cuda.memory._record_memory_history(max_entries=100000)
     keep = [torch.randn(1024, 1024, device="cuda") for _ in range(3)]
     tmp = torch.randn(4096, 4096, device="cuda")
@@ -58,37 +63,65 @@ def history_and_snapshot() -> str:
     assert any("history_and_snapshot" in f["name"] for f in allocs[0]["frames"])
     blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
     assert blocks and any(b["frames"] for b in blocks), "allocated blocks without stacks"
+    for view in (_memory_viz.segments, _memory_viz.memory):
+        lines = view(snap, format_flamegraph=lambda lines: lines)
+        assert "history_and_snapshot" in lines, (view.__name__, lines[:500])
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "snap.pickle"
         torch.cuda.memory._dump_snapshot(str(path))
-        for view in ("stats", "trace", "segments"):
-            out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", view, str(path)],
-                                 capture_output=True, text=True, timeout=120,
+        for view in ("stats", "trace", "trace_plot", "segment_plot"):
+            html = ["-o", str(Path(d) / f"{view}.html")] if "plot" in view else []
+            out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", view, str(path),
+                                  *html], capture_output=True, text=True, timeout=120,
                                  env={**os.environ, "ALLOCWATCH_RUN": ""})
             assert out.returncode == 0, (view, out.stderr[-2000:])
     torch.cuda.memory._record_memory_history(enabled=None)
     assert torch.cuda.memory._snapshot()["device_traces"][0] == []
     del keep
-    return f"{len(allocs)} allocations with stacks; _memory_viz stats/trace/segments read it"
+    return (f"{len(allocs)} allocations with stacks; _memory_viz stats/trace/trace_plot/"
+            f"segment_plot read it, segments/memory give flamegraph lines")
+
+
+def _expect_out_of_memory(what: str, allocate: object) -> str:
+    """Runs `allocate`, which must raise torch.cuda.OutOfMemoryError; says on stdout where it is
+    (a crash report then shows how far it got)."""
+    print(f"out_of_memory: {what}", flush=True)
+    try:
+        allocate()  # type: ignore[operator]
+    except torch.cuda.OutOfMemoryError as e:
+        print(f"out_of_memory: {what}: raised", flush=True)
+        return str(e)
+    raise AssertionError(f"{what}: no OutOfMemoryError")
 
 
 def out_of_memory() -> str:
-    """PyTorch's exception type and opening words, allocwatch's advice after; observers told."""
+    """PyTorch's exception type and opening words, allocwatch's advice after; observers told;
+    the same under a memory fraction and inside a CUDA graph's capture; the device works on."""
     seen = []
     torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(args))
     with_pattern = re.compile(r"^CUDA out of memory\. Tried to allocate 800000000\.00 GiB\. "
                               r"GPU 0 has a total capacity of .* allocwatch: ")
-    try:
-        torch.empty(1024 * 1024 * 1024 * 800000000, dtype=torch.int8, device="cuda")
-    except torch.cuda.OutOfMemoryError as e:
-        assert with_pattern.search(str(e)), str(e)
-    else:
-        raise AssertionError("no OutOfMemoryError")
+    message = _expect_out_of_memory("800000000 GiB", lambda: torch.empty(
+        1024 * 1024 * 1024 * 800000000, dtype=torch.int8, device="cuda"))
+    assert with_pattern.search(message), message
     assert len(seen) == 1 and seen[0][0] == 0, seen
     assert core_stats()["num_ooms"] == 1
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    message = _expect_out_of_memory("a third of the device under a fraction of 0.25", lambda:
+                                    torch.empty(total // 3, dtype=torch.int8, device="cuda"))
+    assert " allowed; " in message, message
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+    def in_a_capture() -> None:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.zeros(2**40, device="cuda")
+
+    _expect_out_of_memory("4 TiB inside a CUDA graph's capture", in_a_capture)
     x = torch.ones(1024, device="cuda")
     assert x.sum().item() == 1024
-    return "torch.cuda.OutOfMemoryError with PyTorch's wording; the observer was called"
+    return (f"torch.cuda.OutOfMemoryError with PyTorch's wording, 3 times; the observer was "
+            f"called {len(seen)} times")
 
 
 def mempool() -> str:
@@ -199,6 +232,7 @@ def fraction_and_settings() -> str:
 
 def raw_alloc_statistics() -> str:
     """torch.cuda.caching_allocator_alloc goes through the core and counts in its statistics."""
+    torch.cuda.init()  # memory_stats() is empty until CUDA is initialised
     start = torch.cuda.memory_stats()["requested_bytes.all.allocated"]
     ptr = torch.cuda.caching_allocator_alloc(MiB)
     assert torch.cuda.memory_stats()["requested_bytes.all.allocated"] - start == MiB

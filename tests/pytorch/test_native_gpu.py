@@ -1,7 +1,8 @@
 """The native back end on a real GPU (marker gpu; skipped without one): each scenario of
 tests/pytorch/gpu_scenarios.py in a fresh process, since the allocator is installed before CUDA
-starts. What cannot run here is tested on the simulated device (test_core_history_pools.py) and
-by compiling the back end against this machine's torch (test_native_build.py)."""
+starts. Without a GPU, the same back end runs on the simulated device (test_native_sim.py), the
+core's pools and history are tested there too (test_core_history_pools.py), and the back end is
+compiled against this machine's torch (test_native_build.py)."""
 
 from __future__ import annotations
 

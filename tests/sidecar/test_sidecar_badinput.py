@@ -136,7 +136,7 @@ def test_report_before_hello_is_refused(served) -> None:
 @pytest.mark.parametrize("overrides, text", [
     ({"pid": 0}, "identity.pid must be a positive process id"),
     ({"instance_id": ""}, "identity.instance_id is empty"),
-    ({"host": "h" * 600}, "identity.host is longer than 512 characters"),
+    ({"host": "h" * 600}, "hello.identity.host is longer than 256 characters"),
 ])
 def test_bad_identity_is_refused(served, overrides, text) -> None:
     running, url, target, agent = served

@@ -29,6 +29,7 @@ agents:
   unix_socket: /shared/agent.sock
   socket_mode: 0600
   tcp_port: 7070
+  token_file: /shared/agent-token
   expiry_seconds: 5
 metrics: {port: 9100}
 nvml: {enabled: false}
@@ -51,7 +52,7 @@ logging: {level: debug, format: text}
     ({"agents": {"socket_mode": 0o1777}}, "agents.socket_mode: must be a file mode"),
     ({"nvml": {"enabled": "yes"}}, "nvml.enabled: expected true or false, got 'yes'"),
     ({"logging": {"level": "loud"}}, "logging.level: must be one of debug, info, warning"),
-    ({"agents": [1, 2]}, "agents: expected a mapping of settings, got list"),
+    ({"agents": [1, 2]}, "agents: expected a mapping of settings, got a list of 2 items"),
     ({"agents": {"unix_socket": "", "tcp_port": None}}, "agents: no listener"),
     ("just text", "the settings file: expected a mapping"),
 ])

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
 from support.net import free_port
-from support.sidecar import FakeSource, MiB, samples, scrape, start_sidecar, values
+from support.sidecar import FakeSource, MiB, samples, scrape, start_sidecar, tcp_token, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
@@ -184,7 +184,7 @@ def test_tcp_listener_on_loopback(tmp_path: Path) -> None:
         assert tcp_target.startswith("127.0.0.1:")
         url = running.sidecar.metrics_url
         agent = start_agent(tcp_target, interval=0.1, source=FakeSource(), nvml=False,
-                            stop_at_exit=False)
+                            stop_at_exit=False, token=tcp_token(tmp_path))
         try:
             wait_for(lambda: values(url, "torch_cuda_allocator_reserved_bytes"), what="report")
         finally:

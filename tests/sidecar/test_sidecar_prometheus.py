@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support.net import free_port
 from support.sidecar import FakeSource, scrape, start_sidecar, values
-from support.waiting import wait_for
+from support.waiting import terminate, wait_for
 
 from allocator_ext.agent import start_agent
 
@@ -98,9 +98,4 @@ def test_prometheus_scrapes_the_sidecar_and_answers_a_query(publishing: str, tmp
         # Every device of the process joins, not only the one its hello named.
         assert {r["metric"]["cuda_device"] for r in joined} == {"0", "1"}
     finally:
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        terminate(server, 20)

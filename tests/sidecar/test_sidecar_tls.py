@@ -5,13 +5,14 @@ trusting another CA gets nothing through. Certificates are made with the openssl
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 from support.pki import make_ca, make_leaf
-from support.sidecar import FakeSource, sidecar_config, values
+from support.sidecar import FakeSource, sidecar_config, tcp_token, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
@@ -54,7 +55,7 @@ def test_an_agent_trusting_the_ca_reports_over_tls(tmp_path: Path, pki, mutual: 
         tls = TlsSettings(str(pki["ca"]), str(pki["client_cert"]) if mutual else "",
                           str(pki["client_key"]) if mutual else "")
         agent = start_agent(target, interval=0.1, source=FakeSource(), nvml=False,
-                            stop_at_exit=False, tls=tls)
+                            stop_at_exit=False, tls=tls, token=tcp_token(tmp_path))
         try:
             wait_for(lambda: reported(running.sidecar.metrics_url), what="a report over TLS")
         finally:
@@ -74,7 +75,7 @@ def test_agents_without_the_right_credentials_get_nothing_through(tmp_path: Path
                                        str(pki["client_key"])),
                "no-client-cert": TlsSettings(str(pki["ca"]))}[case]
         agent = start_agent(target, interval=0.1, source=FakeSource(), nvml=False,
-                            stop_at_exit=False, tls=tls)
+                            stop_at_exit=False, tls=tls, token=tcp_token(tmp_path))
         try:
             time.sleep(1.5)
             assert not agent.connected.is_set()
@@ -93,3 +94,26 @@ def test_tls_settings_are_checked_and_named(tmp_path: Path, pki) -> None:
                                  "tls_key_file": str(tmp_path / "missing.key")}})
     with pytest.raises(ValueError, match="cannot read the CA file"):
         TlsSettings(str(tmp_path / "nope.crt")).check()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "endless device"])
+def test_a_tls_file_that_is_no_file_holds_up_nothing_of_the_agent(tmp_path: Path, pki,
+                                                                  kind: str) -> None:
+    """ALLOCWATCH_TLS_CA comes from the training process's environment: a FIFO there would
+    hold the agent's connection thread (and its stop) for good, /dev/zero fill the process's
+    memory. The agent names the file, stays unconnected and stops at once."""
+    ca = tmp_path / "ca.pem"
+    if kind == "fifo":
+        os.mkfifo(ca)
+    running = tls_sidecar(tmp_path, pki, mutual=False)
+    try:
+        agent = start_agent(running.sidecar.agent_targets[1], interval=0.1, source=FakeSource(),
+                            nvml=False, stop_at_exit=False, token=tcp_token(tmp_path),
+                            tls=TlsSettings(str(ca) if kind == "fifo" else "/dev/zero"))
+        wait_for(lambda: agent.last_error and "not a regular file" in agent.last_error,
+                 what="the agent naming the file")
+        started = time.monotonic()
+        agent.stop(1.0)
+        assert time.monotonic() - started < 2.0 and not agent.connected.is_set()
+    finally:
+        running.stop()

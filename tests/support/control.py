@@ -34,7 +34,8 @@ def connect_agent(running: SidecarThread, tmp_path: Path, source: Any, *, rank: 
                   host: str = "node-a", job: str = "job-a", interval: float = 0.05) -> Agent:
     agent = start_agent(running.sidecar.agent_targets[0], interval=interval, source=source,
                         identity={"rank": rank, "host": host, "training_job": job},
-                        snapshot_dir=tmp_path / "snapshots", nvml=False, stop_at_exit=False)
+                        snapshot_dir=tmp_path / "run" / "snapshots", nvml=False,
+                        stop_at_exit=False)
     wait_for(lambda: agent.agent_key is not None and any(
         a.key == agent.agent_key and a.last_report is not None
         for a in running.sidecar.registry.agents()), what=f"agent rank {rank} connected")

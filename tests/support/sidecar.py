@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from allocator_ext.agent import convert
+from allocator_ext.agent.auth import AgentToken
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.sidecar.app import SidecarThread
 from exporter.sidecar.config import (
@@ -31,13 +32,21 @@ def sidecar_config(tmp_path: Path, *, expiry: float = 60.0, hello_timeout: float
                    nvml: bool = True, max_message_bytes: int = 1 << 20) -> SidecarConfig:
     return SidecarConfig(
         agents=AgentsConfig(unix_socket=str(tmp_path / "run" / socket_name),
-                            tcp_port=0 if tcp else None, expiry_seconds=expiry,
+                            tcp_port=0 if tcp else None,
+                            token_file=str(tcp_token(tmp_path).file) if tcp else "",
+                            expiry_seconds=expiry,
                             hello_timeout_seconds=hello_timeout,
                             max_message_bytes=max_message_bytes),
         metrics=MetricsConfig(address="127.0.0.1", port=metrics_port),
         nvml=NvmlConfig(enabled=nvml),
         logging=LoggingConfig(level="info", format="json"),
     )
+
+
+def tcp_token(tmp_path: Path) -> AgentToken:
+    """The agents' token of a sidecar made with `sidecar_config(tcp=True)`: its file, which
+    the sidecar creates at start."""
+    return AgentToken(file=str(tmp_path / "run" / "agent-token"))
 
 
 def start_sidecar(tmp_path: Path, nvml_module: Any | None = None, **kwargs: Any) -> SidecarThread:

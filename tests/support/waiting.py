@@ -3,6 +3,7 @@ what never happened."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,3 +25,14 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: floa
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def terminate(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL where the process is not gone within `timeout` seconds; returns
+    once it has exited."""
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

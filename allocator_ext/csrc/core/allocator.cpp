@@ -78,6 +78,7 @@ Block* CachingAllocator::new_block(StreamId stream, std::size_t size, BlockPool*
 void CachingAllocator::delete_block(Block* block) {
   // Records are keyed by the block's address, which the arena hands out again.
   if (!block_to_capture_stream_uses_.empty()) block_to_capture_stream_uses_.erase(block);
+  if (!freed_in_capture_.empty()) freed_in_capture_.erase(block);
   block->~Block();
   block_arena_.put(block);
 }
@@ -85,10 +86,11 @@ void CachingAllocator::delete_block(Block* block) {
 BlockPool& CachingAllocator::get_pool(std::size_t size, StreamId stream) {
   // During a CUDA graph capture, allocations on the capturing stream come from the graph's
   // private pool: the graph bakes in their addresses, so nothing else may reuse them.
+  // The latest pool first: use_mem_pool contexts nest, and the innermost one serves.
   if (!captures_underway_.empty()) {
-    for (auto& [id, filter] : captures_underway_) {
-      if (filter(stream)) {
-        PrivatePool& p = *graph_pools_.at(id);
+    for (auto it = captures_underway_.rbegin(); it != captures_underway_.rend(); ++it) {
+      if (it->second(stream)) {
+        PrivatePool& p = *graph_pools_.at(it->first);
         return is_small_request(size) ? p.small_blocks : p.large_blocks;
       }
     }
@@ -96,13 +98,15 @@ BlockPool& CachingAllocator::get_pool(std::size_t size, StreamId stream) {
   return is_small_request(size) ? small_blocks_ : large_blocks_;
 }
 
-void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream) {
+void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemoryReport* oom) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Recycle blocks whose cross-stream uses have finished. Querying events is illegal while a
   // graph is being captured, so that waits until no capture is underway.
   if (captures_underway_.empty() &&
       (!events_.empty() || !needs_events_deferred_until_no_capture_.empty())) {
     process_events_locked();
+  } else if (!freed_in_capture_.empty()) {
+    reuse_freed_in_capture(stream);
   }
 
   const std::size_t size = round_size(orig_size, config_.roundup_power2_divisions);
@@ -128,7 +132,12 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream) {
             (captures_underway_.empty() && (release_cached_blocks(), true) &&
              alloc_block(p, true));
   }
-  if (!found) raise_out_of_memory(p);
+  if (!found) {
+    OutOfMemoryReport report = out_of_memory(p);
+    if (oom == nullptr) throw OutOfMemoryError(std::move(report));
+    *oom = std::move(report);
+    return nullptr;
+  }
   const bool split = should_split(p.block, size) && !(owner != nullptr && owner->no_split);
   return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
 }
@@ -198,6 +207,10 @@ bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
       total_allocated_memory_ + p.alloc_size > allowed_memory_maximum_) {
     return false;
   }
+  // More than the whole device can never be served: fail without device calls. (An
+  // expandable segment would create pages until the device ran out, thousands of calls, and
+  // then release them all.) The retries around this still run, as PyTorch's do.
+  if (p.alloc_size > device_total_) return false;
   if (config_.expandable_segments) {
     p.block = try_allocate_expandable_block(p.stream, p.pool, p.size);
     return p.block != nullptr;
@@ -344,8 +357,10 @@ void CachingAllocator::free_allocated(Block* block) {
   if (!block->stream_uses.empty()) {
     // Used on other streams: the block may be reused only once their work up to now is done.
     if (!captures_underway_.empty()) {
-      // Events recorded during capture cannot be queried; record them after the capture.
+      // Events recorded during capture cannot be queried; record them after the capture,
+      // unless the capture's graph orders the uses first (reuse_freed_in_capture).
       needs_events_deferred_until_no_capture_.push_back(block);
+      note_freed_in_capture(block);
     } else {
       // Uses recorded during a capture that has ended are ordinary uses now: the block's
       // memory must not carry that record into whatever block is made there next.
@@ -482,24 +497,20 @@ std::size_t CachingAllocator::largest_free_block() const {
   return largest;
 }
 
-void CachingAllocator::raise_out_of_memory(const AllocParams& p) {
+OutOfMemoryReport CachingAllocator::out_of_memory(const AllocParams& p) {
   MemoryInfo info = device_->memory_info();
   trace_.record(TraceAction::oom, info.free, p.size, p.stream);
   stats_.num_ooms += 1;
-  const auto allocated =
-      static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current);
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.by_pool[kAggregate].current);
-  Text msg;
-  msg << "CUDA out of memory. Tried to allocate " << format_size(p.alloc_size)
-      << " (request of " << format_size(p.orig_size) << "). GPU " << device_->index()
-      << " has a total capacity of " << format_size(info.total) << " of which "
-      << format_size(info.free) << " is free. ";
-  if (set_fraction_) msg << format_size(allowed_memory_maximum_) << " allowed; ";
-  msg << "Of the allocated memory " << format_size(allocated)
-      << " is allocated by PyTorch (allocwatch), and " << format_size(reserved - allocated)
-      << " is reserved but unallocated.";
+  OutOfMemoryReport r;
+  r.requested = p.orig_size;
+  r.device_free = info.free;
+  r.device_total = info.total;
+  r.allocated = static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current);
+  r.reserved = static_cast<std::size_t>(stats_.reserved_bytes.by_pool[kAggregate].current);
+  r.alloc_size = p.alloc_size;
+  r.limit = set_fraction_ ? allowed_memory_maximum_ : 0;
   Text advice;
-  if (reserved > allocated + allocated / 20) {
+  if (r.reserved > r.allocated + r.allocated / 20) {
     if (!config_.expandable_segments) {
       advice << "Reserved but unallocated memory is large: try expandable_segments:True "
              << "(allocwatch's default) to avoid fragmentation. ";
@@ -508,10 +519,19 @@ void CachingAllocator::raise_out_of_memory(const AllocParams& p) {
     }
   }
   advice << "Settings in force: " << config_.to_string() << ".";
-  msg << " " << advice.str();
-  throw OutOfMemoryError(msg.str(), p.orig_size, info.free, info.total, allocated, reserved,
-                         p.alloc_size, set_fraction_ ? allowed_memory_maximum_ : 0,
-                         advice.str());
+  r.advice = advice.str();
+  Text msg;
+  msg << "CUDA out of memory. Tried to allocate " << format_size(p.alloc_size)
+      << " (request of " << format_size(p.orig_size) << "). GPU " << device_->index()
+      << " has a total capacity of " << format_size(info.total) << " of which "
+      << format_size(info.free) << " is free. ";
+  if (set_fraction_) msg << format_size(allowed_memory_maximum_) << " allowed; ";
+  msg << "Of the allocated memory " << format_size(r.allocated)
+      << " is allocated by PyTorch (allocwatch), and "
+      << format_size(r.reserved > r.allocated ? r.reserved - r.allocated : 0)
+      << " is reserved but unallocated. " << r.advice;
+  r.message = msg.str();
+  return r;
 }
 
 // --- events ---
@@ -545,6 +565,7 @@ void CachingAllocator::insert_events_deferred_until_no_capture() {
     if (block->event_count == 0) free_block(block);
   }
   needs_events_deferred_until_no_capture_.clear();
+  freed_in_capture_.clear();
 }
 
 void CachingAllocator::process_events() {
@@ -583,11 +604,14 @@ void CachingAllocator::synchronize_and_free_events() {
 
 // --- graph pools ---
 
-void CachingAllocator::begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter) {
+void CachingAllocator::begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter,
+                                              bool plain_segments) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = graph_pools_.find(id);
   if (it == graph_pools_.end()) {
-    graph_pools_.emplace(id, std::make_unique<PrivatePool>());
+    auto pool = std::make_unique<PrivatePool>();
+    pool->plain_segments = plain_segments;
+    graph_pools_.emplace(id, std::move(pool));
   } else {
     // Another capture shares this pool; it must still be alive.
     if (it->second->use_count <= 0) throw std::logic_error("allocwatch: private pool already released");

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "block.h"
+#include "capture_graphs.h"
 #include "checkpoint.h"
 #include "config.h"
 #include "device.h"
@@ -32,28 +33,23 @@
 
 namespace allocwatch {
 
-// Raised when a request cannot be met even after releasing cached memory. The message says
-// what was asked, what the device has, what is allocated and reserved, and what would help.
-class OutOfMemoryError : public std::runtime_error {
- public:
-  OutOfMemoryError(const std::string& message, std::size_t requested, std::size_t device_free,
-                   std::size_t device_total, std::size_t allocated, std::size_t reserved,
-                   std::size_t alloc_size = 0, std::size_t limit = 0, std::string advice = "")
-      : std::runtime_error(message),
-        requested(requested),
-        device_free(device_free),
-        device_total(device_total),
-        allocated(allocated),
-        reserved(reserved),
-        alloc_size(alloc_size),
-        limit(limit),
-        advice(std::move(advice)) {}
-  std::size_t requested, device_free, device_total, allocated, reserved;
+// Why a request could not be met even after releasing cached memory: what was asked, what the
+// device has, what is allocated and reserved, and what would help.
+struct OutOfMemoryReport {
+  std::string message;  // all of it, in words
+  std::size_t requested = 0, device_free = 0, device_total = 0, allocated = 0, reserved = 0;
   // The device allocation the request needed (PyTorch's "Tried to allocate"), the memory
   // fraction's limit in bytes (0: none), and the message's last part: which setting would
   // help and the settings in force, for callers that word the rest themselves.
-  std::size_t alloc_size, limit;
+  std::size_t alloc_size = 0, limit = 0;
   std::string advice;
+};
+
+// The report as an exception, for callers that want one (malloc without a report to fill).
+class OutOfMemoryError : public std::runtime_error, public OutOfMemoryReport {
+ public:
+  explicit OutOfMemoryError(OutOfMemoryReport report)
+      : std::runtime_error(report.message), OutOfMemoryReport(std::move(report)) {}
 };
 
 // A block of an expandable segment as another process can map it (export_ipc): the physical
@@ -97,7 +93,9 @@ class CachingAllocator {
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   // --- the hot path ---
-  void* malloc(std::size_t size, StreamId stream);
+  // Out of memory: throws OutOfMemoryError, or, given a report to fill, fills it and returns
+  // nullptr (no exception: the native back end's path, where none may cross libraries).
+  void* malloc(std::size_t size, StreamId stream, OutOfMemoryReport* oom = nullptr);
   void free(void* ptr);
   // free() for a caller that does not know which allocator handed `ptr` out (a DataPtr's
   // deleter knows no device): false, and nothing changed, where this one did not.
@@ -135,7 +133,9 @@ class CachingAllocator {
   IntervalPeaks take_interval_peaks();
 
   // --- private pools for CUDA graph capture ---
-  void begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter);
+  // Makes the pool if it does not exist (plain_segments: PrivatePool's), else shares it.
+  void begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter,
+                              bool plain_segments = false);
   void end_allocate_to_pool(MempoolId id);
   void release_pool(MempoolId id);
 
@@ -151,6 +151,10 @@ class CachingAllocator {
   // Whether the pool's allocated blocks are exactly those at `expected` (CUDA graph trees'
   // check that no tensor of a recorded graph is still alive).
   bool check_pool_live_allocations(MempoolId id, const std::vector<std::uintptr_t>& expected) const;
+
+  // Reuse during a capture of blocks freed while other streams used them, where the capture's
+  // graph orders those uses (capture_graphs.h; nullptr: they wait for the capture's end).
+  void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs);
 
   // --- checkpoints of a private pool's layout (checkpoint.cpp) ---
   PoolCheckpoint checkpoint_pool(MempoolId id);
@@ -202,7 +206,7 @@ class CachingAllocator {
   void free_allocated(Block* block);
   Block* merge_into_cached_next(Block* block, BlockPool& pool);
   std::size_t try_merge_blocks(Block* dst, Block* src, BlockPool& pool);
-  [[noreturn]] void raise_out_of_memory(const AllocParams& p);
+  OutOfMemoryReport out_of_memory(const AllocParams& p);
 
   // Reserved memory's bookkeeping, in one place: `size` bytes at `ptr` became reserved (a new
   // segment, `how` = segment_alloc, or pages mapped into an expandable one, segment_map) or
@@ -247,6 +251,10 @@ class CachingAllocator {
     return config_.expandable_segments && config_.reuse_free_pages;
   }
 
+  // Blocks freed during a capture while other streams used them (pools.cpp).
+  void note_freed_in_capture(Block* block);
+  void reuse_freed_in_capture(StreamId stream);
+
   // Events.
   void insert_events(Block* block);
   void insert_events_deferred_until_no_capture();
@@ -278,6 +286,10 @@ class CachingAllocator {
   std::map<MempoolId, PrivatePool*> graph_pools_freeable_;
   std::vector<Block*> needs_events_deferred_until_no_capture_;
   std::unordered_map<Block*, std::vector<StreamId>> block_to_capture_stream_uses_;
+  std::shared_ptr<CaptureGraphs> capture_graphs_;
+  // Of the blocks in needs_events_deferred_until_no_capture_, those whose last uses the
+  // capture's graph knows: the nodes that used them last, on every stream they were used on.
+  std::unordered_map<Block*, std::vector<std::uintptr_t>> freed_in_capture_;
   // Outstanding events per stream, oldest first, so one slow stream does not hold up others.
   std::map<StreamId, std::deque<std::pair<EventId, Block*>>> events_;
 

@@ -122,8 +122,9 @@ struct PrivatePool {
   std::size_t mapped_bytes = 0;
   // The pool is dropped once no graph uses it and it holds no device memory.
   bool holds_no_memory() const { return device_alloc_count == 0 && mapped_bytes == 0; }
-  // A pool made for torch.cuda.MemPool (pools.cpp): plain segments, one device allocation
-  // each, whatever the settings; with no_split, a block is never split either.
+  // Plain segments, one device allocation each, whatever the settings (the pools PyTorch's
+  // callers make through the native back end: torch.cuda.MemPool's, CUDA graphs'); with
+  // no_split, a block is never split either.
   bool plain_segments = false;
   bool no_split = false;
   BlockPool large_blocks;

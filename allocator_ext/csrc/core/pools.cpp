@@ -1,7 +1,9 @@
 // Private pools beyond CUDA graph capture: torch.cuda.MemPool makes a pool, shares it
 // (use counts), routes a thread's allocations to it (begin/end_allocate_to_pool), asks for
 // unsplit blocks, releases its cache, and CUDA graph trees check which of its blocks are
-// still allocated. Also: which allocation a pointer belongs to (getBaseAllocation, IPC).
+// still allocated. During a capture, blocks freed while other streams used them are reused
+// where the capture's graph orders those uses (capture_graphs.h). Also: which allocation a
+// pointer belongs to (getBaseAllocation, IPC).
 #include <algorithm>
 #include <unordered_set>
 
@@ -84,6 +86,50 @@ bool CachingAllocator::check_pool_live_allocations(
     if (wanted.count(b->ptr) == 0) unexpected = true;
   });
   return !unexpected && live == wanted.size();
+}
+
+void CachingAllocator::set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  capture_graphs_ = std::move(graphs);
+}
+
+void CachingAllocator::note_freed_in_capture(Block* block) {
+  // The capture's current terminals on each stream the block was used on are its last uses
+  // there. A stream that is not capturing has uses the graph does not order: the block waits
+  // for the capture's end, as without reuse.
+  if (!capture_graphs_) return;
+  std::vector<std::uintptr_t> last_uses, on_stream;
+  if (!capture_graphs_->terminals(block->stream, &last_uses)) return;
+  for (StreamId s : block->stream_uses) {
+    if (!capture_graphs_->terminals(s, &on_stream)) return;
+    last_uses.insert(last_uses.end(), on_stream.begin(), on_stream.end());
+  }
+  // No node used it yet (streams that only just joined the capture): nothing orders its
+  // uses, so it waits for the capture's end.
+  if (last_uses.empty()) return;
+  std::sort(last_uses.begin(), last_uses.end());
+  last_uses.erase(std::unique(last_uses.begin(), last_uses.end()), last_uses.end());
+  freed_in_capture_[block] = std::move(last_uses);
+}
+
+void CachingAllocator::reuse_freed_in_capture(StreamId stream) {
+  // A block serves its own stream again once the stream's captured work follows every last
+  // use: no event (none can be queried during a capture), the graph orders them.
+  if (!capture_graphs_ || captures_underway_.empty()) return;
+  std::vector<Block*> reusable;
+  for (const auto& [block, last_uses] : freed_in_capture_) {
+    if (block->stream == stream && capture_graphs_->precede(stream, last_uses))
+      reusable.push_back(block);
+  }
+  if (reusable.empty()) return;
+  auto& deferred = needs_events_deferred_until_no_capture_;
+  for (Block* block : reusable) {
+    freed_in_capture_.erase(block);
+    deferred.erase(std::remove(deferred.begin(), deferred.end(), block), deferred.end());
+    block_to_capture_stream_uses_.erase(block);
+    block->stream_uses.clear();
+    free_block(block);
+  }
 }
 
 SegmentSpan CachingAllocator::segment_of(const void* ptr) const {

@@ -1,0 +1,32 @@
+"""Reading a small file named in the settings or the environment (a settings file, a token),
+for the sidecar and the agent alike: such a path may name a FIFO, which would hold the reader
+forever, or a device like /dev/zero, which never ends."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+# The longest bearer token either side reads (a token is a few dozen characters).
+MAX_TOKEN_BYTES = 4096
+
+
+def read_regular_file(path: str | Path, limit: int) -> bytes:
+    """At most `limit` + 1 bytes of the regular file at `path` (links followed: a mounted
+    ConfigMap or Secret is one), so that a caller sees a file too large without reading it
+    all; OSError when it cannot be read or is no regular file (a FIFO would hold the reader
+    forever, a device like /dev/zero never end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

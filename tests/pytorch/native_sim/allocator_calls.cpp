@@ -1,0 +1,164 @@
+// PyTorch's C++ allocator interface (c10::cuda::CUDACachingAllocator), as plain C functions for
+// tests/pytorch/test_native_sim.py to call with ctypes: what torch.empty, raw_alloc, the memory
+// fraction, private pools and the out-of-memory observers reach in the native back end. Built
+// against the same torch as the back end; every C++ exception stops here, as a return code
+// with its message.
+#include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+std::vector<c10::DataPtr> g_held;
+std::vector<std::vector<long long>> g_oom_calls;
+
+void copy(const std::string& text, char* out, std::size_t capacity) {
+  if (capacity == 0) return;
+  const std::size_t n = std::min(text.size(), capacity - 1);
+  std::memcpy(out, text.data(), n);
+  out[n] = '\0';
+}
+
+// 0: done; 1: torch.cuda.OutOfMemoryError; 2: another c10::Error; 3: another exception.
+template <typename F>
+int call(F&& f, char* message, std::size_t capacity) {
+  try {
+    f();
+    return 0;
+  } catch (const c10::OutOfMemoryError& e) {
+    copy(e.what_without_backtrace(), message, capacity);
+    return 1;
+  } catch (const c10::Error& e) {
+    copy(e.what_without_backtrace(), message, capacity);
+    return 2;
+  } catch (const std::exception& e) {
+    copy(e.what(), message, capacity);
+    return 3;
+  }
+}
+
+c10::MempoolId_t pool(unsigned long long first, unsigned long long second) {
+  return {first, second};
+}
+
+}  // namespace
+
+extern "C" {
+
+int aw_init(int devices, char* message, std::size_t capacity) {
+  return call([&] { cca::init(devices); }, message, capacity);
+}
+
+const char* aw_name() {
+  static std::string name;
+  name = cca::get()->name();
+  return name.c_str();
+}
+
+// torch.empty's path: the allocator c10 hands out for CUDA.
+int aw_alloc(std::size_t bytes, char* message, std::size_t capacity) {
+  return call([&] { g_held.push_back(c10::GetAllocator(c10::kCUDA)->allocate(bytes)); }, message,
+              capacity);
+}
+
+void aw_free_all() { g_held.clear(); }
+
+int aw_empty_cache(char* message, std::size_t capacity) {
+  return call([&] { cca::emptyCache(); }, message, capacity);
+}
+
+// The allocations held, by index (the last: aw_held() - 1).
+int aw_held() { return static_cast<int>(g_held.size()); }
+std::uintptr_t aw_address(int index) { return reinterpret_cast<std::uintptr_t>(g_held.at(index).get()); }
+void aw_free(int index) { g_held.at(index).clear(); }
+
+// torch.cuda.stream(s): the stream the next allocations are made on (0: the default stream).
+void aw_use_stream(long stream) {
+  c10::cuda::setCurrentCUDAStream(
+      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream), 0));
+}
+
+// tensor.record_stream(s)
+int aw_record_stream(int index, long stream, char* message, std::size_t capacity) {
+  return call([&] {
+    cca::recordStream(g_held.at(index),
+                      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream), 0));
+  }, message, capacity);
+}
+
+// torch.cuda.memory._set_allocator_settings(text)
+int aw_settings(const char* text, char* message, std::size_t capacity) {
+  return call([&] { c10::CachingAllocator::setAllocatorSettings(text); }, message, capacity);
+}
+
+int aw_raw_alloc(std::size_t bytes, void** out, char* message, std::size_t capacity) {
+  return call([&] { *out = cca::raw_alloc(bytes); }, message, capacity);
+}
+
+int aw_raw_delete(void* ptr, char* message, std::size_t capacity) {
+  return call([&] { cca::raw_delete(ptr); }, message, capacity);
+}
+
+long long aw_stat(const char* name) {
+  const cca::DeviceStats s = cca::getDeviceStats(0);
+  const std::string key = name;
+  if (key == "num_ooms") return s.num_ooms;
+  if (key == "allocated_bytes.all.current") return s.allocated_bytes[0].current;
+  if (key == "requested_bytes.all.allocated") return s.requested_bytes[0].allocated;
+  if (key == "segment.all.current") return s.segment[0].current;
+  return -1;
+}
+
+int aw_set_fraction(double fraction, char* message, std::size_t capacity) {
+  return call([&] { cca::setMemoryFraction(fraction, 0); }, message, capacity);
+}
+
+void aw_attach_oom_observer() {
+  cca::attachOutOfMemoryObserver([](int64_t device, size_t allocated, size_t total, size_t free) {
+    g_oom_calls.push_back({static_cast<long long>(device), static_cast<long long>(allocated),
+                           static_cast<long long>(total), static_cast<long long>(free)});
+  });
+}
+
+int aw_oom_calls() { return static_cast<int>(g_oom_calls.size()); }
+long long aw_oom_call(int call_index, int field) { return g_oom_calls.at(call_index).at(field); }
+
+// A private pool as CUDA graphs and torch.cuda.use_mem_pool use one: this thread's
+// allocations go to it until aw_end_pool.
+int aw_begin_pool(unsigned long long first, unsigned long long second, char* message,
+                  std::size_t capacity) {
+  return call([&] { cca::beginAllocateToPool(0, pool(first, second), [](cudaStream_t) {
+                      return true;
+                    }); },
+              message, capacity);
+}
+
+int aw_end_pool(unsigned long long first, unsigned long long second, char* message,
+                std::size_t capacity) {
+  return call([&] {
+    cca::endAllocateToPool(0, pool(first, second));
+    cca::releasePool(0, pool(first, second));
+  }, message, capacity);
+}
+
+// The pool's segments as torch.cuda.memory_snapshot(pool) counts them; `expandable` gets how
+// many of them are expandable.
+int aw_pool_segments(unsigned long long first, unsigned long long second, int* expandable) {
+  const cca::SnapshotInfo info = cca::get()->snapshot(pool(first, second), false);
+  *expandable = static_cast<int>(std::count_if(info.segments.begin(), info.segments.end(),
+                                               [](const cca::SegmentInfo& s) {
+                                                 return s.is_expandable;
+                                               }));
+  return static_cast<int>(info.segments.size());
+}
+
+}  // extern "C"

@@ -1,0 +1,274 @@
+"""Scenarios of the native back end on the simulated device, one per fresh process, driven
+through PyTorch's C++ allocator interface (allocator_calls.cpp) as torch's own callers reach it.
+Run by tests/pytorch/test_native_sim.py:
+
+    ALLOCWATCH_SHIM_DEVICE=sim LD_PRELOAD=<cuda runtime stand-in> \\
+        python scenarios.py BACKEND_SO CALLS_SO NAME       prints "PASS NAME: ..." or raises
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+from allocator_ext import _core, native
+
+MiB = 1 << 20
+GiB = 1 << 30
+CAPACITY = 2 * GiB  # the simulated device's (test_native_sim.py sets it)
+
+
+class Calls:
+    """allocator_calls.cpp: each call returns (code, message); 0 is success."""
+
+    def __init__(self, path: str) -> None:
+        self.lib = ctypes.CDLL(path)
+        self.lib.aw_name.restype = ctypes.c_char_p
+        self.lib.aw_stat.restype = ctypes.c_longlong
+        self.lib.aw_address.restype = ctypes.c_size_t
+        self.lib.aw_use_stream.argtypes = [ctypes.c_long]
+        self.lib.aw_record_stream.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_char_p,
+                                              ctypes.c_size_t]
+        self.lib.aw_settings.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        self.lib.aw_oom_call.restype = ctypes.c_longlong
+        self.lib.aw_set_fraction.argtypes = [ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t]
+        self.lib.aw_alloc.argtypes = [ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+        self.lib.aw_raw_alloc.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
+                                          ctypes.c_char_p, ctypes.c_size_t]
+        self.lib.aw_raw_delete.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        for name in ("aw_begin_pool", "aw_end_pool"):
+            getattr(self.lib, name).argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong,
+                                                ctypes.c_char_p, ctypes.c_size_t]
+        self.lib.aw_pool_segments.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong,
+                                              ctypes.POINTER(ctypes.c_int)]
+
+    def _call(self, name: str, *args: object) -> tuple[int, str]:
+        message = ctypes.create_string_buffer(4096)
+        code = getattr(self.lib, name)(*args, message, len(message))
+        return code, message.value.decode()
+
+    def ok(self, name: str, *args: object) -> None:
+        code, message = self._call(name, *args)
+        assert code == 0, (name, code, message)
+
+    def alloc(self, size: int) -> tuple[int, str]:
+        return self._call("aw_alloc", size)
+
+    def stat(self, key: str) -> int:
+        return int(self.lib.aw_stat(key.encode()))
+
+    def pool_segments(self, pool: tuple[int, int]) -> tuple[int, int]:
+        expandable = ctypes.c_int(0)
+        count = self.lib.aw_pool_segments(pool[0], pool[1], ctypes.byref(expandable))
+        return count, expandable.value
+
+
+def out_of_memory(c: Calls) -> str:
+    """PyTorch's exception type (c10::OutOfMemoryError, torch.cuda.OutOfMemoryError in Python)
+    and opening words, allocwatch's advice after them; the observers are told first; the
+    allocator serves the next request as if nothing happened."""
+    c.lib.aw_attach_oom_observer()
+    c.ok("aw_alloc", MiB)
+    code, message = c.alloc(1024 * 1024 * 1024 * 800000000)
+    assert code == 1, (code, message)
+    assert message.startswith("CUDA out of memory. Tried to allocate 800000000.00 GiB. GPU 0 has "
+                              "a total capacity of 2.00 GiB of which "), message
+    assert " is reserved by PyTorch but unallocated. allocwatch: Settings in force: " in message
+    assert c.lib.aw_oom_calls() == 1
+    device, allocation, total, _free = (c.lib.aw_oom_call(0, i) for i in range(4))
+    assert (device, allocation, total) == (0, 1024 * 1024 * 1024 * 800000000, CAPACITY)
+    code, message = c.alloc(1024 * 1024 * 1024 * 8000000000)
+    assert code == 1 and "Tried to allocate more than 1EB memory" in message, (code, message)
+    assert c.stat("num_ooms") == 1  # the exabyte request never reaches the allocator
+    c.ok("aw_alloc", 4 * MiB)
+    assert c.stat("allocated_bytes.all.current") == 5 * MiB
+    return message[:60]
+
+
+def out_of_memory_under_fraction(c: Calls) -> str:
+    """A request past the memory fraction: out of memory naming what is allowed, and the
+    observers get the allowed bytes as the device's total (as PyTorch's do)."""
+    c.lib.aw_attach_oom_observer()
+    c.ok("aw_set_fraction", 0.25)
+    c.ok("aw_alloc", 256 * MiB)
+    code, message = c.alloc(400 * MiB)
+    assert code == 1, (code, message)
+    assert "512.00 MiB allowed; " in message, message
+    assert c.lib.aw_oom_call(0, 2) == CAPACITY // 4
+    c.ok("aw_set_fraction", 1.0)
+    c.ok("aw_alloc", 400 * MiB)
+    return "400 MiB refused under 0.25, served under 1.0"
+
+
+def out_of_memory_in_a_private_pool(c: Calls) -> str:
+    """Out of memory while a CUDA graph's pool serves the thread (torch.cuda.graph's capture):
+    the same error, and the pool goes on serving."""
+    c.ok("aw_begin_pool", 7, 0)
+    code, message = c.alloc(2**42)
+    assert code == 1 and message.startswith("CUDA out of memory."), (code, message)
+    c.ok("aw_alloc", 4 * MiB)
+    c.ok("aw_end_pool", 7, 0)
+    assert c.pool_segments((7, 0))[0] == 1
+    return "4 TiB refused inside the pool; 4 MiB served there after"
+
+
+def private_pools_have_plain_segments(c: Calls) -> str:
+    """CUDA graphs' and MemPool's pools: one device allocation per segment, as PyTorch's
+    default makes them, while the ordinary pools use allocwatch's expandable segments."""
+    c.ok("aw_begin_pool", 3, 0)
+    for _ in range(3):
+        c.ok("aw_alloc", 20 * MiB)
+    c.ok("aw_alloc", 512)
+    c.ok("aw_end_pool", 3, 0)
+    c.ok("aw_alloc", 20 * MiB)
+    c.ok("aw_alloc", 20 * MiB)
+    assert c.pool_segments((3, 0)) == (4, 0), c.pool_segments((3, 0))
+    _, expandable = c.pool_segments((0, 0))
+    assert expandable >= 1  # the ordinary large pool's one mapped range
+    return "a graph pool of 3 large + 1 small plain segments"
+
+
+def empty_cache_leaves_no_segment(c: Calls) -> str:
+    """torch.cuda.empty_cache() with nothing allocated: the snapshot has no segment left, of
+    the ordinary pools' expandable segments or of a released private pool."""
+    c.ok("aw_begin_pool", 9, 0)
+    c.ok("aw_alloc", MiB)
+    c.ok("aw_end_pool", 9, 0)  # and released: nothing uses the pool any more
+    for size in (512, MiB, 30 * MiB):
+        c.ok("aw_alloc", size)
+    assert c.pool_segments((0, 0))[0] >= 3
+    c.lib.aw_free_all()
+    c.ok("aw_empty_cache")
+    assert c.pool_segments((0, 0)) == (0, 0), c.pool_segments((0, 0))
+    assert c.stat("segment.all.current") == 0
+    return "no segment after empty_cache"
+
+
+def nested_pools_serve_the_innermost(c: Calls) -> str:
+    """torch.cuda.use_mem_pool contexts nest: the latest pool begun serves the thread."""
+    outer, middle, inner = (0, 11), (0, 12), (0, 13)
+    c.ok("aw_begin_pool", *outer)
+    c.ok("aw_alloc", 20 * MiB)
+    c.ok("aw_begin_pool", *middle)
+    c.ok("aw_alloc", 20 * MiB)
+    c.ok("aw_begin_pool", *inner)
+    c.ok("aw_alloc", 20 * MiB)
+    c.ok("aw_end_pool", *inner)
+    c.ok("aw_alloc", 20 * MiB)
+    c.ok("aw_end_pool", *middle)
+    c.ok("aw_alloc", 20 * MiB)
+    c.ok("aw_end_pool", *outer)
+    counts = [c.pool_segments(p)[0] for p in (outer, middle, inner)]
+    assert counts == [2, 2, 1], counts
+    return f"segments per pool {counts}"
+
+
+def _capture_with_a_side_stream(c: Calls, settings: bytes) -> tuple[int, int, int]:
+    """test_graph_capture_reclaim_2_streams's capture: data1 is read on s2 (record_stream) and
+    freed; data2 is allocated before s1 joins s2, data3 after. Their addresses."""
+    graph = ctypes.CDLL(None)  # the stand-in runtime's scripted capture (LD_PRELOAD)
+    s1, s2 = 0x10000, 0x20000
+    c.ok("aw_settings", settings)
+    c.ok("aw_begin_pool", 5, 0)
+    graph.stand_in_capture_begin(s1, 77)
+    c.lib.aw_use_stream(s1)
+    c.ok("aw_alloc", 32)  # sink1
+    c.ok("aw_alloc", 32)
+    data1 = c.lib.aw_held() - 1
+    data1_ptr = c.lib.aw_address(data1)
+    graph.stand_in_wait(s2, s1)  # s2.wait_stream(s1)
+    c.lib.aw_use_stream(s2)
+    c.ok("aw_alloc", 32)  # buf2
+    graph.stand_in_node(s2)  # torch.add(data1, 2.0, out=buf2)
+    c.ok("aw_record_stream", data1, s2)
+    c.lib.aw_use_stream(s1)
+    c.lib.aw_free(data1)
+    c.ok("aw_alloc", 32)
+    data2_ptr = c.lib.aw_address(c.lib.aw_held() - 1)
+    graph.stand_in_wait(s1, s2)  # s1.wait_stream(s2)
+    graph.stand_in_node(s1)  # sink1.fill_(1.0)
+    c.ok("aw_alloc", 32)
+    data3_ptr = c.lib.aw_address(c.lib.aw_held() - 1)
+    graph.stand_in_capture_end(s1)
+    graph.stand_in_capture_end(s2)
+    c.lib.aw_use_stream(0)
+    c.ok("aw_end_pool", 5, 0)
+    return data1_ptr, data2_ptr, data3_ptr
+
+
+def reuse_in_a_capture_once_the_graph_orders_the_uses(c: Calls) -> str:
+    """graph_capture_record_stream_reuse:True: a block freed while another stream used it is
+    not reused before the capture joins that stream's work, and is reused after."""
+    data1, data2, data3 = _capture_with_a_side_stream(c, b"graph_capture_record_stream_reuse:True")
+    assert data2 != data1 and data3 == data1, (data1, data2, data3)
+    return "data1's block: not reused before the join, reused after"
+
+
+def reuse_in_a_capture_once_every_use_is_joined(c: Calls) -> str:
+    """test_graph_capture_reclaim_4_streams's capture: data1 read on s2, s3 and s4; after s1
+    joins s2 and s3 joins s4 the block still waits (s1 has not joined s3), after s1 joins s3
+    it serves s1 again."""
+    graph = ctypes.CDLL(None)
+    s1, s2, s3, s4 = 0x10000, 0x20000, 0x30000, 0x40000
+    c.ok("aw_settings", b"graph_capture_record_stream_reuse:True")
+    c.ok("aw_begin_pool", 6, 0)
+    graph.stand_in_capture_begin(s1, 78)
+    c.lib.aw_use_stream(s1)
+    c.ok("aw_alloc", 32)  # data1
+    data1 = c.lib.aw_held() - 1
+    data1_ptr = c.lib.aw_address(data1)
+    c.ok("aw_alloc", 32)  # sink1
+    c.ok("aw_alloc", 32)  # sink3
+    for side in (s2, s3, s4):
+        graph.stand_in_wait(side, s1)
+        c.lib.aw_use_stream(side)
+        c.ok("aw_alloc", 32)  # buf2, buf3, buf4
+        graph.stand_in_node(side)  # torch.add(data1, ..., out=buf)
+        c.ok("aw_record_stream", data1, side)
+    c.lib.aw_use_stream(s1)
+    c.lib.aw_free(data1)
+    graph.stand_in_wait(s1, s2)
+    graph.stand_in_node(s1)  # sink1.fill_
+    graph.stand_in_wait(s3, s4)
+    graph.stand_in_node(s3)  # sink3.fill_
+    c.ok("aw_alloc", 32)
+    data2_ptr = c.lib.aw_address(c.lib.aw_held() - 1)
+    graph.stand_in_wait(s1, s3)
+    graph.stand_in_node(s1)  # sink1.add_(sink3)
+    c.ok("aw_alloc", 32)
+    data3_ptr = c.lib.aw_address(c.lib.aw_held() - 1)
+    for stream in (s1, s2, s3, s4):
+        graph.stand_in_capture_end(stream)
+    c.lib.aw_use_stream(0)
+    c.ok("aw_end_pool", 6, 0)
+    assert data2_ptr != data1_ptr and data3_ptr == data1_ptr, (data1_ptr, data2_ptr, data3_ptr)
+    return "data1's block: not reused after partial joins, reused after the full join"
+
+
+def no_reuse_in_a_capture_without_the_setting(c: Calls) -> str:
+    """Without graph_capture_record_stream_reuse such a block waits for the capture's end."""
+    data1, data2, data3 = _capture_with_a_side_stream(c, b"graph_capture_record_stream_reuse:False")
+    assert data1 not in (data2, data3), (data1, data2, data3)
+    return "data1's block waits for the capture's end"
+
+
+def raw_allocations_are_counted(c: Calls) -> str:
+    """caching_allocator_alloc's path (raw_alloc / raw_delete) goes through the core."""
+    start = c.stat("requested_bytes.all.allocated")
+    ptr = ctypes.c_void_p()
+    c.ok("aw_raw_alloc", MiB, ctypes.byref(ptr))
+    assert c.stat("requested_bytes.all.allocated") - start == MiB
+    c.ok("aw_raw_delete", ptr)
+    code, message = c._call("aw_raw_delete", ptr)
+    assert code == 2 and "invalid device pointer" in message, (code, message)
+    return "1 MiB counted; a second delete refused"
+
+
+if __name__ == "__main__":
+    backend, calls_path, name = sys.argv[1:4]
+    native.install(_core.__file__, so=Path(backend))
+    calls = Calls(calls_path)
+    calls.ok("aw_init", 1)
+    assert calls.lib.aw_name() == b"native"
+    print(f"PASS {name}: {globals()[name](calls)}", flush=True)

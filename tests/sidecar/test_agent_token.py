@@ -1,0 +1,149 @@
+"""Agents on TCP authenticate: any local user can reach a loopback port, so a hello there counts
+only with the pod's agent token (`authorization: Bearer TOKEN`), or with a client certificate
+under mutual TLS. The sidecar creates the token file where it is absent (on the directory
+shared with the training container), the agent reads it from ALLOCWATCH_TOKEN_FILE (or takes
+ALLOCWATCH_TOKEN), and the token shows in no log line, metric or page."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from support.sidecar import FakeSource, scrape, sidecar_config, values
+from support.streams import Stream, hello
+from support.waiting import wait_for
+
+from allocator_ext.agent import start_agent
+from allocator_ext.agent.auth import AgentToken
+from exporter.config import ConfigError
+from exporter.sidecar.app import SidecarThread
+from exporter.sidecar.config import parse_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def tcp_sidecar(tmp_path: Path, **agents: object) -> SidecarThread:
+    config = sidecar_config(tmp_path, nvml=False)
+    token_file = str(tmp_path / "run" / "agent-token")
+    settings = {"tcp_port": 0, "token_file": token_file, **agents}
+    return SidecarThread(dataclasses.replace(
+        config, agents=dataclasses.replace(config.agents, **settings))).start()
+
+
+@pytest.fixture
+def running(tmp_path: Path):
+    sidecar = tcp_sidecar(tmp_path)
+    yield sidecar
+    sidecar.stop()
+
+
+def _tcp(running: SidecarThread) -> str:
+    return running.sidecar.agent_targets[1]
+
+
+def test_the_sidecar_creates_the_token_file_readable_by_the_pod_only(running,
+                                                                     tmp_path: Path) -> None:
+    token_file = tmp_path / "run" / "agent-token"
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o440  # agents.socket_mode 0660, read only
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong-token-0123456789"),),
+                                      (("authorization", "wrong"),)],
+                         ids=["none", "wrong", "no scheme"])
+def test_a_hello_on_tcp_without_the_token_is_refused(running, metadata) -> None:
+    url = running.sidecar.metrics_url
+    with Stream(_tcp(running), metadata=metadata) as stream:
+        err = stream.send(hello(rank=9)).error()
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "agents.token_file" in err.details()
+    assert running.sidecar.registry.agents() == []
+    assert values(url, "allocwatch_agents_refused_total", reason="unauthenticated") == [1.0]
+
+
+def test_an_agent_with_the_token_file_reports_and_never_shows_it(
+        running, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    token_file = tmp_path / "run" / "agent-token"
+    token = token_file.read_text().strip()
+    monkeypatch.setenv("ALLOCWATCH_TOKEN_FILE", str(token_file))
+    url = running.sidecar.metrics_url
+    with caplog.at_level(logging.DEBUG):
+        agent = start_agent(_tcp(running), interval=0.05, source=FakeSource(),
+                            identity={"rank": 1}, nvml=False, stop_at_exit=False)
+        try:
+            wait_for(lambda: values(url, "torch_cuda_allocator_reserved_bytes", rank="1"),
+                     what="a report over TCP")
+        finally:
+            agent.stop()
+    assert token not in repr(agent.token) and token not in repr(vars(agent))
+    with urllib.request.urlopen(url + "/", timeout=5) as page:
+        assert token not in page.read().decode()
+    assert token not in scrape(url)[0]
+    for record in caplog.records:
+        assert token not in repr(vars(record))
+
+
+def test_the_token_from_the_environment_and_none_needed_on_the_unix_socket(
+        running, tmp_path: Path) -> None:
+    token = (tmp_path / "run" / "agent-token").read_text().strip()
+    url = running.sidecar.metrics_url
+    agents = [start_agent(_tcp(running), interval=0.05, source=FakeSource(),
+                          identity={"rank": 2}, nvml=False, stop_at_exit=False,
+                          token=AgentToken.from_env({"ALLOCWATCH_TOKEN": token})),
+              start_agent(running.sidecar.agent_targets[0], interval=0.05, source=FakeSource(),
+                          identity={"rank": 3}, nvml=False, stop_at_exit=False)]
+    try:
+        for rank in ("2", "3"):
+            wait_for(lambda rank=rank: values(url, "torch_cuda_allocator_reserved_bytes",
+                                              rank=rank), what=f"rank {rank}")
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+def test_a_token_file_given_is_read_not_replaced(tmp_path: Path) -> None:
+    given = tmp_path / "run" / "agent-token"
+    given.parent.mkdir()
+    given.write_text("a" * 40 + "\n")
+    os.chmod(given, 0o400)
+    sidecar = tcp_sidecar(tmp_path)
+    try:
+        with Stream(_tcp(sidecar), metadata=(("authorization", "Bearer " + "a" * 40),)) as s:
+            assert s.send(hello()).answer().HasField("welcome")
+    finally:
+        sidecar.stop()
+    assert given.read_text() == "a" * 40 + "\n"
+
+
+@pytest.mark.parametrize("agents, message", [
+    ({"tcp_port": 7070}, "agents.tcp_port: agents on TCP must authenticate"),
+    ({"tcp_port": 7070, "token_file": "/x", "token_env": "Y"}, "not both"),
+    ({"tcp_port": 7070, "token_env": "AW_SURELY_UNSET_VARIABLE"}, "token is empty"),
+])
+def test_tcp_without_a_way_to_authenticate_is_refused(agents: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"agents": agents})
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "endless device", "too long"])
+def test_a_token_file_that_is_no_token_holds_up_and_fills_nothing_of_the_agent(
+        tmp_path: Path, kind: str) -> None:
+    """The path comes from the environment of the training process: a FIFO there would hold
+    the agent's connection thread for good (and its stop), /dev/zero fill the process's
+    memory. Either reads as no token at once, and the agent keeps retrying."""
+    path = tmp_path / "agent-token"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "too long":
+        path.write_text("a" * 5000)
+    token = AgentToken(file="/dev/zero" if kind == "endless device" else str(path))
+    assert token.read() == "" and token.metadata() == ()

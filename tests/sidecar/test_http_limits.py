@@ -1,0 +1,175 @@
+"""The metrics endpoint's limits against crowded and hostile clients: idle connections never
+starve scrapes or agents (not even past the process's file limit), a client that says nothing,
+or trickles its request a byte at a time, is closed at the idle deadline, and oversized headers
+are refused. Every limit is counted in allocwatch_http_connections_closed_total."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.admin import closed_now, closed_within, exchange, raw_socket
+from support.net import free_port
+from support.sidecar import FakeSource, scrape, values
+from support.waiting import terminate, wait_for
+
+from allocator_ext.agent import start_agent
+from exporter.sidecar.app import SidecarThread
+from exporter.sidecar.config import parse_config
+
+pytestmark = pytest.mark.timeout(120)
+
+FILE_LIMIT = 1024  # the usual soft limit of a container's processes
+CROWD = 1100       # more idle connections than that limit
+
+
+def _limited_files() -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FILE_LIMIT, hard))
+
+
+@contextlib.contextmanager
+def sidecar_process(tmp_path: Path, extra_yaml: str = "") -> Iterator[tuple[str, str]]:
+    """`allocwatch sidecar` in a process of its own under a 1,024-file soft limit; yields its
+    metrics URL and the agents' target."""
+    port = free_port()
+    socket_path = tmp_path / "run" / "agent.sock"
+    config = tmp_path / "sidecar.yaml"
+    config.write_text(f"agents: {{unix_socket: {socket_path}}}\n"
+                      f"metrics: {{address: 127.0.0.1, port: {port}}}\n"
+                      f"nvml: {{enabled: false}}\nlogging: {{level: warning}}\n{extra_yaml}")
+    process = subprocess.Popen([sys.executable, "-m", "exporter.cli", "sidecar", "--config",
+                                str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               preexec_fn=_limited_files)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: urllib.request.urlopen(url + "/readyz", timeout=1).status == 200,
+                 timeout=30, what="sidecar ready")
+        yield url, f"unix://{socket_path}"
+    finally:
+        terminate(process)
+        process.communicate()
+
+
+def idle_crowd(port: int, count: int) -> list[socket.socket]:
+    """`count` connections that will never say anything, opened a little apart, as a client
+    gathering them would (all at once, most would wait in the listen queue)."""
+    crowd = []
+    for _ in range(count):
+        try:
+            crowd.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        except TimeoutError:
+            break  # the listener takes no more: what follows says what that costs
+        time.sleep(0.002)
+    return crowd
+
+
+@pytest.fixture
+def many_files() -> Iterator[None]:
+    """This process may hold the crowd's sockets (raised up to the hard limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = CROWD + 200
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the hard file limit ({hard}) is below the {wanted} this test holds")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_crowd_of_idle_connections_starves_neither_scrapes_nor_agents(
+        tmp_path: Path, many_files: None) -> None:
+    with sidecar_process(tmp_path) as (url, target):
+        port = int(url.rsplit(":", 1)[1])
+        crowd = idle_crowd(port, CROWD)
+        try:
+            started = time.monotonic()
+            text, _ = scrape(url, timeout=5)
+            assert "allocwatch_agents_connected" in text
+            assert time.monotonic() - started < 5
+            agent = start_agent(target, interval=0.05, source=FakeSource(),
+                                identity={"rank": 3}, nvml=False, stop_at_exit=False)
+            try:
+                wait_for(lambda: values(url, "allocwatch_agents_connected") == [1.0],
+                         timeout=15, what="an agent connected beside the crowd")
+            finally:
+                agent.stop()
+            # The listener keeps within its limit (256 by default) by closing idle ones.
+            assert values(url, "allocwatch_http_connections", server="metrics")[0] <= 257
+            evicted = values(url, "allocwatch_http_connections_closed_total", server="metrics",
+                             reason="idle_evicted")
+            assert evicted and evicted[0] >= CROWD - 256
+        finally:
+            for sock in crowd:
+                sock.close()
+
+
+@pytest.fixture
+def limited(tmp_path: Path) -> Iterator[str]:
+    """A sidecar whose metrics listener has small limits; yields its URL."""
+    parsed = parse_config({"metrics": {"address": "127.0.0.1", "port": 0, "limits": {
+        "max_connections": 8, "idle_timeout_seconds": 1, "request_timeout_seconds": 2}},
+        "agents": {"unix_socket": str(tmp_path / "run" / "agent.sock")},
+        "nvml": {"enabled": False}})
+    running = SidecarThread(parsed).start()
+    try:
+        yield running.sidecar.metrics_url
+    finally:
+        running.stop()
+
+
+def test_a_silent_or_trickling_client_is_closed_at_the_idle_deadline(limited: str) -> None:
+    with raw_socket(limited) as silent, raw_socket(limited) as trickling:
+        assert (closed_within(silent, 5) or 99) < 3
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: y\r\n" * 20
+        assert (closed_within(trickling, 5, send=request) or 99) < 3
+    # A client that finished its request was never idle: it has its answer.
+    status, body = exchange(limited, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, body) == (200, b"ok\n")
+
+
+def test_past_the_connection_limit_the_oldest_silent_connection_goes_first(limited: str
+                                                                           ) -> None:
+    port = int(limited.rsplit(":", 1)[1])
+    with contextlib.ExitStack() as stack:
+        scraper = stack.enter_context(raw_socket(limited))
+        scraper.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert scraper.recv(1 << 16).startswith(b"HTTP/1.1 200")
+        silent = [stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+                  for _ in range(12)]
+        time.sleep(0.3)
+        # 13 connections for 8 places: the 5 oldest silent ones went, the served one stays.
+        gone = [closed_now(sock) for sock in silent]
+        assert gone == [True] * 5 + [False] * 7
+        scraper.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert scraper.recv(1 << 16).startswith(b"HTTP/1.1 200")
+    assert values(limited, "allocwatch_http_connections_closed_total", server="metrics",
+                  reason="idle_evicted") == [5.0]
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+    b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(40))
+    + b"\r\n",
+    b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+], ids=["a 9 kB header", "40 headers", "a 9 kB request line"])
+def test_oversized_headers_are_refused(limited: str, request_bytes: bytes) -> None:
+    status, _ = exchange(limited, request_bytes)
+    assert status in (400, 413, 414, 431)
+    assert exchange(limited, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200
+
+
+def test_only_get_and_head_are_served(limited: str) -> None:
+    assert exchange(limited, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+                    )[0] == 405
+    status, body = exchange(limited, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, body) == (200, b"")
