@@ -3,7 +3,7 @@
     python bench/gpu/torch_bench.py hotpath [--rounds N] [--json FILE]
         alloc + free pairs through torch's C++ raw_alloc/raw_delete (512 B, 64 KiB, 4 MiB,
         64 MiB, and a mix with 1,000 blocks in use), and torch.empty from Python, under
-        PyTorch's allocator and allocwatch's (pluggable path, and native shim); ns per pair.
+        PyTorch's allocator and allocwatch's (native back end, and pluggable path); ns per pair.
         One process per allocator, all three alive at once and taking turns batch by batch
         (who goes first rotates), since the H200 hosts' CPUs change pace by up to 2x within
         seconds: each ratio to PyTorch's compares batches run moments apart. Reported: per
@@ -266,7 +266,7 @@ def main() -> int:
     results: dict = {"mode": args.mode, "model": args.model, "command": " ".join(sys.argv),
                      "runs": []}
     if args.mode == "hotpath":
-        results.update(hotpath_lockstep(["pytorch", "allocwatch", "allocwatch-native"],
+        results.update(hotpath_lockstep(["pytorch", "allocwatch", "allocwatch-pluggable"],
                                         args.rounds))
         for a, per in results["median_ns"].items():
             listed = ", ".join(f"{p} {v:.1f}" for p, v in per.items())

@@ -14,10 +14,11 @@ ALLOCATORS = {
     "pytorch": {"PYTORCH_CUDA_ALLOC_CONF": ""},
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    # install()'s default: the native back end built against this torch (allocator_ext/native/).
     "allocwatch": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1"},
-    # The same core through the native shim built against this torch (allocator_ext/native/).
-    "allocwatch-native": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
-                          "ALLOCWATCH_NATIVE": "1"},
+    # The same core through PyTorch's CUDAPluggableAllocator, install()'s fallback.
+    "allocwatch-pluggable": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
+                             "ALLOCWATCH_NATIVE": "0"},
 }
 
 
@@ -31,8 +32,9 @@ def setup_in_child() -> Any:
         import allocator_ext
 
         assert allocator_ext.install(), "allocwatch did not install"
-        if os.environ.get("ALLOCWATCH_NATIVE") == "1":
-            assert allocator_ext.torch_integration.native(), "the native shim did not install"
+        native = os.environ.get("ALLOCWATCH_NATIVE") != "0"
+        path = "the native back end" if native else "the pluggable path"
+        assert allocator_ext.torch_integration.native() == native, f"{path} did not install"
         installed = True
     target = os.environ.get("ALLOCWATCH_BENCH_AGENT")
     if target:  # the same loop with the agent publishing every second

@@ -6,6 +6,9 @@ compiled against this machine's torch (test_native_build.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 
 SCENARIOS = Path(__file__).resolve().parent / "gpu_scenarios.py"
+SEEDED = Path(__file__).resolve().parent / "seeded_snapshot.py"
 NAMES = ["installed", "history_and_snapshot", "out_of_memory", "mempool", "graph_trees",
          "checkpoint_state", "cudnn_benchmark", "fraction_and_settings", "raw_alloc_statistics",
          "ipc"]
@@ -25,3 +29,24 @@ def test_native_back_end_scenario(name: str) -> None:
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert f"PASS {name}" in out.stdout
+
+
+@pytest.mark.gpu
+def test_a_history_recorded_under_allocwatch_replays_to_pytorchs_own_figures(
+        tmp_path: Path) -> None:
+    """The same seeded workload, once under PyTorch's allocator (the reference) and once under
+    allocwatch's native back end with memory history on: `allocwatch replay --config native`
+    of allocwatch's snapshot gives the reference's peak reserved bytes and segment count."""
+    from allocator_ext.replay import replay
+    from allocator_ext.replay.trace import parse_snapshot
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ALLOCWATCH_", "PYTORCH_"))}
+    for mode in ("reference", "allocwatch"):
+        out = subprocess.run([sys.executable, str(SEEDED), mode, str(tmp_path / mode)],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0 and f"PASS {mode}" in out.stdout, out.stderr[-4000:]
+    reference = json.loads((tmp_path / "reference" / "stats.json").read_text())
+    snapshot = pickle.loads((tmp_path / "allocwatch" / "snapshot.pickle").read_bytes())
+    report = replay(parse_snapshot(snapshot, device=0), config="native").report
+    assert report["peak_reserved_bytes"] == reference["reserved_bytes.all.peak"], report
+    assert report["num_device_alloc"] == reference["num_device_alloc"], report
