@@ -17,7 +17,8 @@ import pytest
 
 SCENARIOS = Path(__file__).resolve().parent / "gpu_scenarios.py"
 SEEDED = Path(__file__).resolve().parent / "seeded_snapshot.py"
-NAMES = ["installed", "history_and_snapshot", "out_of_memory", "mempool", "graph_trees",
+NAMES = ["installed", "statistics", "history_and_snapshot", "out_of_memory", "record_stream",
+         "graph_capture", "expandable_and_empty_cache", "mempool", "graph_trees",
          "checkpoint_state", "cudnn_benchmark", "fraction_and_settings", "raw_alloc_statistics",
          "ipc"]
 
