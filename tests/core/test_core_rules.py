@@ -470,6 +470,47 @@ def test_below_the_high_water_mark_growth_creates_pages_instead_of_moving_them()
     assert a.check_invariants() == ""
 
 
+def _looped_step_page_calls(config: str | None, passes: int, fraction: float = 0.0
+                            ) -> list[tuple[int, int]]:
+    """A step whose 60 MiB request finds its free memory in a 40 MiB block that does not
+    border the growth, repeated on one allocator: per pass, peak reserved (MiB) and the
+    device calls that map or unmap pages."""
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, config)
+    if fraction:
+        a.set_memory_fraction(fraction)
+    rows = []
+    for _ in range(passes):
+        before = sum(calls(dev, k) for k in ("create", "map_only", "unmap"))
+        x = a.malloc(40 * MiB)
+        y = a.malloc(40 * MiB)
+        a.free(x)
+        z = a.malloc(60 * MiB)
+        a.free(y)
+        a.free(z)
+        assert a.check_invariants() == ""
+        rows.append((a.stats()["reserved_bytes.all.peak"] // MiB,
+                     sum(calls(dev, k) for k in ("create", "map_only", "unmap")) - before))
+    assert a.stats()["num_alloc_retries"] == 0
+    return rows
+
+
+def test_a_repeated_take_back_creates_pages_once_and_the_loop_settles() -> None:
+    # With the defaults the step moves the same free pages to its growth and back in every
+    # pass: an unmap (a wait for the stream) and a map each time, for ever. settle_page_moves
+    # creates them the second time, and from then on the step makes no device call at all.
+    moving = _looped_step_page_calls(None, 6)
+    assert all(page_calls > 0 for _, page_calls in moving[2:])
+    settled = _looped_step_page_calls("settle_page_moves:True", 6)
+    assert settled[0] == moving[0]                        # the first pass is unchanged
+    assert [page_calls for _, page_calls in settled[2:]] == [0, 0, 0, 0]
+    assert {peak for peak, _ in settled[1:]} == {140}     # flat from pass 2
+    # Under a memory fraction that leaves no room to create, pages move as before.
+    capped = _looped_step_page_calls("settle_page_moves:True", 6, fraction=120 / 1024)
+    assert all(peak <= 120 for peak, _ in capped)
+    assert all(page_calls > 0 for _, page_calls in capped[2:])
+
+
 def test_under_a_memory_fraction_growth_moves_free_pages_instead_of_retrying() -> None:
     # PyTorch checks reserved + the whole request against the fraction, and over it frees every
     # cached block and retries (a wait on every stream). allocwatch's defaults first take free

@@ -13,8 +13,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -234,6 +236,7 @@ class CachingAllocator {
   std::size_t growth_chunk_pages(const BlockPool& pool, std::size_t size,
                                  std::size_t page) const;
   bool should_take_back(std::size_t bytes) const;
+  bool repeats_page_move();
   void release_spares_beyond(std::size_t keep_pages, std::size_t page);
   void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
@@ -295,6 +298,13 @@ class CachingAllocator {
   // garbage_collect): below it, expandable segments grow with new pages rather than moving
   // free ones (expandable.cpp, Note [page policy]).
   std::size_t reserved_high_water_ = 0;
+  // With settle_page_moves: the growths that took pages back, by (stream, request, bytes
+  // allocated), since the start or the last explicit reclaim; and the growth being served, with
+  // whether it took pages back already (Note [page policy], repeated moves).
+  using Growth = std::tuple<StreamId, std::size_t, std::size_t>;
+  std::set<Growth> growths_that_moved_pages_;
+  Growth growth_ {};
+  bool growth_moved_pages_ = false;
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;
   std::size_t device_total_ = 0;

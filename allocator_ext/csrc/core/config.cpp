@@ -192,11 +192,14 @@ void apply_key(const std::string& key, Tokens& tok, AllocatorConfig& cfg) {
     cfg.expandable_chunk = mb * kMiB;
   } else if (key == "reuse_free_pages") {
     cfg.reuse_free_pages = parse_bool(key, value);
+  } else if (key == "settle_page_moves") {
+    cfg.settle_page_moves = parse_bool(key, value);
   } else {
     fail(key, "",
          "unknown key (known: max_split_size_mb, max_non_split_rounding_mb, "
          "garbage_collection_threshold, expandable_segments, roundup_power2_divisions, "
          "expandable_large_page_mb, expandable_grow_mb, expandable_chunk_mb, reuse_free_pages, "
+         "settle_page_moves, "
          "backend, release_lock_on_cudamalloc, "
          "pinned_use_cuda_host_register, pinned_num_register_threads, "
          "pinned_use_background_threads; preset: native)");
@@ -239,6 +242,7 @@ std::vector<std::pair<std::string, std::string>> AllocatorConfig::items() const 
       {"expandable_grow_mb", std::to_string(expandable_grow / kMiB)},
       {"expandable_chunk_mb", std::to_string(expandable_chunk / kMiB)},
       {"reuse_free_pages", bool_text(reuse_free_pages)},
+      {"settle_page_moves", bool_text(settle_page_moves)},
       {"release_lock_on_cudamalloc", bool_text(release_lock_on_cudamalloc)},
       {"pinned_use_cuda_host_register", bool_text(pinned_use_cuda_host_register)},
       {"pinned_num_register_threads", std::to_string(pinned_num_register_threads)},
@@ -265,7 +269,7 @@ std::string known_settings(const std::string& text,
       "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
       "pinned_num_register_threads", "pinned_use_background_threads",
       "expandable_large_page_mb", "expandable_grow_mb", "expandable_chunk_mb",
-      "reuse_free_pages"};
+      "reuse_free_pages", "settle_page_moves"};
   const std::vector<std::string> tokens = lex(text);
   std::string known;
   for (std::size_t i = 0; i < tokens.size();) {

@@ -55,6 +55,10 @@ struct AllocatorConfig {
   // free pages back from elsewhere, so that the growth reuses their memory instead of raising
   // reserved memory (expandable.cpp, Note [page policy]).
   bool reuse_free_pages = false;
+  // With reuse_free_pages: a take-back that repeats one already made (the same request on the
+  // same stream with the same bytes allocated) creates pages instead, once, so that a
+  // repeating workload stops moving pages (expandable.cpp, Note [page policy], repeated moves).
+  bool settle_page_moves = false;
 
   static AllocatorConfig native();     // PyTorch's defaults
   static AllocatorConfig allocwatch();  // allocwatch's defaults (chosen by the measures)

@@ -62,8 +62,17 @@
 // grow again, and takes back again. The mark therefore ratchets up by the shortfalls while the
 // mapped ranges multiply (replaying the example trace in a loop: about 10 ranges after the
 // first pass, about 100 after 200 passes). PyTorch, which never takes pages back, settles after
-// a pass or two, higher. Rules that stop the moves once a workload repeats settle too, but on
-// some recorded traces they cost the single replay its reserved/requested bar.
+// a pass or two, higher.
+//
+// Repeated moves (settle_page_moves, off by default). A take-back is a cycle once it recurs:
+// the same request on the same stream with the same bytes allocated is the same moment of a
+// repeated step, and the pages it moves will have moved back by then, or the repetition would
+// have found them. So the second time it creates its pages instead, once; the layout keeps
+// them and the step stops moving pages. Past the memory fraction pages move regardless (they
+// are the only room), and an explicit reclaim forgets the growths seen, as it lowers the mark.
+// The cost: a workload whose steps already repeat inside one recording (multistream,
+// convnet) pays in its first pass the memory the moves had saved, which is why the rule is
+// not a default (docs/benchmarks.md, "Repeated passes", has the figures).
 #include <algorithm>
 
 #include "allocator.h"
@@ -165,6 +174,16 @@ bool CachingAllocator::should_take_back(std::size_t bytes) const {
           over_fraction_when_mapping(bytes));
 }
 
+bool CachingAllocator::repeats_page_move() {
+  // A growth that took pages back once and needs to again is a cycle: the pages it moves will
+  // be moved back before it recurs. Creating them instead ends it (Note [page policy],
+  // repeated moves). Two calls for one request count as one growth.
+  if (!config_.settle_page_moves || growth_moved_pages_) return false;
+  if (!growths_that_moved_pages_.insert(growth_).second) return true;
+  growth_moved_pages_ = true;
+  return false;
+}
+
 void CachingAllocator::release_spares_beyond(std::size_t keep_pages, std::size_t page) {
   // Taken-back chunks are mapped as they are (largest first) where they fit in the range being
   // mapped. Those that will not fit go back to the device before anything is created, so that
@@ -202,7 +221,9 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
     }
   } release_spares_on_exit{*this, page};
 
-  const bool took_back = should_take_back(rounded);
+  // Past the memory fraction pages move regardless: they are the only room left.
+  const bool took_back = should_take_back(rounded) &&
+                         (over_fraction_when_mapping(rounded) || !repeats_page_move());
   if (took_back) take_back_free_pages(to_map->pool, to_map, rounded);
   if (over_fraction_when_mapping(rounded)) {
     // Still over the memory fraction: pages taken back go to the device, and the caller's
@@ -253,6 +274,9 @@ void CachingAllocator::adopt_mapped(Block* to_map, Range mapped) {
 
 Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPool* pool,
                                                        std::size_t size) {
+  growth_ = Growth{stream, size,
+                   static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current)};
+  growth_moved_pages_ = false;
   Block* candidate = find_expandable_block(stream, pool, size);
   // The candidate starts a run of free and unmapped blocks with at least `size` bytes:
   //   unmapped -> null | unmapped -> free -> ... | free -> unmapped -> ...

@@ -141,6 +141,7 @@ std::size_t CachingAllocator::empty_cache() {
   // An explicit reclaim asks for less memory from now on: growth moves free pages again
   // before it raises reserved above what is left.
   reserved_high_water_ = total_allocated_memory_;
+  growths_that_moved_pages_.clear();
   return released;
 }
 
@@ -151,7 +152,10 @@ std::size_t CachingAllocator::garbage_collect() {
   // raises reserved memory above what is left (as after empty_cache).
   struct LowerMark {
     CachingAllocator& a;
-    ~LowerMark() { a.reserved_high_water_ = a.total_allocated_memory_; }
+    ~LowerMark() {
+      a.reserved_high_water_ = a.total_allocated_memory_;
+      a.growths_that_moved_pages_.clear();
+    }
   } lower_mark{*this};
   if (!set_fraction_ || config_.garbage_collection_threshold <= 0.0) return 0;
   std::size_t released = garbage_collect_cached_blocks();
