@@ -442,7 +442,7 @@ PYBIND11_MODULE(_core, m) {
            "Recount every segment: '' when all invariants hold, else the first violation "
            "(linear in the number of blocks; for tests).");
 
-  // The allocators serving PyTorch through the pluggable path (torch_shim.cpp).
+  // The allocators serving PyTorch, through the native back end or the pluggable path (torch_shim.h).
   m.def("torch_configure", &torch_shim::configure, py::arg("settings"),
         "Settings for the allocators that serve PyTorch (named keys only; ValueError if bad).");
   m.def(

@@ -9,7 +9,6 @@
 // One CachingAllocator per device, made on first use with the cuda back end. Errors thrown
 // from the allocation function reach Python as RuntimeError with their message (PyTorch
 // converts them); a null pointer is never returned.
-#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstdint>
@@ -25,7 +24,6 @@
 #include "backends/cuda_device.h"
 #include "backends/sim_device.h"
 #include "core/allocator.h"
-#include "core/text.h"
 #include "torch_shim.h"
 
 struct CUstream_st;
@@ -231,59 +229,6 @@ __attribute__((visibility("default"))) void allocwatch_torch_record_stream(void*
       return;
     }
   }
-}
-
-// --- for the native shim (allocator_ext/native/): what PyTorch's C++ callers ask directly ---
-
-// malloc() that reports running out of memory as a null pointer and its explanation in
-// `message` (other errors still throw), so that the shim can raise PyTorch's own
-// OutOfMemoryError (torch.cuda.OutOfMemoryError in Python).
-__attribute__((visibility("default"))) void* allocwatch_torch_try_malloc(
-    std::size_t size, int device, cudaStream_t stream, char* message, std::size_t capacity) {
-  try {
-    return hot(device).malloc(size, stream_id(stream));
-  } catch (const OutOfMemoryError& e) {
-    if (capacity > 0) {
-      const std::string text = e.what();
-      const std::size_t n = std::min(text.size(), capacity - 1);
-      text.copy(message, n);
-      message[n] = '\0';
-    }
-    return nullptr;
-  }
-}
-
-// free() whose device the caller does not know (a DataPtr's deleter gets only the pointer).
-__attribute__((visibility("default"))) void allocwatch_torch_free_any(void* ptr) {
-  if (free_any(ptr)) return;
-  Text msg;
-  msg << "allocwatch: free of " << ptr << ", which no device's allocator handed out "
-      << "(or which was already freed)";
-  throw std::invalid_argument(msg.str());
-}
-
-// Every statistic of `device` as (key, value) through `emit`, keys as in memory_stats();
-// returns 0 (and emits nothing) when torch has not used the device yet.
-__attribute__((visibility("default"))) int allocwatch_torch_stats(
-    int device, void (*emit)(void*, const char*, std::int64_t), void* context) {
-  auto a = get(device, false);
-  if (!a) return 0;
-  for (const auto& [key, value] : a->stats()) emit(context, key.c_str(), value);
-  return 1;
-}
-
-__attribute__((visibility("default"))) void allocwatch_torch_reset_peak(int device) {
-  if (auto a = get(device, false)) a->reset_peak_stats();
-}
-
-__attribute__((visibility("default"))) void allocwatch_torch_reset_accumulated(int device) {
-  if (auto a = get(device, false)) a->reset_accumulated_stats();
-}
-
-__attribute__((visibility("default"))) std::size_t allocwatch_torch_largest_free_block(
-    int device) {
-  auto a = get(device, false);
-  return a ? a->largest_free_block() : 0;
 }
 
 // CUDA graph capture: allocations on the capturing stream(s) go to the graph's private pool.

@@ -141,8 +141,8 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
 
 # ------------------------------------------------------------------------------ the parent
 
-# Longest wait for one answer: the warm-up comes first (model set-up and, for the native shim,
-# a build); a step of these models takes well under a second.
+# Longest wait for one answer: the warm-up comes first (model set-up and, for the native back
+# end, its first build); a step of these models takes well under a second.
 READY_TIMEOUT_S = 420.0
 STEP_TIMEOUT_S = 120.0
 

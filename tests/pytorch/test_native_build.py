@@ -39,8 +39,7 @@ def cpu_build_stand_ins(tmp_path: Path) -> list[str]:
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
 @pytest.mark.skipif(_cuda_headers() is None,
-                    reason="no CUDA 13 runtime headers (.ci/run installs nvidia-cuda-runtime and "
-                           "nvidia-cuda-crt)")
+                    reason="no CUDA 13 runtime headers (.ci/run installs nvidia-cuda-runtime)")
 def test_the_back_end_compiles_against_this_torchs_interface(
         tmp_path: Path, cpu_build_stand_ins: list[str]) -> None:
     plan = build.plan(torch, extra_includes=cpu_build_stand_ins, link=False, cuda_version="13.0")

@@ -17,7 +17,8 @@ import pytest
 
 SCENARIOS = Path(__file__).resolve().parent / "gpu_scenarios.py"
 SEEDED = Path(__file__).resolve().parent / "seeded_snapshot.py"
-NAMES = ["installed", "history_and_snapshot", "out_of_memory", "mempool", "graph_trees",
+NAMES = ["installed", "statistics", "history_and_snapshot", "out_of_memory", "record_stream",
+         "graph_capture", "expandable_and_empty_cache", "mempool", "graph_trees",
          "checkpoint_state", "cudnn_benchmark", "fraction_and_settings", "raw_alloc_statistics",
          "ipc"]
 
@@ -35,8 +36,10 @@ def test_native_back_end_scenario(name: str) -> None:
 def test_a_history_recorded_under_allocwatch_replays_to_pytorchs_own_figures(
         tmp_path: Path) -> None:
     """The same seeded workload, once under PyTorch's allocator (the reference) and once under
-    allocwatch's native back end with memory history on: `allocwatch replay --config native`
-    of allocwatch's snapshot gives the reference's peak reserved bytes and segment count."""
+    allocwatch's native back end (its defaults) with memory history on: `allocwatch replay
+    --config native` of allocwatch's snapshot gives the reference's peak reserved bytes and
+    segment count (on the simulated device, with the core standing in for PyTorch:
+    test_seeded_replay.py)."""
     from allocator_ext.replay import replay
     from allocator_ext.replay.trace import parse_snapshot
 

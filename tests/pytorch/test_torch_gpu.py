@@ -10,29 +10,17 @@ import sys
 import pytest
 from support.paths import REPO
 
-SCENARIOS = REPO / "tests" / "gpu" / "scenarios.py"
+SCENARIOS = REPO / "tests" / "pytorch" / "gpu_scenarios.py"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["record_stream", "graph_capture", "expandable_and_empty_cache",
                                   "out_of_memory", "statistics"])
 def test_scenario_on_the_gpu(name: str) -> None:
-    """Through the pluggable path, the fallback where the native back end cannot be built."""
+    """Through the pluggable path, the fallback where the native back end cannot be built: the
+    scenarios it serves (the native back end runs them all, test_native_gpu.py)."""
     out = subprocess.run([sys.executable, str(SCENARIOS), name], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "ALLOCWATCH_NATIVE": "0"})
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"PASS {name}" in out.stdout
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["record_stream", "graph_capture", "expandable_and_empty_cache",
-                                  "out_of_memory", "statistics", "cudnn_benchmark"])
-def test_scenario_through_the_native_shim(name: str) -> None:
-    """The same scenarios with the shim built against this torch (ALLOCWATCH_NATIVE=1), and
-    cuDNN benchmark mode, which only the shim serves."""
-    env = {**os.environ, "ALLOCWATCH_NATIVE": "1"}
-    out = subprocess.run([sys.executable, str(SCENARIOS), name], capture_output=True, text=True,
-                         timeout=600, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"PASS {name}" in out.stdout
 

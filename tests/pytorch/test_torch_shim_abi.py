@@ -1,8 +1,9 @@
-"""The entry points PyTorch calls (torch_shim.cpp: the pluggable path's functions and the native
-shim's additions), exercised through ctypes on the simulated device (ALLOCWATCH_SHIM_DEVICE=sim)
-since this machine has no GPU; on the GPU the same functions are driven by PyTorch itself
-(tests/pytorch/test_torch_gpu.py). Each case runs in a fresh process: the shim's allocators live
-as long as the process."""
+"""The functions the pluggable path hands PyTorch (torch_shim.cpp, named in
+allocator_ext/torch_integration.py), exercised through ctypes on the simulated device
+(ALLOCWATCH_SHIM_DEVICE=sim) since this machine has no GPU; on the GPU PyTorch itself drives them
+(tests/pytorch/test_torch_gpu.py). Statistics are read where the pluggable path's replacement of
+torch.cuda.memory_stats reads them (allocator_ext._core.torch_allocator). Each case runs in a
+fresh process: the allocators serving PyTorch live as long as the process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import subprocess
 import sys
 import textwrap
+
+from allocator_ext.torch_integration import _EXPORTS as PLUGGABLE_HOOKS
 
 MiB = 1 << 20
 
@@ -20,20 +23,14 @@ PRELUDE = textwrap.dedent("""\
     lib = ctypes.CDLL(core.__file__)
     lib.allocwatch_torch_malloc.restype = ctypes.c_void_p
     lib.allocwatch_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    lib.allocwatch_torch_try_malloc.restype = ctypes.c_void_p
-    lib.allocwatch_torch_try_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
-                                                ctypes.c_char_p, ctypes.c_size_t]
-    lib.allocwatch_torch_free_any.argtypes = [ctypes.c_void_p]
+    lib.allocwatch_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                          ctypes.c_void_p]
     lib.allocwatch_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.allocwatch_torch_largest_free_block.restype = ctypes.c_size_t
-    EMIT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64)
+    lib.allocwatch_torch_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
 
     def stats(device=0):
-        found = {}
-        emit = EMIT(lambda _ctx, key, value: found.__setitem__(key.decode(), value))
-        if not lib.allocwatch_torch_stats(device, emit, None):
-            return None
-        return found
+        a = core.torch_allocator(device)
+        return None if a is None else a.stats()
     """)
 
 
@@ -46,57 +43,58 @@ def run(body: str, capacity: int = 0) -> str:
     return out.stdout
 
 
-def test_statistics_follow_allocations_through_the_entry_points() -> None:
+def test_every_function_the_pluggable_path_names_is_exported() -> None:
+    names = sorted({"allocwatch_torch_malloc", "allocwatch_torch_free",
+                    *PLUGGABLE_HOOKS.values()})
+    out = run(f"print(sorted(n for n in {names!r} if not hasattr(lib, n)))")
+    assert out.strip() == "[]"
+
+
+def test_statistics_follow_allocations_per_device() -> None:
     run(f"""
+        lib.allocwatch_torch_init(2)
         assert stats(0) is None                        # no allocator before torch uses the device
-        p = lib.allocwatch_torch_malloc({8 * MiB}, 0, None)
-        assert p
-        s = stats(0)
-        assert s["allocated_bytes.all.current"] == {8 * MiB}
-        assert s["allocated_bytes.large_pool.current"] == {8 * MiB}
-        lib.allocwatch_torch_free_any(p)               # the native shim's deleter: no device
+        on0 = lib.allocwatch_torch_malloc({8 * MiB}, 0, None)
+        on1 = lib.allocwatch_torch_malloc({3 * MiB}, 1, None)
+        assert on0 and on1
+        assert stats(0)["allocated_bytes.all.current"] == {8 * MiB}
+        assert stats(0)["allocated_bytes.large_pool.current"] == {8 * MiB}
+        assert stats(1)["allocated_bytes.all.current"] == {3 * MiB}
+        lib.allocwatch_torch_free(on1, {3 * MiB}, 1, None)
+        assert stats(1)["allocated_bytes.all.current"] == 0
+        assert stats(0)["allocated_bytes.all.current"] == {8 * MiB}
+        lib.allocwatch_torch_free(on0, {8 * MiB}, 0, None)
         s = stats(0)
         assert s["allocated_bytes.all.current"] == 0 and s["allocated_bytes.all.peak"] == {8 * MiB}
-        lib.allocwatch_torch_reset_peak(0)
-        assert stats(0)["allocated_bytes.all.peak"] == 0
-        lib.allocwatch_torch_reset_accumulated(0)
-        assert stats(0)["allocation.all.allocated"] == 0
-        assert stats(1) is None                        # other devices untouched
+        assert s["reserved_bytes.all.current"] > 0     # cached
+        lib.allocwatch_torch_empty_cache()             # torch.cuda.empty_cache()
+        assert stats(0)["reserved_bytes.all.current"] == 0
+        assert stats(1)["reserved_bytes.all.current"] == 0
         """)
 
 
-def test_free_any_finds_the_device_that_owns_the_pointer() -> None:
-    run(f"""
-        on0 = lib.allocwatch_torch_malloc({MiB}, 0, None)
-        on1 = lib.allocwatch_torch_malloc({3 * MiB}, 1, None)
-        lib.allocwatch_torch_free_any(on1)
-        assert stats(1)["allocated_bytes.all.current"] == 0
-        assert stats(0)["allocated_bytes.all.current"] == {MiB}
-        lib.allocwatch_torch_free_any(on0)
-        assert stats(0)["allocated_bytes.all.current"] == 0
-        """)
-
-
-def test_out_of_memory_is_a_null_pointer_and_an_explanation_for_the_shim() -> None:
+def test_memory_fraction_limits_the_device_for_the_allocators_that_serve_torch() -> None:
     out = run(f"""
-        message = ctypes.create_string_buffer(2048)
-        p = lib.allocwatch_torch_try_malloc({512 * MiB}, 0, None, message, len(message))
-        assert p is None
-        print(message.value.decode())
-        ok = lib.allocwatch_torch_try_malloc({16 * MiB}, 0, None, message, len(message))
-        assert ok                                      # the allocator carries on
-        assert stats(0)["num_ooms"] == 1
+        lib.allocwatch_torch_memory_fraction(0.5, 0)   # torch.cuda.set_per_process_memory_fraction
+        a = core.torch_allocator(0)
+        assert a.stats()["memory_limit_bytes"] == {128 * MiB}
+        try:
+            a.malloc({200 * MiB})
+        except core.OutOfMemoryError as e:
+            print(e)
+        else:
+            raise AssertionError("200 MiB served under a limit of 128 MiB")
+        assert lib.allocwatch_torch_malloc({16 * MiB}, 0, None)  # the allocator carries on
         """, capacity=256 * MiB)
-    assert "out of memory" in out and "Tried to allocate" in out
+    assert "Tried to allocate" in out and "allowed" in out, out
 
 
-def test_largest_free_block_and_record_stream() -> None:
+def test_record_stream_keeps_a_freed_block_from_reuse_until_its_stream_is_done() -> None:
     run(f"""
-        assert lib.allocwatch_torch_largest_free_block(0) == 0
         big = lib.allocwatch_torch_malloc({40 * MiB}, 0, None)
-        lib.allocwatch_torch_record_stream(big, 7)      # also used on another stream
-        lib.allocwatch_torch_free_any(big)
+        lib.allocwatch_torch_record_stream(big, 7)     # also used on another stream
+        lib.allocwatch_torch_free(big, {40 * MiB}, 0, None)
         s = stats(0)
-        assert s["pending_events"] == 1                 # not reusable before stream 7's work
-        assert lib.allocwatch_torch_largest_free_block(0) == 0
+        assert s["pending_events"] == 1                # not reusable before stream 7's work
+        assert core.torch_allocator(0).largest_free_block() == 0
         """)

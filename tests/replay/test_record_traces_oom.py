@@ -92,10 +92,14 @@ def test_re_recording_one_trace_keeps_the_other_entries_of_the_folders_manifest(
     assert list(by_name) == list(before)  # the same traces, in the same order
     assert by_name.pop(("convnet", "gc"))["status"] == "failed"
     assert by_name == {k: v for k, v in before.items() if k != ("convnet", "gc")}
-    (kept_from,) = manifest["earlier_recordings"]
-    assert kept_from["command"] == earlier["command"]
-    assert len(kept_from["traces"]) == len(before) - 1
-    assert "convnet__gc_oom" not in kept_from["traces"]
+    # Each kept trace names the recording it came from: the one the earlier manifest named for
+    # it, else the earlier manifest's own command.
+    came_from = {n: e["command"] for e in earlier.get("earlier_recordings", [])
+                 for n in e["traces"]}
+    kept = {rt.trace_name(w, s, oom=True) for (w, s) in before if (w, s) != ("convnet", "gc")}
+    named = {n: e["command"] for e in manifest["earlier_recordings"] for n in e["traces"]}
+    assert set(named) == kept
+    assert named == {n: came_from.get(n, earlier["command"]) for n in kept}
     assert "--only convnet__gc" in manifest["command"]
 
 
