@@ -607,16 +607,7 @@ void CachingAllocator::synchronize_and_free_events() {
 void CachingAllocator::begin_allocate_to_pool(MempoolId id, std::function<bool(StreamId)> filter,
                                               bool plain_segments) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = graph_pools_.find(id);
-  if (it == graph_pools_.end()) {
-    auto pool = std::make_unique<PrivatePool>();
-    pool->plain_segments = plain_segments;
-    graph_pools_.emplace(id, std::move(pool));
-  } else {
-    // Another capture shares this pool; it must still be alive.
-    if (it->second->use_count <= 0) throw std::logic_error("allocwatch: private pool already released");
-    it->second->use_count++;
-  }
+  create_or_incref_pool_locked(id, plain_segments);  // another capture may share the pool
   for (auto& [other, f] : captures_underway_) {
     if (other == id) throw std::logic_error("allocwatch: already allocating to this private pool");
   }

@@ -237,6 +237,7 @@ class CachingAllocator {
                                  std::size_t page) const;
   bool should_take_back(std::size_t bytes) const;
   bool repeats_page_move();
+  void create_or_incref_pool_locked(MempoolId id, bool plain_segments);  // mutex_ held
   void release_spares_beyond(std::size_t keep_pages, std::size_t page);
   void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);

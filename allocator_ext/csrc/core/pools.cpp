@@ -32,6 +32,10 @@ PrivatePool& CachingAllocator::private_pool(MempoolId id) const {
 
 void CachingAllocator::create_or_incref_pool(MempoolId id, bool plain_segments) {
   std::lock_guard<std::mutex> lock(mutex_);
+  create_or_incref_pool_locked(id, plain_segments);
+}
+
+void CachingAllocator::create_or_incref_pool_locked(MempoolId id, bool plain_segments) {
   auto it = graph_pools_.find(id);
   if (it == graph_pools_.end()) {
     auto pool = std::make_unique<PrivatePool>();
