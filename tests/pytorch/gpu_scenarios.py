@@ -11,6 +11,7 @@ core is the one answering (its figures, through allocator_ext._core, agree with 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -385,8 +386,96 @@ def ipc() -> str:
     return json.dumps(results)
 
 
+# TraceEntry::Action, c10/core/CachingDeviceAllocator.h
+ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE = range(5)
+
+
+def _trace_tracker_probe(folder: Path) -> ctypes.CDLL:
+    """tests/pytorch/trace_tracker_probe.cpp, built as the native back end is (same compiler,
+    flags, headers and libraries: allocator_ext.native.build's plan for this torch)."""
+    from allocator_ext.native import build
+
+    source = Path(__file__).resolve().with_name("trace_tracker_probe.cpp")
+    output = folder / "trace_tracker_probe.so"
+    command = [str(source) if part == str(build.SOURCE) else part.replace("{output}", str(output))
+               for part in build.plan(torch).command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = ctypes.CDLL(str(output))
+    probe.probe_entry.restype = ctypes.c_bool
+    probe.probe_entry.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+    return probe
+
+
+def _tracked(probe: ctypes.CDLL) -> list[tuple[int, int, int]]:
+    action, addr, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
+    return [(action.value, addr.value, size.value) for i in range(probe.probe_count())
+            if probe.probe_entry(i, ctypes.byref(action), ctypes.byref(addr), ctypes.byref(size))]
+
+
+def _segment_of(ptr: int) -> tuple[int, int]:
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= ptr < segment["address"] + segment["total_size"]:
+            return segment["address"], segment["total_size"]
+    raise AssertionError(f"no segment holds {ptr:#x}")
+
+
+def trace_trackers() -> str:
+    """The trace hooks NCCL's buffer registration uses (run with plain segments, the hook asked
+    for: ENVIRONMENT below). A tracker attached through attachAllocatorTraceTracker, as
+    ProcessGroupNCCL attaches its own, is told of each segment allocwatch creates and frees and
+    of each block, with their addresses and sizes. Then a one-rank NCCL process group with
+    TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 registers the segments it finds and the one
+    created after it, and deregisters it when empty_cache frees it (PyTorch's deregistration
+    refuses a segment it never registered)."""
+    import torch.distributed as dist
+
+    assert os.environ.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK") == "1", \
+        "install() switched NCCL's registration hook off under plain segments"
+    assert not _core.torch_allocator(0).config()["expandable_segments"]
+    with tempfile.TemporaryDirectory() as folder:
+        probe = _trace_tracker_probe(Path(folder))
+    probe.probe_attach()
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    base, size = _segment_of(x.data_ptr())
+    seen = _tracked(probe)
+    assert (SEGMENT_ALLOC, base, size) in seen, seen
+    assert (ALLOC, x.data_ptr(), 64 * MiB) in seen, seen
+    ptr = x.data_ptr()
+    del x
+    torch.cuda.empty_cache()
+    seen = _tracked(probe)
+    assert (FREE_REQUESTED, ptr, 64 * MiB) in seen and (SEGMENT_FREE, base, size) in seen, seen
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    y = torch.ones(8 * MiB, device="cuda")
+    dist.all_reduce(y)  # the communicator starts: the segments there are registered
+    z = torch.ones(24 * MiB, device="cuda")  # a segment of its own, registered when created
+    dist.all_reduce(z)
+    torch.cuda.synchronize()
+    assert float(z[0].item()) == 1.0
+    z_base, z_size = _segment_of(z.data_ptr())
+    del y, z
+    torch.cuda.empty_cache()  # each segment freed is deregistered first
+    dist.destroy_process_group()
+    seen = _tracked(probe)
+    assert (SEGMENT_ALLOC, z_base, z_size) in seen and (SEGMENT_FREE, z_base, z_size) in seen
+    return (f"{len(seen)} entries tracked; a one-rank NCCL group registered and deregistered "
+            f"a {z_size >> 20} MiB segment")
+
+
+# Set before install(), which reads them (a scenario's own settings).
+ENVIRONMENT = {
+    "trace_trackers": {"ALLOCWATCH_ALLOC_CONF": "expandable_segments:False",
+                       "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"},
+}
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
+    os.environ.update(ENVIRONMENT.get(name, {}))
     assert allocator_ext.install(), "install() fell back to PyTorch's allocator"
     if os.environ.get("ALLOCWATCH_NATIVE") != "0":
         assert allocator_ext.torch_integration.native(), "the native back end did not install"

@@ -20,7 +20,7 @@ SEEDED = Path(__file__).resolve().parent / "seeded_snapshot.py"
 NAMES = ["installed", "statistics", "history_and_snapshot", "out_of_memory", "record_stream",
          "graph_capture", "expandable_and_empty_cache", "mempool", "graph_trees",
          "checkpoint_state", "cudnn_benchmark", "fraction_and_settings", "raw_alloc_statistics",
-         "ipc"]
+         "ipc", "trace_trackers"]
 
 
 @pytest.mark.gpu
