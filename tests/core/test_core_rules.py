@@ -422,6 +422,27 @@ def test_growth_takes_back_wholly_free_pages_before_asking_the_device() -> None:
         a.free(p)
 
 
+def test_pages_taken_from_another_streams_block_wait_for_every_stream_once() -> None:
+    # A free block of stream 1 may still be read by a stream that never recorded it (a tensor
+    # used on a side stream without record_stream): moving its pages to stream 2 waits for
+    # every stream, once, not for stream 1 alone. A donor of the growing stream's own waits for
+    # that stream only, as reusing a block would.
+    for donor_stream, device_waits, stream_waits in ((1, 1, 0), (2, 0, 1)):
+        dev = ae.SimDevice(capacity=GiB)
+        a = ae.Allocator(dev)
+        donor = a.malloc(60 * MiB, stream=donor_stream)
+        live = a.malloc(40 * MiB, stream=2)
+        a.free(donor)                                 # 60 MiB of free pages; the mark: 100
+        grown = a.malloc(70 * MiB, stream=2)          # 60 of its 70 MiB moved from the donor
+        assert a.stats()["reserved_bytes.all.current"] == 110 * MiB, donor_stream
+        assert calls(dev, "unmap") >= 1, donor_stream
+        assert calls(dev, "synchronize") == device_waits, donor_stream
+        assert calls(dev, "stream_synchronize") == stream_waits, donor_stream
+        a.free(grown)
+        a.free(live)
+        assert a.check_invariants() == ""
+
+
 def test_large_pool_takes_free_small_pages_but_leaves_the_small_pool_a_reserve() -> None:
     for large_page_mb, new_pages, reserved_mb in ((2, 0, 20), (20, 1, 24)):
         dev = ae.SimDevice(capacity=GiB)

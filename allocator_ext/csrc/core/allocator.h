@@ -242,7 +242,7 @@ class CachingAllocator {
   void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
   std::size_t unmap_block(Block* block, std::size_t limit = 0,
-                          std::vector<SparePhysical>* keep = nullptr);
+                          std::vector<SparePhysical>* keep = nullptr, bool streams_idle = false);
   void release_expandable_segment(Block* block);
   std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes);
   std::size_t grow_size(const BlockPool* pool, std::size_t needed) const;

@@ -50,6 +50,14 @@
 // request before, and over it frees every cached block and waits for every stream where moving
 // a few free pages would have done; the native preset keeps PyTorch's check.
 //
+// Streams. A free block's pages go to the growing segment's stream. Waiting for the donor's
+// own stream suffices where its segment serves the same stream, as reusing a block does: the
+// kernels that will use the pages queue behind those that used them. A donor of another stream
+// may still be read by kernels of a third that never recorded it (a tensor used on a side
+// stream without record_stream, which PyTorch's allocator tolerates: it hands a block only to
+// its own stream and unmaps only in empty_cache). Before the first such donor, the take-back
+// therefore waits for every stream (cudaDeviceSynchronize), once, instead of the donor's alone.
+//
 // Captures. Nothing is unmapped while a CUDA graph is captured anywhere in the process: an
 // unmap waits for a stream, which a capture forbids (PyTorch releases nothing during capture
 // either). Growth then creates pages.
@@ -300,8 +308,9 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
 }
 
 std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
-                                          std::vector<SparePhysical>* keep) {
-  Range unmapped = block->expandable->unmap(Range{block->ptr, block->size}, limit, keep);
+                                          std::vector<SparePhysical>* keep, bool streams_idle) {
+  Range unmapped =
+      block->expandable->unmap(Range{block->ptr, block->size}, limit, keep, streams_idle);
   if (unmapped.size == 0) return 0;
   BlockPool& pool = *block->pool;
   pool.blocks.erase(block);
@@ -355,6 +364,8 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   } else {
     sibling = pool->is_small ? &pool->owner->large_blocks : &pool->owner->small_blocks;
   }
+  // Cross-stream donors (Note [page policy], "Streams"): every stream idle first, once.
+  bool every_stream_idle = false;
   std::size_t taken = 0;
   for (BlockPool* from : {pool, sibling}) {
     // The large pool taking small pages (moved or released): only beyond the reserve.
@@ -379,9 +390,13 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
     }
     for (Block* b : donors) {
       if (taken >= bytes || budget == 0) return taken;
+      if (b->stream != exclude->stream && !every_stream_idle) {
+        device_->synchronize();
+        every_stream_idle = true;
+      }
       const bool movable = b->expandable->page_size() == page;
-      const std::size_t got =
-          unmap_block(b, std::min(bytes - taken, budget), movable ? &spare_pages_ : nullptr);
+      const std::size_t got = unmap_block(b, std::min(bytes - taken, budget),
+                                          movable ? &spare_pages_ : nullptr, every_stream_idle);
       taken += got;
       if (from_small_reserve) budget -= std::min(budget, got);
     }

@@ -87,7 +87,8 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
   return pages(begin, end);
 }
 
-Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhysical>* keep) {
+Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhysical>* keep,
+                               bool streams_idle) {
   const std::size_t lo = page_ceil(r.ptr);
   const std::size_t hi = page_floor(r.ptr + r.size);
   if (lo >= hi) return Range{r.ptr, 0};
@@ -102,7 +103,7 @@ Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhys
   }
   if (run.empty()) return Range{r.ptr, 0};
   // Unmapping does not wait for kernels still using the memory: the stream must be idle.
-  device_.synchronize_stream(stream_);
+  if (!streams_idle) device_.synchronize_stream(stream_);
   const std::size_t first = run.front()->first;
   for (auto it : run) {
     const std::size_t n = it->second.pages * page_size_;

@@ -50,7 +50,9 @@ class ExpandableSegment {
   // the front until at least `limit` bytes (a chunk goes whole: up to one chunk more). Returns
   // the contiguous range unmapped (possibly empty).
   // With `keep`, chunks are handed over instead of released, to be mapped elsewhere.
-  Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr);
+  // `streams_idle`: the caller has just waited for every stream, so the wait is skipped.
+  Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr,
+              bool streams_idle = false);
 
   // The physical allocations mapped over any part of r, in address order (CUDA IPC shares
   // them whole: the driver exports a handle only whole).
