@@ -21,8 +21,9 @@ steps of the warm-up sequence (cuBLAS/cuDNN plans, the allocators' first growth)
 same seed in both processes and never the warm-up's: what a training run with random shapes
 sees, where a step's exact shapes rarely come back. With --fraction-of-peak F (and in the
 suite's second half) each process then caps itself with set_per_process_memory_fraction at F x
-the peak requested bytes of its warm-up (which met the largest shapes), empties its cache, warms
-up again under the cap, and times fresh rounds; running out of memory is reported.
+the most bytes it has requested at once so far (its warm-up, which met the largest shapes, and
+in the suite the uncapped rounds, whose shapes the capped rounds draw again), empties its
+cache, warms up again under the cap, and times the rounds; running out of memory is reported.
 
 Reported per round: allocwatch's total step time over the other's; over all rounds the mean of
 those ratios with its standard error and the median of the per-step ratios (the bar: <= 1.00).
@@ -98,6 +99,14 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
     def answer(value: Any) -> None:
         print(json.dumps(value), flush=True)
 
+    # The cap's base: the most requested at once by anything run so far, the warm-up's largest
+    # shapes and every timed round (peaks are reset per phase, so the highest is kept here).
+    highest = [0]
+
+    def highest_requested() -> int:
+        highest[0] = max(highest[0], counters.stats().get("requested_bytes.all.peak", 0))
+        return highest[0]
+
     try:
         warm_up()
     except oom as e:
@@ -108,7 +117,7 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
         command, *arg = line.split()
         try:
             if command == "cap":
-                peak = counters.stats().get("requested_bytes.all.peak", 0)
+                peak = highest_requested()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     total = torch.cuda.get_device_properties(0).total_memory
@@ -119,6 +128,7 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
             elif command == "seed":
                 work.reseed(int(arg[0]))
                 if arg[1:] == ["reset"]:  # the first round of a phase: peaks of the phase
+                    highest_requested()
                     counters.reset_peak()
                 answer("ok")
             elif command == "step":
@@ -328,7 +338,7 @@ def main() -> int:
                    help="CPU cores both processes run on, e.g. 2,3,4,5 (default: the first "
                         "four this process may use)")
     p.add_argument("--fraction-of-peak", type=float, default=0.0, metavar="F",
-                   help="cap each process at F x its warm-up's peak requested bytes (e.g. 1.03)")
+                   help="cap each process at F x the peak requested bytes it has met (e.g. 1.03)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--suite", metavar="DIR",
                    help="every workload, uncapped then at 1.03 x: DIR/lockstep_<workload>.json")

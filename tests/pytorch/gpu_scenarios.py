@@ -433,11 +433,11 @@ def trace_trackers() -> str:
 
     assert os.environ.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK") == "1", \
         "install() switched NCCL's registration hook off under plain segments"
-    assert not _core.torch_allocator(0).config()["expandable_segments"]
     with tempfile.TemporaryDirectory() as folder:
         probe = _trace_tracker_probe(Path(folder))
     probe.probe_attach()
     x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    assert not _core.torch_allocator(0).config()["expandable_segments"]
     base, size = _segment_of(x.data_ptr())
     seen = _tracked(probe)
     assert (SEGMENT_ALLOC, base, size) in seen, seen
