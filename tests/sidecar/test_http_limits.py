@@ -1,11 +1,14 @@
 """The metrics endpoint's limits against crowded and hostile clients: idle connections never
-starve scrapes or agents (not even past the process's file limit), a client that says nothing,
-or trickles its request a byte at a time, is closed at the idle deadline, and oversized headers
-are refused. Every limit is counted in allocwatch_http_connections_closed_total."""
+starve scrapes or agents (not even past the process's file limit), silent connections are held
+apart from aiohttp's and go first, oldest first, a client that says nothing, or trickles its
+request a byte at a time (however long it kept silent first), is closed at the idle deadline
+from its accept, and oversized headers are refused. Every limit is counted in
+allocwatch_http_connections_closed_total."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import resource
 import socket
 import subprocess
@@ -16,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support.admin import closed_now, closed_within, exchange, raw_socket
 from support.net import free_port
 from support.sidecar import FakeSource, scrape, values
@@ -113,11 +117,12 @@ def test_a_crowd_of_idle_connections_starves_neither_scrapes_nor_agents(
                 sock.close()
 
 
-@pytest.fixture
-def limited(tmp_path: Path) -> Iterator[str]:
-    """A sidecar whose metrics listener has small limits; yields its URL."""
+@contextlib.contextmanager
+def limited_sidecar(tmp_path: Path, idle_timeout: float) -> Iterator[str]:
+    """A sidecar whose metrics listener has small limits (8 connections); yields its URL."""
     parsed = parse_config({"metrics": {"address": "127.0.0.1", "port": 0, "limits": {
-        "max_connections": 8, "idle_timeout_seconds": 1, "request_timeout_seconds": 2}},
+        "max_connections": 8, "idle_timeout_seconds": idle_timeout,
+        "request_timeout_seconds": 2}},
         "agents": {"unix_socket": str(tmp_path / "run" / "agent.sock")},
         "nvml": {"enabled": False}})
     running = SidecarThread(parsed).start()
@@ -125,6 +130,29 @@ def limited(tmp_path: Path) -> Iterator[str]:
         yield running.sidecar.metrics_url
     finally:
         running.stop()
+
+
+@pytest.fixture
+def limited(tmp_path: Path) -> Iterator[str]:
+    with limited_sidecar(tmp_path, idle_timeout=1) as url:
+        yield url
+
+
+def get_over(sock: socket.socket, path: str = "/metrics") -> tuple[int, str]:
+    """GET `path` over an open connection (kept alive): (status, body)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    response = http.client.HTTPResponse(sock, method="GET")
+    response.begin()
+    return response.status, response.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of the sample `name` with exactly these labels in an exposition."""
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and found.labels == labels:
+                return found.value
+    return None
 
 
 def test_a_silent_or_trickling_client_is_closed_at_the_idle_deadline(limited: str) -> None:
@@ -137,23 +165,99 @@ def test_a_silent_or_trickling_client_is_closed_at_the_idle_deadline(limited: st
     assert (status, body) == (200, b"ok\n")
 
 
-def test_past_the_connection_limit_the_oldest_silent_connection_goes_first(limited: str
-                                                                           ) -> None:
+def test_silent_connections_are_counted_and_closed_at_their_idle_deadline(limited: str
+                                                                          ) -> None:
     port = int(limited.rsplit(":", 1)[1])
-    with contextlib.ExitStack() as stack:
-        scraper = stack.enter_context(raw_socket(limited))
-        scraper.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert scraper.recv(1 << 16).startswith(b"HTTP/1.1 200")
+    for _ in range(20):  # ended before a byte, as a TCP probe is: nothing to serve or hold
+        socket.create_connection(("127.0.0.1", port)).close()
+    time.sleep(0.3)
+    evicted = values(limited, "allocwatch_http_connections_closed_total", server="metrics")
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+    try:
+        time.sleep(0.2)
+        # The six silent ones and this scrape's connection.
+        assert values(limited, "allocwatch_http_connections", server="metrics") == [7.0]
+        assert [closed_now(sock) for sock in silent] == [False] * 6
+        time.sleep(1.2)
+        assert [closed_now(sock) for sock in silent] == [True] * 6
+    finally:
+        for sock in silent:
+            sock.close()
+    assert values(limited, "allocwatch_http_connections", server="metrics") == [1.0]
+    # The deadline closed them, not the limit.
+    assert values(limited, "allocwatch_http_connections_closed_total", server="metrics"
+                  ) == evicted
+
+
+def test_past_the_connection_limit_silent_connections_go_first_oldest_first(
+        tmp_path: Path) -> None:
+    with limited_sidecar(tmp_path, idle_timeout=5) as url, contextlib.ExitStack() as stack:
+        port = int(url.rsplit(":", 1)[1])
+        scraper = stack.enter_context(raw_socket(url))
+        assert get_over(scraper, "/healthz")[0] == 200
+        # Older than every silent one, spoken but its request unfinished: aiohttp has it.
+        trickling = stack.enter_context(raw_socket(url))
+        trickling.sendall(b"GET /metrics HTTP/1.1\r\n")
+        time.sleep(0.2)
         silent = [stack.enter_context(socket.create_connection(("127.0.0.1", port)))
                   for _ in range(12)]
         time.sleep(0.3)
-        # 13 connections for 8 places: the 5 oldest silent ones went, the served one stays.
-        gone = [closed_now(sock) for sock in silent]
-        assert gone == [True] * 5 + [False] * 7
-        scraper.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert scraper.recv(1 << 16).startswith(b"HTTP/1.1 200")
-    assert values(limited, "allocwatch_http_connections_closed_total", server="metrics",
-                  reason="idle_evicted") == [5.0]
+        # 14 connections for 8 places: the 6 oldest silent ones went, those that spoke stay.
+        assert [closed_now(sock) for sock in silent] == [True] * 6 + [False] * 6
+        assert not closed_now(trickling)
+        # A scraper on a new connection takes the place of the oldest silent one left...
+        assert values(url, "allocwatch_http_connections", server="metrics") == [8.0]
+        assert [closed_now(sock) for sock in silent] == [True] * 7 + [False] * 5
+        # ...and those that spoke are served: the request finished, the kept-alive one.
+        trickling.sendall(b"Host: x\r\n\r\n")
+        response = http.client.HTTPResponse(trickling, method="GET")
+        response.begin()
+        assert response.status == 200 and b"allocwatch_agents_connected" in response.read()
+        status, text = get_over(scraper)
+        assert status == 200
+        assert sample(text, "allocwatch_http_connections_closed_total", server="metrics",
+                      reason="idle_evicted") == 7.0
+
+
+def test_past_the_connection_limit_the_idle_connections_of_clients_that_spoke_go_next(
+        tmp_path: Path) -> None:
+    """With no silent connection to close: the one that never began a request, then the one
+    idle longest."""
+    with limited_sidecar(tmp_path, idle_timeout=5) as limited, contextlib.ExitStack() as stack:
+        served = [stack.enter_context(raw_socket(limited)) for _ in range(7)]
+        for sock in served:
+            assert get_over(sock, "/healthz")[0] == 200
+        assert get_over(served[0], "/healthz")[0] == 200  # now idle the shortest
+        trickling = stack.enter_context(raw_socket(limited))
+        trickling.sendall(b"GET /metrics HTTP/1.1\r\n")
+        time.sleep(0.2)
+        newcomers = []
+        for _ in range(2):
+            newcomers.append(stack.enter_context(raw_socket(limited)))
+            newcomers[-1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            time.sleep(0.1)
+        time.sleep(0.2)
+        assert closed_now(trickling)
+        assert [closed_now(sock) for sock in served] == [False, True] + [False] * 5
+        for sock in newcomers:
+            response = http.client.HTTPResponse(sock, method="GET")
+            response.begin()
+            assert response.status == 200
+        status, text = get_over(served[0])
+        assert sample(text, "allocwatch_http_connections_closed_total", server="metrics",
+                      reason="idle_evicted") == 2.0
+
+
+def test_a_client_silent_before_trickling_is_closed_at_the_idle_deadline_from_its_accept(
+        tmp_path: Path) -> None:
+    """Its silence and its trickle share one deadline: the hand-over to aiohttp on its
+    first byte does not start another."""
+    with limited_sidecar(tmp_path, idle_timeout=2) as url, raw_socket(url) as client:
+        started = time.monotonic()
+        time.sleep(1.5)
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: y\r\n" * 20
+        assert closed_within(client, 5, send=request) is not None
+        assert time.monotonic() - started < 2.9  # a second deadline would close it at 3.5
 
 
 @pytest.mark.parametrize("request_bytes", [
