@@ -8,6 +8,7 @@ allocwatch_http_connections_closed_total."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import resource
 import socket
@@ -189,34 +190,71 @@ def test_silent_connections_are_counted_and_closed_at_their_idle_deadline(limite
                   ) == evicted
 
 
+@dataclasses.dataclass(frozen=True)
+class Listener:
+    address: str      # http://host:port or unix:///path
+    server: str       # its label in allocwatch_http_connections{server}
+    path: str         # a GET it answers without a token
+    metrics_url: str  # where its counters are read
+
+
+@pytest.fixture(params=["metrics over TCP", "admin API over its Unix socket"])
+def small_listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Listener]:
+    """One of the sidecar's listeners limited to 8 connections (idle deadline 5 s)."""
+    limits = {"max_connections": 8, "idle_timeout_seconds": 5, "request_timeout_seconds": 2}
+    parsed = parse_config({
+        "metrics": {"address": "127.0.0.1", "port": 0, "limits": limits},
+        "admin": {"command_timeout_seconds": 1, "limits": limits},
+        "agents": {"unix_socket": str(tmp_path / "run" / "agent.sock")},
+        "nvml": {"enabled": False}})
+    running = SidecarThread(parsed).start()
+    url = running.sidecar.metrics_url
+    try:
+        if request.param.startswith("metrics"):
+            yield Listener(url, "metrics", "/healthz", url)
+        else:
+            (address,) = running.sidecar.admin.addresses()
+            yield Listener(address, "admin", "/v1/agents", url)
+    finally:
+        running.stop()
+
+
 def test_past_the_connection_limit_silent_connections_go_first_oldest_first(
-        tmp_path: Path) -> None:
-    with limited_sidecar(tmp_path, idle_timeout=5) as url, contextlib.ExitStack() as stack:
-        port = int(url.rsplit(":", 1)[1])
-        scraper = stack.enter_context(raw_socket(url))
-        assert get_over(scraper, "/healthz")[0] == 200
+        small_listener: Listener) -> None:
+    listener = small_listener
+    # Reading the metrics listener's own figures takes one of its places.
+    scraping_counts = int(listener.server == "metrics")
+    with contextlib.ExitStack() as stack:
+        kept_alive = stack.enter_context(raw_socket(listener.address))
+        assert get_over(kept_alive, listener.path)[0] == 200
         # Older than every silent one, spoken but its request unfinished: aiohttp has it.
-        trickling = stack.enter_context(raw_socket(url))
-        trickling.sendall(b"GET /metrics HTTP/1.1\r\n")
+        trickling = stack.enter_context(raw_socket(listener.address))
+        trickling.sendall(f"GET {listener.path} HTTP/1.1\r\n".encode())
         time.sleep(0.2)
-        silent = [stack.enter_context(socket.create_connection(("127.0.0.1", port)))
-                  for _ in range(12)]
+        silent = [stack.enter_context(raw_socket(listener.address)) for _ in range(12)]
         time.sleep(0.3)
         # 14 connections for 8 places: the 6 oldest silent ones went, those that spoke stay.
         assert [closed_now(sock) for sock in silent] == [True] * 6 + [False] * 6
         assert not closed_now(trickling)
-        # A scraper on a new connection takes the place of the oldest silent one left...
-        assert values(url, "allocwatch_http_connections", server="metrics") == [8.0]
-        assert [closed_now(sock) for sock in silent] == [True] * 7 + [False] * 5
+        # The silent ones count.
+        assert values(listener.metrics_url, "allocwatch_http_connections",
+                      server=listener.server) == [8.0]
+        # A client on a new connection takes the place of the oldest silent one left...
+        assert exchange(listener.address,
+                        f"GET {listener.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())[0] == 200
+        gone = 7 + scraping_counts
+        assert [closed_now(sock) for sock in silent] == [True] * gone + [False] * (12 - gone)
         # ...and those that spoke are served: the request finished, the kept-alive one.
         trickling.sendall(b"Host: x\r\n\r\n")
         response = http.client.HTTPResponse(trickling, method="GET")
         response.begin()
-        assert response.status == 200 and b"allocwatch_agents_connected" in response.read()
-        status, text = get_over(scraper)
-        assert status == 200
-        assert sample(text, "allocwatch_http_connections_closed_total", server="metrics",
-                      reason="idle_evicted") == 7.0
+        assert response.status == 200 and response.read()
+        assert get_over(kept_alive, listener.path)[0] == 200
+        for sock in silent:
+            sock.close()
+        time.sleep(0.2)  # their ends seen: no place is taken from anyone below
+        assert values(listener.metrics_url, "allocwatch_http_connections_closed_total",
+                      server=listener.server, reason="idle_evicted") == [gone]
 
 
 def test_past_the_connection_limit_the_idle_connections_of_clients_that_spoke_go_next(
