@@ -163,7 +163,8 @@ class _Acceptor:
         self._listeners: list[socket.socket] = []
         # Accept order, hence deadline order: silent connections and their idle deadlines.
         self.waiting: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()
-        # Spoken, being handed over (a TLS handshake, or the instant of a plain one).
+        # Spoken, being handed over (a TLS handshake, or the instant of a plain one); from
+        # aiohttp's connection_made to this task's next step counted twice, erring safe.
         self.handing: collections.OrderedDict[socket.socket, asyncio.Task[None]] = (
             collections.OrderedDict())
         self._sweep: asyncio.TimerHandle | None = None
