@@ -1,15 +1,21 @@
 """HTTP on the sidecar's own event loop (aiohttp's low-level server), every resource a client
 can take bounded: the metrics endpoint and the admin API both serve through it.
 
-- connections: at most `max_connections` open; one more closes the oldest idle connection
-  (one with no request in progress) that never completed a request (silent or trickling
-  clients go first, before a scraper's kept-alive connection), else the oldest idle one, or,
-  when every one is busy, the newcomer; each counted;
-- time: `idle_timeout_seconds` from a connection's start, or from its last response, to the end
-  of its next request's headers (a client trickling its headers is closed at that deadline:
-  aiohttp's keep-alive timer, armed at connection start); `request_timeout_seconds` from then to
-  the last byte of the response (a client that reads slowly, or not at all, is aborted, and its
-  buffered answer dropped); a TLS handshake gets the idle deadline too;
+- accepting: the listening sockets are polled here, not by asyncio's server; a connection is
+  handed to aiohttp only once it has sent something (its first bytes, a TLS ClientHello, or
+  its end), as the kernel's TCP_DEFER_ACCEPT would, which syncookies bypass past the SYN
+  backlog. Until then it is a socket and a poll: a crowd of silent connections costs no
+  request handler, and closing one costs a close();
+- connections: at most `max_connections` open, silent ones included; one more closes the
+  oldest silent one, else the oldest that never began a request (a client trickling its
+  first request, a stalled TLS handshake), else the one idle longest; when every one is busy,
+  the newcomer; each counted. Silent and trickling clients go before a scraper's kept-alive
+  connection, and choosing costs the same with 10 or 10,000 open (ordered maps, no scans);
+- time: `idle_timeout_seconds` from a connection's accept, or from its last response, to the
+  end of its next request's headers (a silent client, one trickling its headers, or a TLS
+  handshake that stalls is closed at that deadline, however its bytes came); then
+  `request_timeout_seconds` to the last byte of the response (a client that reads slowly, or
+  not at all, is aborted, and its buffered answer dropped);
 - size: a request line or header line of at most `max_header_bytes`, at most 32 header lines;
   bodies are read only through `read_body`, which refuses a body without a length (411), larger
   than `max_body_bytes` (413, chunked bodies included: counted as they arrive) or encoded (415;
@@ -17,7 +23,8 @@ can take bounded: the metrics endpoint and the admin API both serve through it.
 - the listen backlog: `backlog`.
 
 Nothing here blocks the loop: handlers run on it and must hand CPU work to an executor (the
-metrics endpoint does, for the exposition).
+metrics endpoint does, for the exposition); a burst of connections is accepted `backlog` at a
+time.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import socket
@@ -46,6 +54,7 @@ from exporter.config import ConfigError, Section, setting
 log = logging.getLogger("exporter.http")
 
 MAX_HEADER_LINES = 32
+ACCEPT_RETRY_SECONDS = 1.0  # asyncio's own pause when accept() runs out of descriptors
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
@@ -90,37 +99,191 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
 
 
 class _Server(web.Server):
-    """aiohttp's low-level server, counting its connections against the limit."""
+    """aiohttp's low-level server, its connections kept in the order they may be closed in."""
 
-    def __init__(self, handler: Handler, limits: HttpLimits, dropped: collections.Counter,
-                 lock: threading.Lock, **kwargs: Any):
+    def __init__(self, handler: Handler, **kwargs: Any):
         super().__init__(handler, **kwargs)
-        self._limits = limits
-        self._dropped = dropped
-        self._lock = lock
-        self.busy: set[RequestHandler] = set()    # a request in progress
-        self.served: set[RequestHandler] = set()  # completed a request at least once
+        # Oldest first: handed over, no request begun yet; served and idle, idle longest first.
+        self.fresh: collections.OrderedDict[RequestHandler, asyncio.Transport] = (
+            collections.OrderedDict())
+        self.idle: collections.OrderedDict[RequestHandler, asyncio.Transport] = (
+            collections.OrderedDict())
+        self.busy: dict[RequestHandler, asyncio.Transport] = {}  # a request in progress
+
+    def open_count(self) -> int:
+        """Connections open, less those closed already whose loss is still to be processed."""
+        return len(self.fresh) + len(self.idle) + len(self.busy)
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
-        if len(self._connections) <= self._limits.max_connections:
-            return
-        # Connections aborted already are still listed until their loss is processed.
-        live = [h for h, t in self._connections.items() if not t.is_closing()]
-        if len(live) <= self._limits.max_connections:
-            return
-        # The dict keeps opening order: the first of each kind is the oldest.
-        idle = [h for h in live if h not in self.busy and h is not handler]
-        victim = next((h for h in idle if h not in self.served), idle[0] if idle else None)
-        reason = "idle_evicted" if victim is not None else "all_busy"
-        self._connections[victim or handler].abort()
-        with self._lock:
-            self._dropped[reason] += 1
+        self.fresh[handler] = transport
 
     def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
-        self.busy.discard(handler)
-        self.served.discard(handler)
+        for line in (self.fresh, self.idle, self.busy):
+            line.pop(handler, None)
+
+    def request_started(self, handler: RequestHandler) -> None:
+        transport = self.fresh.pop(handler, None) or self.idle.pop(handler, None)
+        if transport is not None:  # not closed meanwhile
+            self.busy[handler] = transport
+
+    def request_finished(self, handler: RequestHandler) -> None:
+        transport = self.busy.pop(handler, None)
+        if transport is not None:
+            self.idle[handler] = transport
+
+    def close_first_idle(self) -> bool:
+        """Abort the first in line (never began a request, then idle longest); False when
+        every connection is busy."""
+        for line in (self.fresh, self.idle):
+            if line:
+                line.popitem(last=False)[1].abort()
+                return True
+        return False
+
+    def first_request_due(self, handler: RequestHandler) -> None:
+        """A connection's idle deadline from its accept: closed unless a request began."""
+        transport = self.fresh.pop(handler, None)
+        if transport is not None:
+            transport.abort()
+
+
+class _Acceptor:
+    """Accepts on the listening sockets and holds each new connection, polled, until it sends
+    something; then hands it to aiohttp (with TLS where the listener has it: the ClientHello
+    is those first bytes, left in the kernel's buffer as only readability was polled). Keeps
+    the listeners' connections, silent ones and aiohttp's, within `max_connections`."""
+
+    def __init__(self, server: _Server, limits: HttpLimits, count: Callable[[str], None]):
+        self._loop = asyncio.get_running_loop()
+        self._server = server
+        self._limits = limits
+        self._count = count
+        self._listeners: list[socket.socket] = []
+        # Accept order, hence deadline order: silent connections and their idle deadlines.
+        self.waiting: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()
+        # Spoken, being handed over (a TLS handshake, or the instant of a plain one); from
+        # aiohttp's connection_made to this task's next step counted twice, erring safe.
+        self.handing: collections.OrderedDict[socket.socket, asyncio.Task[None]] = (
+            collections.OrderedDict())
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def open_count(self) -> int:
+        return len(self.waiting) + len(self.handing) + self._server.open_count()
+
+    def listen(self, listener: socket.socket, tls: ssl.SSLContext | None) -> None:
+        self._listeners.append(listener)
+        self._loop.add_reader(listener.fileno(), self._accept, listener, tls)
+
+    def _accept(self, listener: socket.socket, tls: ssl.SSLContext | None) -> None:
+        for _ in range(self._limits.backlog):  # bounded: a burst never holds the loop long
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as err:  # out of descriptors or memory: pause, as asyncio does
+                log.warning("HTTP listener cannot accept; retrying in %.0f s",
+                            ACCEPT_RETRY_SECONDS, extra={"reason": str(err)})
+                self._loop.remove_reader(listener.fileno())
+                self._loop.call_later(ACCEPT_RETRY_SECONDS, self._resume, listener, tls)
+                return
+            self._admit(conn, tls)
+
+    def _resume(self, listener: socket.socket, tls: ssl.SSLContext | None) -> None:
+        if listener in self._listeners:  # not closed meanwhile
+            self._loop.add_reader(listener.fileno(), self._accept, listener, tls)
+
+    def _admit(self, conn: socket.socket, tls: ssl.SSLContext | None) -> None:
+        if self.open_count() >= self._limits.max_connections and not self._make_room():
+            conn.close()
+            self._count("all_busy")
+            return
+        conn.setblocking(False)
+        deadline = self._loop.time() + self._limits.idle_timeout_seconds
+        self.waiting[conn] = deadline
+        self._loop.add_reader(conn.fileno(), self._spoke, conn, tls)
+        if self._sweep is None:
+            self._sweep = self._loop.call_at(deadline, self._expire)
+
+    def _make_room(self) -> bool:
+        if self.waiting:
+            self._drop(self.waiting.popitem(last=False)[0])
+        elif self.handing:
+            self._abandon(*self.handing.popitem(last=False))
+        elif not self._server.close_first_idle():
+            return False
+        self._count("idle_evicted")
+        return True
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._loop.remove_reader(conn.fileno())
+        conn.close()
+
+    @staticmethod
+    def _abandon(conn: socket.socket, task: asyncio.Task[None]) -> None:
+        coro = task.get_coro()
+        if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            conn.close()  # never began: the socket is still ours alone (cancelling skips it)
+        task.cancel()  # once begun, asyncio closes its transport
+
+    def _expire(self) -> None:
+        """The one sweep timer: closes the silent connections past their deadline, oldest
+        first, and waits for the next one's."""
+        self._sweep = None
+        now = self._loop.time()
+        while self.waiting:
+            conn, deadline = next(iter(self.waiting.items()))
+            if deadline > now:
+                self._sweep = self._loop.call_at(deadline, self._expire)
+                return
+            del self.waiting[conn]
+            self._drop(conn)
+
+    def _spoke(self, conn: socket.socket, tls: ssl.SSLContext | None) -> None:
+        self._loop.remove_reader(conn.fileno())
+        deadline = self.waiting.pop(conn)
+        try:
+            ended = conn.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            ended = False
+        except OSError:  # reset
+            ended = True
+        if ended:  # gone before a byte (a TCP probe, say): nothing to serve
+            conn.close()
+            return
+        self.handing[conn] = self._loop.create_task(self._hand_over(conn, tls, deadline))
+
+    async def _hand_over(self, conn: socket.socket, tls: ssl.SSLContext | None,
+                         deadline: float) -> None:
+        try:
+            _, handler = await self._loop.connect_accepted_socket(
+                self._server, sock=conn, ssl=tls, ssl_handshake_timeout=(
+                    max(deadline - self._loop.time(), 0.01) if tls else None))
+        except (OSError, asyncio.TimeoutError):  # a failed or stalled handshake: closed
+            return
+        finally:
+            self.handing.pop(conn, None)
+        self._loop.call_at(deadline, self._server.first_request_due, handler)
+
+    async def close(self) -> None:
+        """Stop accepting; close the connections not handed over."""
+        for listener in self._listeners:
+            self._loop.remove_reader(listener.fileno())
+            listener.close()
+        self._listeners.clear()
+        while self.waiting:
+            self._drop(self.waiting.popitem()[0])
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        tasks = list(self.handing.values())
+        while self.handing:
+            self._abandon(*self.handing.popitem())
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
 
 
 class BoundedHttpServer:
@@ -137,12 +300,16 @@ class BoundedHttpServer:
         self._lock = threading.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
         self._server = _Server(
-            self._bounded, limits, self.dropped, self._lock, handler_cancellation=True,
+            self._bounded, handler_cancellation=True,
             keepalive_timeout=limits.idle_timeout_seconds, max_line_size=limits.max_header_bytes,
             max_field_size=limits.max_header_bytes, max_headers=MAX_HEADER_LINES,
             auto_decompress=False, lingering_time=0, access_log=None)
-        self._listeners: list[asyncio.AbstractServer] = []
+        self._acceptor = _Acceptor(self._server, limits, self._count)
         self._unix_paths: list[str] = []
+
+    def _count(self, reason: str) -> None:
+        with self._lock:
+            self.dropped[reason] += 1
 
     async def _bounded(self, request: web.BaseRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -150,7 +317,7 @@ class BoundedHttpServer:
         deadline = loop.call_later(self.limits.request_timeout_seconds, self._timed_out,
                                    transport)
         protocol = request.protocol
-        self._server.busy.add(protocol)
+        self._server.request_started(protocol)
         try:
             try:
                 response = await self._handler(request)
@@ -162,40 +329,31 @@ class BoundedHttpServer:
             return response
         finally:
             deadline.cancel()
-            self._server.busy.discard(protocol)
-            if protocol.transport is not None:  # not lost meanwhile
-                self._server.served.add(protocol)
+            self._server.request_finished(protocol)
 
     def _timed_out(self, transport: asyncio.Transport | None) -> None:
         if transport is not None and not transport.is_closing():
             transport.abort()  # not close(): that would wait to flush to a client not reading
-            with self._lock:
-                self.dropped["request_timeout"] += 1
+            self._count("request_timeout")
 
     async def listen_tcp(self, host: str, port: int,
                          tls: ssl.SSLContext | None = None) -> int:
         """Listen on TCP (IPv6 "::" takes IPv4 too, where the host allows); the port bound."""
         sock = _tcp_socket(host, port, self.limits.backlog)
-        loop = asyncio.get_running_loop()
-        listener = await loop.create_server(
-            self._server, sock=sock, backlog=self.limits.backlog, ssl=tls,
-            ssl_handshake_timeout=self.limits.idle_timeout_seconds if tls else None)
-        self._listeners.append(listener)
+        self._acceptor.listen(sock, tls)
         return int(sock.getsockname()[1])
 
     async def listen_unix(self, path: str, mode: int, setting_name: str) -> None:
         """Listen on a Unix socket at `path`, of file mode `mode` from its creation on (a stale
         socket of a previous run is replaced; any other file there is an error naming
         `setting_name`)."""
-        sock = _unix_socket(path, mode, self.limits.backlog, setting_name)
-        loop = asyncio.get_running_loop()
-        self._listeners.append(await loop.create_unix_server(
-            self._server, sock=sock, backlog=self.limits.backlog))
+        self._acceptor.listen(_unix_socket(path, mode, self.limits.backlog, setting_name), None)
         self._unix_paths.append(path)
 
     def connections(self) -> int:
-        """Connections open now (read from any thread: len() of a dict is atomic)."""
-        return len(self._server._connections)
+        """Connections open now, silent ones included (read from any thread: len() of a dict
+        is atomic)."""
+        return self._acceptor.open_count()
 
     @staticmethod
     def over_unix_socket(request: web.BaseRequest) -> bool:
@@ -211,13 +369,9 @@ class BoundedHttpServer:
             return sorted(self.dropped.items())
 
     async def close(self) -> None:
-        for listener in self._listeners:
-            listener.close()
+        await self._acceptor.close()
         self._server.pre_shutdown()
         await self._server.shutdown(1.0)
-        for listener in self._listeners:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(listener.wait_closed(), 1.0)
         for path in self._unix_paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)

@@ -1,8 +1,9 @@
 """HTTPS on the admin API's TCP listener: `allocwatch ctl` trusting the sidecar's CA gets through
 (with mutual TLS when the sidecar asks for client certificates); plain HTTP, another CA or a
 missing client certificate get nothing through and change nothing; a client that stalls its
-handshake holds up nobody; a renewed certificate is served without a restart. Certificates are
-made with the openssl command."""
+handshake holds up nobody, and past the connection limit its place goes to a newcomer; a
+renewed certificate is served without a restart. Certificates are made with the openssl
+command."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from support.control import connect_agent, start_control_sidecar
+from support.control import connect_agent, metric, start_control_sidecar
 from support.paths import REPO
 from support.pki import make_ca, make_leaf
 from support.sidecar import FakeSource
@@ -42,7 +44,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "client_key": client[0], "client_cert": client[1]}
 
 
-def tls_admin(tmp_path: Path, pki: dict[str, Path], mutual: bool = False):
+def tls_admin(tmp_path: Path, pki: dict[str, Path], mutual: bool = False,
+              limits: dict[str, float] | None = None):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"  # copies: the rotation test swaps them
@@ -52,7 +55,33 @@ def tls_admin(tmp_path: Path, pki: dict[str, Path], mutual: bool = False):
              "tls_cert_file": str(cert), "tls_key_file": str(key)}
     if mutual:
         admin["tls_client_ca_file"] = str(pki["ca"])
+    if limits:
+        admin["limits"] = limits
     return start_control_sidecar(tmp_path, admin=admin)
+
+
+def client_hello() -> bytes:
+    """The first flight of a TLS client: a ClientHello."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    outgoing = ssl.MemoryBIO()
+    tls = context.wrap_bio(ssl.MemoryBIO(), outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def ended_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed `sock`: what it sent is read through to its end."""
+    sock.settimeout(0.5)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
 
 
 def test_ctl_over_https_lists_and_commands_agents(tmp_path: Path, pki) -> None:
@@ -122,6 +151,31 @@ def test_a_stalled_handshake_holds_up_nobody(tmp_path: Path, pki) -> None:
         finally:
             for s in stalled:
                 s.close()
+    finally:
+        running.stop()
+
+
+def test_past_the_connection_limit_a_stalled_handshake_gives_its_place_to_a_newcomer(
+        tmp_path: Path, pki) -> None:
+    running = tls_admin(tmp_path, pki, limits={"max_connections": 4})
+    try:
+        (address,) = running.sidecar.admin.addresses()
+        port = int(address.rsplit(":", 1)[1])
+        stalled = []
+        for _ in range(6):  # each says hello and never finishes its handshake
+            stalled.append(socket.create_connection(("127.0.0.1", port)))
+            stalled[-1].sendall(client_hello())
+            time.sleep(0.1)
+        try:
+            assert [ended_by_server(s) for s in stalled] == [True] * 2 + [False] * 4
+            client = AdminClient(address, TOKEN, timeout=5, tls=ClientTls(str(pki["ca"])))
+            assert client.get("/v1/agents")["agents"] == []
+            assert ended_by_server(stalled[2])
+        finally:
+            for s in stalled:
+                s.close()
+        assert metric(running, "allocwatch_http_connections_closed_total", server="admin",
+                      reason="idle_evicted") == 3.0
     finally:
         running.stop()
 

@@ -1,11 +1,15 @@
 """The metrics endpoint's limits against crowded and hostile clients: idle connections never
-starve scrapes or agents (not even past the process's file limit), a client that says nothing,
-or trickles its request a byte at a time, is closed at the idle deadline, and oversized headers
-are refused. Every limit is counted in allocwatch_http_connections_closed_total."""
+starve scrapes or agents (not even past the process's file limit), silent connections are held
+apart from aiohttp's and go first, oldest first, a client that says nothing, or trickles its
+request a byte at a time (however long it kept silent first), is closed at the idle deadline
+from its accept, and oversized headers are refused. Every limit is counted in
+allocwatch_http_connections_closed_total."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import http.client
 import resource
 import socket
 import subprocess
@@ -16,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support.admin import closed_now, closed_within, exchange, raw_socket
 from support.net import free_port
 from support.sidecar import FakeSource, scrape, values
@@ -113,11 +118,12 @@ def test_a_crowd_of_idle_connections_starves_neither_scrapes_nor_agents(
                 sock.close()
 
 
-@pytest.fixture
-def limited(tmp_path: Path) -> Iterator[str]:
-    """A sidecar whose metrics listener has small limits; yields its URL."""
+@contextlib.contextmanager
+def limited_sidecar(tmp_path: Path, idle_timeout: float) -> Iterator[str]:
+    """A sidecar whose metrics listener has small limits (8 connections); yields its URL."""
     parsed = parse_config({"metrics": {"address": "127.0.0.1", "port": 0, "limits": {
-        "max_connections": 8, "idle_timeout_seconds": 1, "request_timeout_seconds": 2}},
+        "max_connections": 8, "idle_timeout_seconds": idle_timeout,
+        "request_timeout_seconds": 2}},
         "agents": {"unix_socket": str(tmp_path / "run" / "agent.sock")},
         "nvml": {"enabled": False}})
     running = SidecarThread(parsed).start()
@@ -125,6 +131,29 @@ def limited(tmp_path: Path) -> Iterator[str]:
         yield running.sidecar.metrics_url
     finally:
         running.stop()
+
+
+@pytest.fixture
+def limited(tmp_path: Path) -> Iterator[str]:
+    with limited_sidecar(tmp_path, idle_timeout=1) as url:
+        yield url
+
+
+def get_over(sock: socket.socket, path: str = "/metrics") -> tuple[int, str]:
+    """GET `path` over an open connection (kept alive): (status, body)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    response = http.client.HTTPResponse(sock, method="GET")
+    response.begin()
+    return response.status, response.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of the sample `name` with exactly these labels in an exposition."""
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and found.labels == labels:
+                return found.value
+    return None
 
 
 def test_a_silent_or_trickling_client_is_closed_at_the_idle_deadline(limited: str) -> None:
@@ -137,23 +166,136 @@ def test_a_silent_or_trickling_client_is_closed_at_the_idle_deadline(limited: st
     assert (status, body) == (200, b"ok\n")
 
 
-def test_past_the_connection_limit_the_oldest_silent_connection_goes_first(limited: str
-                                                                           ) -> None:
+def test_silent_connections_are_counted_and_closed_at_their_idle_deadline(limited: str
+                                                                          ) -> None:
     port = int(limited.rsplit(":", 1)[1])
+    for _ in range(20):  # ended before a byte, as a TCP probe is: nothing to serve or hold
+        socket.create_connection(("127.0.0.1", port)).close()
+    time.sleep(0.3)
+    evicted = values(limited, "allocwatch_http_connections_closed_total", server="metrics")
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+    try:
+        time.sleep(0.2)
+        # The six silent ones and this scrape's connection.
+        assert values(limited, "allocwatch_http_connections", server="metrics") == [7.0]
+        assert [closed_now(sock) for sock in silent] == [False] * 6
+        time.sleep(1.2)
+        assert [closed_now(sock) for sock in silent] == [True] * 6
+    finally:
+        for sock in silent:
+            sock.close()
+    assert values(limited, "allocwatch_http_connections", server="metrics") == [1.0]
+    # The deadline closed them, not the limit.
+    assert values(limited, "allocwatch_http_connections_closed_total", server="metrics"
+                  ) == evicted
+
+
+@dataclasses.dataclass(frozen=True)
+class Listener:
+    address: str      # http://host:port or unix:///path
+    server: str       # its label in allocwatch_http_connections{server}
+    path: str         # a GET it answers without a token
+    metrics_url: str  # where its counters are read
+
+
+@pytest.fixture(params=["metrics over TCP", "admin API over its Unix socket"])
+def small_listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Listener]:
+    """One of the sidecar's listeners limited to 8 connections (idle deadline 5 s)."""
+    limits = {"max_connections": 8, "idle_timeout_seconds": 5, "request_timeout_seconds": 2}
+    parsed = parse_config({
+        "metrics": {"address": "127.0.0.1", "port": 0, "limits": limits},
+        "admin": {"command_timeout_seconds": 1, "limits": limits},
+        "agents": {"unix_socket": str(tmp_path / "run" / "agent.sock")},
+        "nvml": {"enabled": False}})
+    running = SidecarThread(parsed).start()
+    url = running.sidecar.metrics_url
+    try:
+        if request.param.startswith("metrics"):
+            yield Listener(url, "metrics", "/healthz", url)
+        else:
+            (address,) = running.sidecar.admin.addresses()
+            yield Listener(address, "admin", "/v1/agents", url)
+    finally:
+        running.stop()
+
+
+def test_past_the_connection_limit_silent_connections_go_first_oldest_first(
+        small_listener: Listener) -> None:
+    listener = small_listener
+    # Reading the metrics listener's own figures takes one of its places.
+    scraping_counts = int(listener.server == "metrics")
     with contextlib.ExitStack() as stack:
-        scraper = stack.enter_context(raw_socket(limited))
-        scraper.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert scraper.recv(1 << 16).startswith(b"HTTP/1.1 200")
-        silent = [stack.enter_context(socket.create_connection(("127.0.0.1", port)))
-                  for _ in range(12)]
+        kept_alive = stack.enter_context(raw_socket(listener.address))
+        assert get_over(kept_alive, listener.path)[0] == 200
+        # Older than every silent one, spoken but its request unfinished: aiohttp has it.
+        trickling = stack.enter_context(raw_socket(listener.address))
+        trickling.sendall(f"GET {listener.path} HTTP/1.1\r\n".encode())
+        time.sleep(0.2)
+        silent = [stack.enter_context(raw_socket(listener.address)) for _ in range(12)]
         time.sleep(0.3)
-        # 13 connections for 8 places: the 5 oldest silent ones went, the served one stays.
-        gone = [closed_now(sock) for sock in silent]
-        assert gone == [True] * 5 + [False] * 7
-        scraper.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert scraper.recv(1 << 16).startswith(b"HTTP/1.1 200")
-    assert values(limited, "allocwatch_http_connections_closed_total", server="metrics",
-                  reason="idle_evicted") == [5.0]
+        # 14 connections for 8 places: the 6 oldest silent ones went, those that spoke stay.
+        assert [closed_now(sock) for sock in silent] == [True] * 6 + [False] * 6
+        assert not closed_now(trickling)
+        # The silent ones count.
+        assert values(listener.metrics_url, "allocwatch_http_connections",
+                      server=listener.server) == [8.0]
+        # A client on a new connection takes the place of the oldest silent one left...
+        assert exchange(listener.address,
+                        f"GET {listener.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())[0] == 200
+        gone = 7 + scraping_counts
+        assert [closed_now(sock) for sock in silent] == [True] * gone + [False] * (12 - gone)
+        # ...and those that spoke are served: the request finished, the kept-alive one.
+        trickling.sendall(b"Host: x\r\n\r\n")
+        response = http.client.HTTPResponse(trickling, method="GET")
+        response.begin()
+        assert response.status == 200 and response.read()
+        assert get_over(kept_alive, listener.path)[0] == 200
+        for sock in silent:
+            sock.close()
+        time.sleep(0.2)  # their ends seen: no place is taken from anyone below
+        assert values(listener.metrics_url, "allocwatch_http_connections_closed_total",
+                      server=listener.server, reason="idle_evicted") == [gone]
+
+
+def test_past_the_connection_limit_the_idle_connections_of_clients_that_spoke_go_next(
+        tmp_path: Path) -> None:
+    """With no silent connection to close: the one that never began a request, then the one
+    idle longest."""
+    with limited_sidecar(tmp_path, idle_timeout=5) as limited, contextlib.ExitStack() as stack:
+        served = [stack.enter_context(raw_socket(limited)) for _ in range(7)]
+        for sock in served:
+            assert get_over(sock, "/healthz")[0] == 200
+        assert get_over(served[0], "/healthz")[0] == 200  # now idle the shortest
+        trickling = stack.enter_context(raw_socket(limited))
+        trickling.sendall(b"GET /metrics HTTP/1.1\r\n")
+        time.sleep(0.2)
+        newcomers = []
+        for _ in range(2):
+            newcomers.append(stack.enter_context(raw_socket(limited)))
+            newcomers[-1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            time.sleep(0.1)
+        time.sleep(0.2)
+        assert closed_now(trickling)
+        assert [closed_now(sock) for sock in served] == [False, True] + [False] * 5
+        for sock in newcomers:
+            response = http.client.HTTPResponse(sock, method="GET")
+            response.begin()
+            assert response.status == 200
+        status, text = get_over(served[0])
+        assert sample(text, "allocwatch_http_connections_closed_total", server="metrics",
+                      reason="idle_evicted") == 2.0
+
+
+def test_a_client_silent_before_trickling_is_closed_at_the_idle_deadline_from_its_accept(
+        tmp_path: Path) -> None:
+    """Its silence and its trickle share one deadline: the hand-over to aiohttp on its
+    first byte does not start another."""
+    with limited_sidecar(tmp_path, idle_timeout=2) as url, raw_socket(url) as client:
+        started = time.monotonic()
+        time.sleep(1.5)
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: y\r\n" * 20
+        assert closed_within(client, 5, send=request) is not None
+        assert time.monotonic() - started < 2.9  # a second deadline would close it at 3.5
 
 
 @pytest.mark.parametrize("request_bytes", [
