@@ -242,8 +242,11 @@ def test_past_the_connection_limit_silent_connections_go_first_oldest_first(
         # A client on a new connection takes the place of the oldest silent one left...
         assert exchange(listener.address,
                         f"GET {listener.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())[0] == 200
-        gone = 7 + scraping_counts
-        assert [closed_now(sock) for sock in silent] == [True] * gone + [False] * (12 - gone)
+        # (The scrape's own connection took a place too, unless its close was seen first.)
+        closed = [closed_now(sock) for sock in silent]
+        gone = closed.count(True)
+        assert gone in {7, 7 + scraping_counts}, closed
+        assert closed == [True] * gone + [False] * (12 - gone)
         # ...and those that spoke are served: the request finished, the kept-alive one.
         trickling.sendall(b"Host: x\r\n\r\n")
         response = http.client.HTTPResponse(trickling, method="GET")
