@@ -491,11 +491,30 @@ def test_below_the_high_water_mark_growth_creates_pages_instead_of_moving_them()
     assert a.check_invariants() == ""
 
 
-def _looped_step_page_calls(config: str | None, passes: int, fraction: float = 0.0
-                            ) -> list[tuple[int, int]]:
-    """A step whose 60 MiB request finds its free memory in a 40 MiB block that does not
-    border the growth, repeated on one allocator: per pass, peak reserved (MiB) and the
-    device calls that map or unmap pages."""
+# A step as a program: ("x", 40) allocates 40 MiB as x, ("x",) frees x.
+Step = list[tuple[str, int] | tuple[str]]
+
+# The 60 MiB request finds its free memory in a 40 MiB block that does not border the growth.
+STEP_BESIDE_A_DISTANT_HOLE: Step = [("x", 40), ("y", 40), ("x",), ("z", 60), ("y",), ("z",)]
+# Requests of 4 to 80 MiB freed out of order: the take-backs of the first pass leave holes in
+# several places where the next pass's 60 MiB requests could grow.
+STEP_AMONG_HOLES: Step = [("w", 20), ("x", 80), ("w",), ("y", 30), ("x",), ("z", 4), ("y",),
+                          ("u", 60), ("v", 60), ("v",), ("u",), ("z",)]
+
+
+def _run_step(a: ae.Allocator, step: Step) -> None:
+    held: dict[str, int] = {}
+    for op in step:
+        if len(op) == 2:
+            held[op[0]] = a.malloc(op[1] * MiB)
+        else:
+            a.free(held.pop(op[0]))
+
+
+def _looped_step_page_calls(config: str | None, passes: int, fraction: float = 0.0,
+                            step: Step = STEP_BESIDE_A_DISTANT_HOLE) -> list[tuple[int, int]]:
+    """`step` repeated on one allocator: per pass, peak reserved (MiB) and the device calls
+    that map or unmap pages."""
     dev = ae.SimDevice(capacity=GiB)
     a = ae.Allocator(dev, config)
     if fraction:
@@ -503,12 +522,7 @@ def _looped_step_page_calls(config: str | None, passes: int, fraction: float = 0
     rows = []
     for _ in range(passes):
         before = sum(calls(dev, k) for k in ("create", "map_only", "unmap"))
-        x = a.malloc(40 * MiB)
-        y = a.malloc(40 * MiB)
-        a.free(x)
-        z = a.malloc(60 * MiB)
-        a.free(y)
-        a.free(z)
+        _run_step(a, step)
         assert a.check_invariants() == ""
         rows.append((a.stats()["reserved_bytes.all.peak"] // MiB,
                      sum(calls(dev, k) for k in ("create", "map_only", "unmap")) - before))
@@ -530,6 +544,18 @@ def test_a_repeated_take_back_creates_pages_once_and_the_loop_settles() -> None:
     capped = _looped_step_page_calls("settle_page_moves:True", 6, fraction=120 / 1024)
     assert all(peak <= 120 for peak, _ in capped)
     assert all(page_calls > 0 for _, page_calls in capped[2:])
+
+
+def test_a_settled_growth_creates_its_pages_where_the_fewest_are_missing() -> None:
+    # The second time a take-back recurs, the growth creates its pages beside the free memory
+    # that leaves the fewest to create, not in the lowest hole where it fits: 6 MiB more than
+    # the first pass, where the lowest hole took 30 MiB (and moved the next pass's requests
+    # elsewhere). The loop is flat from pass 2 without a device call.
+    moving = _looped_step_page_calls(None, 6, step=STEP_AMONG_HOLES)
+    settled = _looped_step_page_calls("settle_page_moves:True", 6, step=STEP_AMONG_HOLES)
+    assert settled[0] == moving[0] and settled[0][0] == 124
+    assert {peak for peak, _ in settled[1:]} == {130}
+    assert [page_calls for _, page_calls in settled[2:]] == [0, 0, 0, 0]
 
 
 def test_under_a_memory_fraction_growth_moves_free_pages_instead_of_retrying() -> None:

@@ -226,7 +226,8 @@ class CachingAllocator {
   std::size_t garbage_collect_cached_blocks();
 
   // Expandable segments.
-  Block* find_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
+  Block* find_expandable_block(StreamId stream, BlockPool* pool, std::size_t size,
+                               bool fewest_new_pages);
   // Maps `size` bytes at the start of an unmapped block, of which `needed` serve the request.
   bool map_block(Block* to_map, std::size_t size, std::size_t needed);
   // map_block's decisions (expandable.cpp, Note [page policy]).

@@ -56,8 +56,9 @@ struct AllocatorConfig {
   // reserved memory (expandable.cpp, Note [page policy]).
   bool reuse_free_pages = false;
   // With reuse_free_pages: a take-back that repeats one already made (the same request on the
-  // same stream with the same bytes allocated) creates pages instead, once, so that a
-  // repeating workload stops moving pages (expandable.cpp, Note [page policy], repeated moves).
+  // same stream with the same bytes allocated) creates pages instead, once, where the fewest
+  // are needed, so that a repeating workload stops moving pages (expandable.cpp, Note [page
+  // policy], repeated moves).
   bool settle_page_moves = false;
 
   static AllocatorConfig native();     // PyTorch's defaults

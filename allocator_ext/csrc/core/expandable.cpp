@@ -76,11 +76,16 @@
 // the same request on the same stream with the same bytes allocated is the same moment of a
 // repeated step, and the pages it moves will have moved back by then, or the repetition would
 // have found them. So the second time it creates its pages instead, once; the layout keeps
-// them and the step stops moving pages. Past the memory fraction pages move regardless (they
-// are the only room), and an explicit reclaim forgets the growths seen, as it lowers the mark.
-// The cost: a workload whose steps already repeat inside one recording (multistream,
-// convnet) pays in its first pass the memory the moves had saved, which is why the rule is
-// not a default (docs/benchmarks.md, "Repeated passes", has the figures).
+// them and the step stops moving pages. Such a growth grows where the fewest of its bytes are
+// unmapped, not at the lowest address where it fits: the take-backs left holes all over the
+// segment, and the lowest one that fits may need far more new pages than a hole beside free
+// memory; pages created there also change where the next repetition's earlier requests land,
+// which then need growth of their own (ckpt settled a pass later, 8.8 % above pass 2, before
+// this placement; settles at pass 2 with it). Past the memory fraction pages move regardless
+// (they are the only room), and an explicit reclaim forgets the growths seen, as it lowers the
+// mark. The cost: a workload whose steps already repeat inside one recording (multistream)
+// pays in its first pass the memory the moves had saved, which is why the rule is not a default
+// (docs/benchmarks.md, "Repeated passes", has the figures).
 #include <algorithm>
 
 #include "allocator.h"
@@ -93,6 +98,8 @@ namespace {
 // policy], small-pool reserve).
 constexpr std::size_t kSmallPagesKept = 2;
 
+constexpr std::size_t kNoRoom = static_cast<std::size_t>(-1);
+
 bool allocatable(const Block* b) {
   return b != nullptr && b->is_free();
 }
@@ -104,24 +111,35 @@ std::size_t whole_pages(std::size_t bytes, std::size_t page) {
 }  // namespace
 
 Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
-                                               std::size_t size) {
+                                               std::size_t size, bool fewest_new_pages) {
   // The lowest address where `size` fits in unmapped space, possibly together with the free
-  // block just before it: growing at the lowest address keeps each segment one piece.
-  auto has_room = [&](Block* b) {
-    std::size_t bytes = 0;
-    while (bytes < size && allocatable(b)) {
+  // blocks around it: growing at the lowest address keeps each segment one piece. With
+  // fewest_new_pages, the place of all those where the least of `size` is unmapped (Note
+  // [page policy], repeated moves).
+  auto unmapped_bytes = [&](Block* b) {  // of the first `size` bytes; kNoRoom: they do not fit
+    std::size_t bytes = 0, unmapped = 0;
+    for (; bytes < size && allocatable(b); b = b->next) {
+      if (!b->mapped) unmapped += std::min(b->size, size - bytes);
       bytes += b->size;
-      b = b->next;
     }
-    return bytes >= size;
+    return bytes >= size ? unmapped : kNoRoom;
   };
   Block key(stream, 0, nullptr, 0);
+  Block* best = nullptr;
+  std::size_t best_unmapped = kNoRoom;
   for (auto it = pool->unmapped.lower_bound(&key);
        it != pool->unmapped.end() && (*it)->stream == stream; ++it) {
     Block* c = *it;
     if (allocatable(c->prev)) c = c->prev;
-    if (has_room(c)) return c;
+    const std::size_t unmapped = unmapped_bytes(c);
+    if (unmapped == kNoRoom) continue;
+    if (!fewest_new_pages) return c;
+    if (unmapped < best_unmapped) {
+      best = c;
+      best_unmapped = unmapped;
+    }
   }
+  if (best != nullptr) return best;
   // None: reserve a new segment with address space for all of the device's memory (and an
   // eighth more, so pages unmapped early in a segment can be remapped at its end).
   const std::size_t page = pool->is_small ? kSmallBuffer : config_.expandable_large_page;
@@ -285,7 +303,10 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   growth_ = Growth{stream, size,
                    static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current)};
   growth_moved_pages_ = false;
-  Block* candidate = find_expandable_block(stream, pool, size);
+  // A growth that will create the pages it once moved grows where it needs the fewest (Note
+  // [page policy], repeated moves).
+  const bool settled = config_.settle_page_moves && growths_that_moved_pages_.count(growth_) > 0;
+  Block* candidate = find_expandable_block(stream, pool, size, settled);
   // The candidate starts a run of free and unmapped blocks with at least `size` bytes:
   //   unmapped -> null | unmapped -> free -> ... | free -> unmapped -> ...
   if (!candidate->mapped &&
