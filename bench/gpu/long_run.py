@@ -365,12 +365,14 @@ def drive(args: argparse.Namespace) -> int:
     sidecar = SidecarProcess("sidecar-", agents_yaml="  expiry_seconds: 300\n",
                              extra_yaml="admin:\n  enabled: false\n", parent=out).start()
     log = WorkerLog(out / "worker.log")
-    # allocwatch's defaults and this agent only: the caller's settings are left out, except
-    # where the native back end is cached.
+    # allocwatch's defaults (or --config) and this agent only: the caller's settings are left
+    # out, except where the native back end is cached.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ALLOCWATCH_") or k == "ALLOCWATCH_NATIVE_DIR"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                         if p)
+    if args.config:
+        env["ALLOCWATCH_ALLOC_CONF"] = args.config
     launched = time.time()
     with log.path.open("wb") as log_file:
         work = subprocess.Popen(worker_command(args, sidecar.target, stop_at), cwd=REPO,
@@ -413,7 +415,8 @@ def drive(args: argparse.Namespace) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
         "host": socket.gethostname(), "tree": tree(),
-        "model": args.model, "device": (start or {}).get("device", "?"),
+        "model": args.model, "config": args.config or "defaults",
+        "device": (start or {}).get("device", "?"),
         "torch": (start or {}).get("torch"), "cuda": (start or {}).get("cuda"),
         "minutes": args.minutes, "mark_s": args.mark_s,
         "agent_interval_s": 0.5 if args.self_check else 1.0, "scrape_interval_s": SCRAPE_S,
@@ -478,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="training time from the first step (default 8)")
     p.add_argument("--model", default="transformer", help="an allocator_ext.workloads training "
                    "workload: transformer (default), moe, convnet")
+    p.add_argument("--config", metavar="STR", default="",
+                   help="allocwatch settings for the worker (ALLOCWATCH_ALLOC_CONF), e.g. "
+                        "settle_page_moves:True; default: allocwatch's defaults")
     p.add_argument("--json", metavar="FILE", help="default DIR/long_run.json")
     p.add_argument("--plot", metavar="FILE", help="default DIR/long_run.png")
     p.add_argument("--self-check", action="store_true", help="CPU: the plumbing (see above)")
