@@ -284,8 +284,8 @@ def verdict(samples: list[dict[str, Any]], mark_s: float, settle: int = SETTLE,
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Reserved, allocated and peak reserved over time, minute marks, the settle mark and the
-    bar above the peak at it."""
+    """Reserved, allocated, peak reserved and peak allocated over time, minute marks, the
+    settle mark and the bar above the peak at it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,6 +298,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, 5.5), dpi=120)
     ax.plot(x, [s["peak_reserved_bytes"] / gib for s in samples], color="tab:red", lw=1.6,
             label="peak reserved (process)")
+    ax.plot(x, [s["peak_allocated_bytes"] / gib for s in samples], color="tab:purple", lw=1.0,
+            ls="--", label="peak allocated (the workload's own peak)")
     ax.plot(x, [s["reserved_bytes"] / gib for s in samples], color="tab:orange", lw=0.9,
             label="reserved (at each report)")
     ax.plot(x, [s["allocated_bytes"] / gib for s in samples], color="tab:blue", lw=0.7,
@@ -317,7 +319,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlim(0, max(x, default=1))
     figure = ("no figure" if v.get("flat") is None else
               f"{v['growth']:+.3%} after minute {v['settle_minutes']} "
-              f"({'flat' if v['flat'] else 'grew'}; bar {v['bar']:.1%})")
+              f"({'flat' if v['flat'] else 'grew'}; bar {v['bar']:.1%}); the workload's own "
+              f"peak {v['workload_peak_growth']:+.3%}, reserved beyond it "
+              f"{v['reserved_beyond_allocated_growth']:+.3%}")
     ax.set_title(f"{result['model']} ({result['device']}) under allocwatch, agent publishing: "
                  f"peak reserved {figure}", loc="left", fontsize=10, wrap=True)
     ax.legend(loc="lower right", fontsize=8)
