@@ -15,15 +15,16 @@ step by step on the same GPU and the same CPU cores: step i of one runs right be
 step i of the other (who goes first alternates), each alone on the device, so both see the
 same drift and the same shapes.
 
-Each process first warms up untimed: two steps at the workload's largest shapes (the second
-with the optimizer's state in place), then --steps steps of the warm-up sequence (cuBLAS/cuDNN plans, the allocators' first growth). Then come
---rounds timed rounds, each --steps steps of shapes drawn afresh from a seed of its own, the
-same seed in both processes and never the warm-up's: what a training run with random shapes
-sees, where a step's exact shapes rarely come back. With --fraction-of-peak F (and in the
-suite's second half) each process then caps itself with set_per_process_memory_fraction at F x
-the most bytes it has requested at once so far (its warm-up, which met the largest shapes, and
-in the suite the uncapped rounds, whose shapes the capped rounds draw again), empties its
-cache, warms up again under the cap, and times the rounds; running out of memory is reported.
+Each process first warms up untimed: two steps at the workload's largest shapes (the second with
+the optimizer's state in place), then --steps steps of the warm-up sequence (cuBLAS/cuDNN plans,
+the allocators' first growth). Then come --rounds timed rounds, each --steps steps of shapes
+drawn afresh from a seed of its own, the same seed in both processes and never the warm-up's:
+what a training run with random shapes sees, where a step's exact shapes rarely come back. With
+--fraction-of-peak F (and in the suite's second half) each process then caps itself with
+set_per_process_memory_fraction at F x the most bytes it has requested at once so far (its
+warm-up, which met the largest shapes, and in the suite the uncapped rounds, whose shapes the capped
+rounds draw again), empties its cache, warms up again under the cap, and times the rounds;
+running out of memory is reported.
 
 Reported per round: allocwatch's total step time over the other's; over all rounds the mean of
 those ratios with its standard error and the median of the per-step ratios (the bar: <= 1.00).
