@@ -120,6 +120,18 @@ def timed_step(work: Workload, batch: Batch) -> float:
     return time.perf_counter() - started
 
 
+def meet_the_peak(work: Workload, step: Callable[[Batch], object] | None = None) -> None:
+    """Two steps at the workload's largest shapes, through `step` (default: timed_step): the
+    first creates the optimizer's state, so only the second meets the peak that every later
+    step, holding that state, can reach (what a cap or a flat-peak verdict must start from)."""
+    for _ in range(2):
+        batch = work.draw(largest=True)
+        if step is None:
+            timed_step(work, batch)
+        else:
+            step(batch)
+
+
 # ---- token models
 
 class Attention(nn.Module):

@@ -141,10 +141,7 @@ def worker(model: str, seconds: float, stop_at: float, mark_s: float, target: st
         print(json.dumps({"event": event, **fields, **core_figures(core)}), flush=True)
 
     started = time.time()
-    # The run's largest request, met at once: twice, as the first step creates the optimizer's
-    # state, which every later step holds.
-    for _ in range(2):
-        step(work.draw(largest=True))
+    workloads.meet_the_peak(work, step)  # the run's largest request, met at once
     line("start", wall=started, model=model,
          device="CPU; simulated device" if sim else torch.cuda.get_device_name(0),
          torch=torch.__version__, cuda=torch.version.cuda)

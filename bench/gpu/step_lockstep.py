@@ -90,10 +90,7 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
 
     def warm_up() -> None:
         warmup_shapes.clear()
-        # Twice: the first step creates the optimizer's state, so only the second meets the
-        # largest shapes' peak as every later step has it (what a cap must leave room for).
-        for _ in range(2):
-            workloads.timed_step(work, work.draw(largest=True))
+        workloads.meet_the_peak(work)
         work.reseed(WARMUP_SEED)
         for _ in range(steps):
             batch = work.draw()
@@ -105,11 +102,12 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
 
     # The cap's base: the most requested at once by anything run so far, the warm-up's largest
     # shapes and every timed round (peaks are reset per phase, so the highest is kept here).
-    highest = [0]
+    highest = 0
 
     def highest_requested() -> int:
-        highest[0] = max(highest[0], counters.stats().get("requested_bytes.all.peak", 0))
-        return highest[0]
+        nonlocal highest
+        highest = max(highest, counters.stats().get("requested_bytes.all.peak", 0))
+        return highest
 
     try:
         warm_up()
