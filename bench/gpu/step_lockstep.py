@@ -2,6 +2,7 @@
 shapes neither has seen.
 
     python bench/gpu/step_lockstep.py [--model transformer|moe|convnet] [--against expandable]
+                                      [--ours allocwatch]
                                       [--rounds 8] [--steps 12] [--fraction-of-peak F]
                                       [--json FILE]                               (on a GPU)
     python bench/gpu/step_lockstep.py --suite DIR [--rounds 8] [--steps 12]       (on a GPU)
@@ -32,7 +33,14 @@ Per step, each allocator's device calls (its num_device_alloc / num_device_free 
 num_sync_all_streams: for allocwatch its core's counts, maps and unmaps with expandable
 segments; for PyTorch torch.cuda.memory_stats()'s), and the median step ratio over the steps
 where allocwatch made device calls against those where it made none: where page moves cost
-step time, these say so. Also each allocator's peak reserved / peak requested.
+step time, these say so. Per step also the time until the host had queued the whole step:
+its median share of the step shows whether the workload is bound by the host (where the
+allocator's own calls count) or by the device, and the median of ours over the other's
+queuing time whether our host side is slower. Also each allocator's peak reserved / peak
+requested.
+
+--ours picks the allocator judged (default allocwatch's); --ours and --against the same
+allocator check the harness itself, whose ratio should then be 1.00 within the spread.
 
 --self-check runs the same protocol on the CPU with tiny workloads (two processes under
 PyTorch's allocator, no GPU): it checks the plumbing and that the timed shapes are fresh and
@@ -48,6 +56,7 @@ import selectors
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +75,22 @@ CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 def shape_of(batch: tuple) -> list:
     return [list(t.shape) if hasattr(t, "shape") else t for t in batch]
+
+
+def step_with_enqueue_time(work: Any, batch: Any, torch: Any) -> tuple[float, float]:
+    """Seconds of one step from a synchronised start to its synchronised end, as
+    workloads.timed_step, and the seconds until the CPU had queued all of it: a step whose
+    enqueue time is close to its whole time is bound by the host (the allocator's calls among
+    what it spends), one whose enqueue time is far shorter waits for the device."""
+    cuda = work.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(work.device)
+    started = time.perf_counter()
+    work.run(batch)
+    enqueued = time.perf_counter() - started
+    if cuda:
+        torch.cuda.synchronize(work.device)
+    return time.perf_counter() - started, enqueued
 
 
 def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
@@ -136,9 +161,9 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
             elif command == "step":
                 batch = work.draw()
                 before = counters.stats()
-                seconds = workloads.timed_step(work, batch)
+                seconds, enqueued = step_with_enqueue_time(work, batch, torch)
                 after = counters.stats()
-                answer({"s": seconds, "shape": shape_of(batch),
+                answer({"s": seconds, "enqueue_s": enqueued, "shape": shape_of(batch),
                         "calls": {k: after.get(k, 0) - before.get(k, 0) for k in CALLS}})
             elif command == "stats":
                 s = counters.stats()
@@ -167,8 +192,8 @@ class Trainer:
     """One training process under one allocator, answering one line per command."""
 
     def __init__(self, allocator: str, model: str, steps: int, cores: str,
-                 self_check: bool) -> None:
-        self.name = allocator
+                 self_check: bool, name: str = "") -> None:
+        self.name = name or allocator
         env = dict(os.environ, **ALLOCATORS[allocator])
         argv = [sys.executable, __file__, "--child", model, str(steps), cores,
                 "1" if self_check else "0"]
@@ -238,6 +263,8 @@ def timed_round(r: int, trainers: list[Trainer], steps: int, reset_peak: bool) -
             "ratio": sum(s["s"] for s in mine) / sum(s["s"] for s in theirs),
             "step_ratios": [a["s"] / b["s"] for a, b in zip(mine, theirs, strict=True)],
             "step_times_s": {n: [round(s["s"], 6) for s in v] for n, v in got.items()},
+            "enqueue_times_s": {n: [round(s.get("enqueue_s", 0.0), 6) for s in v]
+                                for n, v in got.items()},
             "step_device_calls": {n: [s["calls"] for s in v] for n, v in got.items()},
             "shapes": [s["shape"] for s in mine]}
 
@@ -253,7 +280,18 @@ def summarize(rounds: list[dict], ours: str) -> dict:
                                                strict=True) if not any(c.values())]
     calls = {n: {k: sum(c[k] for r in rounds for c in r["step_device_calls"][n]) for k in CALLS}
              for n in rounds[0]["step_device_calls"]}
+    names = list(rounds[0]["step_times_s"])
+    # How much of each step the host spent queuing it, and ours over the other's queuing time:
+    # a host-bound step that queues slower is slower for the host's work, the allocator's
+    # calls among it.
+    enqueue_share = {n: statistics.median(e / max(t, 1e-9) for r in rounds for e, t in
+                                          zip(r["enqueue_times_s"][n], r["step_times_s"][n],
+                                              strict=True)) for n in names}
+    enqueue_ratios = [a / max(b, 1e-9) for r in rounds for a, b in
+                      zip(*(r["enqueue_times_s"][n] for n in names), strict=True)]
     return {"mean_ratio": mean, "stderr": se, "median_step_ratio": statistics.median(ratios),
+            "median_enqueue_share": enqueue_share,
+            "median_enqueue_ratio": statistics.median(enqueue_ratios),
             "steps_compared": len(ratios), "device_calls_while_timed": calls,
             "steps_with_device_calls": len(moved),
             "median_step_ratio_with_device_calls": statistics.median(moved) if moved else None,
@@ -294,7 +332,11 @@ def run_workload(model: str, ours: str, against: str, fractions: list[float], ro
     result: dict[str, Any] = {"command": " ".join(sys.argv), "model": model, "ours": ours,
                               "against": against, "cores": cores, "steps_per_round": steps,
                               "phases": []}
-    trainers = [Trainer(a, model, steps, cores, self_check) for a in (ours, against)]
+    # The same allocator on both sides (--ours): the second is named apart, the harness's own
+    # check (its ratio should be 1.00 within the spread).
+    names = (ours, against) if ours != against else (ours, f"{against} (second process)")
+    trainers = [Trainer(a, model, steps, cores, self_check, n)
+                for a, n in zip((ours, against), names, strict=True)]
     try:
         try:  # both warm up at once; timing starts when both are ready
             for t in trainers:
@@ -332,8 +374,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=TRAINED, default="transformer")
-    p.add_argument("--against", choices=sorted(set(ALLOCATORS) - {"allocwatch"}),
-                   default="expandable", help="the allocator compared with allocwatch's")
+    p.add_argument("--against", choices=sorted(ALLOCATORS), default="expandable",
+                   help="the allocator compared with allocwatch's (or with --ours)")
+    p.add_argument("--ours", choices=sorted(ALLOCATORS), default="allocwatch",
+                   help="the allocator judged (default allocwatch's; the same as --against "
+                        "checks the harness itself: its ratio should be 1.00 within the spread)")
     p.add_argument("--rounds", type=int, default=8, help="timed rounds of fresh shapes")
     p.add_argument("--steps", type=int, default=12, help="steps per round (and warm-up)")
     p.add_argument("--cores", default="",
@@ -360,7 +405,7 @@ def main() -> int:
         p.error("--fraction-of-peak needs requested bytes, which cudaMallocAsync does not count")
     cores = args.cores or ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:4])
     # On the CPU neither side can install allocwatch: the check compares PyTorch with itself.
-    ours, against = ("pytorch", "expandable") if args.self_check else ("allocwatch", args.against)
+    ours, against = ("pytorch", "expandable") if args.self_check else (args.ours, args.against)
     if args.suite:
         out_dir = Path(args.suite)
         out_dir.mkdir(parents=True, exist_ok=True)
