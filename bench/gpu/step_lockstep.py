@@ -12,9 +12,14 @@ shapes neither has seen.
 Runs of one allocator in separate processes, one after another, differ by 10-25 % on the H200
 hosts: the host and the GPU drift between runs, far more than the effect sought. Here two
 processes, one per allocator, train the same allocator_ext.workloads workload and take turns
-step by step on the same GPU and the same CPU cores: step i of one runs right before or after
+step by step on the same GPU and the same CPU core: step i of one runs right before or after
 step i of the other (who goes first alternates), each alone on the device, so both see the
-same drift and the same shapes.
+same drift and the same shapes. One core, not several: these steps are bound by the host
+(cuDNN's plans for each new shape, the MoE's routing), and on four shared cores the same
+allocator against itself gave rounds from 0.81 to 1.15 (median per-step ratio 0.977 MoE,
+1.063 convnet), the scheduler placing each process on cores of different speed for seconds at
+a time; on one core, 0.94-1.08 (1.003, 0.992; docs/benchmarks.md). The parent runs on the
+other cores.
 
 Each process first warms up untimed: two steps at the workload's largest shapes (the second with
 the optimizer's state in place), then --steps steps of the warm-up sequence (cuBLAS/cuDNN plans,
@@ -382,8 +387,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=8, help="timed rounds of fresh shapes")
     p.add_argument("--steps", type=int, default=12, help="steps per round (and warm-up)")
     p.add_argument("--cores", default="",
-                   help="CPU cores both processes run on, e.g. 2,3,4,5 (default: the first "
-                        "four this process may use)")
+                   help="CPU cores both processes run on, e.g. 2 or 2,3 (default: the first "
+                        "this process may use, the parent then on the others)")
     p.add_argument("--fraction-of-peak", type=float, default=0.0, metavar="F",
                    help="cap each process at F x the peak requested bytes it has met (e.g. 1.03)")
     p.add_argument("--json", metavar="FILE")
@@ -403,7 +408,11 @@ def main() -> int:
         p.error("--rounds and --steps must be at least 1")
     if args.fraction_of_peak and args.against == "cudaMallocAsync":
         p.error("--fraction-of-peak needs requested bytes, which cudaMallocAsync does not count")
-    cores = args.cores or ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:4])
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = args.cores or str(allowed[0])
+    rest = set(allowed) - {int(c) for c in cores.split(",")}
+    if rest:  # the parent's own work (reading answers) off the trainers' core
+        os.sched_setaffinity(0, rest)
     # On the CPU neither side can install allocwatch: the check compares PyTorch with itself.
     ours, against = ("pytorch", "expandable") if args.self_check else (args.ours, args.against)
     if args.suite:
