@@ -413,8 +413,10 @@ def main() -> int:
     rest = set(allowed) - {int(c) for c in cores.split(",")}
     if rest:  # the parent's own work (reading answers) off the trainers' core
         os.sched_setaffinity(0, rest)
-    # On the CPU neither side can install allocwatch: the check compares PyTorch with itself.
-    ours, against = ("pytorch", "expandable") if args.self_check else (args.ours, args.against)
+    ours, against = args.ours, args.against
+    if args.self_check and "allocwatch" in ours + against:
+        # On the CPU neither side can install allocwatch: the check compares PyTorch with itself.
+        ours, against = "pytorch", "expandable"
     if args.suite:
         out_dir = Path(args.suite)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ minutes on a broken script (the measurements themselves need the H200)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,32 @@ def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
     out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--fraction-of-peak",
                           "0.9"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr
+
+
+def test_step_lockstep_checks_the_harness_with_one_allocator_on_both_sides(
+        tmp_path: Path) -> None:
+    # --ours and --against the same allocator: two processes, named apart, each step's time to
+    # queue recorded for both (the CPU run queues and finishes at once: its share is about 1).
+    pytest.importorskip("torch")
+    out_file = tmp_path / "aa.json"
+    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
+                          "--model", "convnet", "--ours", "pytorch", "--against", "pytorch",
+                          "--rounds", "2", "--steps", "2", "--json", str(out_file)], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    (phase,) = result["phases"]
+    assert result["ours"] == result["against"] == "pytorch"
+    names = {"pytorch", "pytorch (second process)"}
+    assert set(phase["median_enqueue_share"]) == names
+    for r in phase["rounds"]:
+        assert set(r["step_times_s"]) == set(r["enqueue_times_s"]) == names
+        for n in names:
+            assert all(0 < e <= t + 1e-6 for e, t in zip(r["enqueue_times_s"][n],
+                                                          r["step_times_s"][n],
+                                                          strict=True))
+    assert 0.5 < phase["median_enqueue_share"]["pytorch"] <= 1.0
+    assert result["cores"] == str(sorted(os.sched_getaffinity(0))[0])
 
 
 def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: Path) -> None:
