@@ -14,12 +14,18 @@ path; ALLOCWATCH_NATIVE_DIR where the native back end is cached."""
 import os
 import sys
 
-_LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch"}
+# Launchers that start the training processes and use no GPU themselves, as scripts on PATH
+# and as modules run with -m: torchrun's, Hugging Face Accelerate's (`accelerate launch`) and
+# DeepSpeed's (`deepspeed`, which runs deepspeed.launcher.launch on each node).
+_LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch",
+              "accelerate", "accelerate.commands.launch", "accelerate.commands.accelerate_cli",
+              "deepspeed", "deepspeed.launcher.runner", "deepspeed.launcher.launch"}
 
 
 def _is_launcher() -> bool:
-    """torchrun's own process: it starts the workers and touches no GPU, so it gets no
-    allocator and no agent (its workers do, as they inherit the environment)."""
+    """A launcher's own process (torchrun's, Accelerate's, DeepSpeed's): it starts the workers
+    and touches no GPU, so it gets no allocator and no agent (its workers do, as they inherit
+    the environment)."""
     argv = getattr(sys, "orig_argv", sys.argv)
     if len(argv) > 1 and os.path.basename(argv[1]) in _LAUNCHERS:
         return True

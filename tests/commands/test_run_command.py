@@ -55,6 +55,30 @@ def test_under_torchrun_the_workers_install_and_the_launcher_does_not(tmp_path: 
     assert out.stderr.count("keeping PyTorch's CUDA allocator") == 2   # not the launcher
 
 
+@pytest.mark.parametrize("launcher", ["deepspeed.launcher.launch", "accelerate.commands.launch"])
+def test_under_deepspeeds_or_accelerates_launcher_only_the_worker_installs(
+        tmp_path: Path, launcher: str) -> None:
+    # DeepSpeed and Accelerate are not installed here: a stand-in module of the same name
+    # does what their launchers do, imports torch and starts the worker as a child process.
+    pytest.importorskip("torch")
+    package = tmp_path.joinpath(*launcher.split(".")[:-1])
+    package.mkdir(parents=True)
+    for level in range(len(launcher.split(".")) - 1):
+        tmp_path.joinpath(*launcher.split(".")[:level + 1], "__init__.py").touch()
+    (package / f"{launcher.split('.')[-1]}.py").write_text(
+        "import subprocess, sys, torch\n"
+        "sys.exit(subprocess.run([sys.executable, sys.argv[1]]).returncode)\n")
+    script = tmp_path / "worker.py"
+    script.write_text(CHILD)
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "run", "--", sys.executable,
+                          "-m", launcher, str(script)], capture_output=True, text=True, cwd=REPO,
+                         timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                                           "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("torch-loaded") == 1                       # the worker
+    assert out.stderr.count("keeping PyTorch's CUDA allocator") == 1   # not the launcher
+
+
 def test_the_exit_status_is_the_commands() -> None:
     out = allocwatch_run("--", sys.executable, "-c", "raise SystemExit(7)")
     assert out.returncode == 7
