@@ -110,14 +110,22 @@ class Workload:
 
 def timed_step(work: Workload, batch: Batch) -> float:
     """Seconds of one step on `batch`, from a synchronised start to its synchronised end."""
+    return timed_step_and_enqueue(work, batch)[0]
+
+
+def timed_step_and_enqueue(work: Workload, batch: Batch) -> tuple[float, float]:
+    """timed_step's seconds, and the seconds until the host had queued all of the step: a step
+    whose enqueue time is close to its whole time is bound by the host (the allocator's calls
+    among what it spends), one whose enqueue time is far shorter waits for the device."""
     cuda = work.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(work.device)
     started = time.perf_counter()
     work.run(batch)
+    enqueued = time.perf_counter() - started
     if cuda:
         torch.cuda.synchronize(work.device)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, enqueued
 
 
 def meet_the_peak(work: Workload, step: Callable[[Batch], object] | None = None) -> None:

@@ -61,7 +61,6 @@ import selectors
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,22 +79,6 @@ CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 def shape_of(batch: tuple) -> list:
     return [list(t.shape) if hasattr(t, "shape") else t for t in batch]
-
-
-def step_with_enqueue_time(work: Any, batch: Any, torch: Any) -> tuple[float, float]:
-    """Seconds of one step from a synchronised start to its synchronised end, as
-    workloads.timed_step, and the seconds until the CPU had queued all of it: a step whose
-    enqueue time is close to its whole time is bound by the host (the allocator's calls among
-    what it spends), one whose enqueue time is far shorter waits for the device."""
-    cuda = work.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(work.device)
-    started = time.perf_counter()
-    work.run(batch)
-    enqueued = time.perf_counter() - started
-    if cuda:
-        torch.cuda.synchronize(work.device)
-    return time.perf_counter() - started, enqueued
 
 
 def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
@@ -166,7 +149,7 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
             elif command == "step":
                 batch = work.draw()
                 before = counters.stats()
-                seconds, enqueued = step_with_enqueue_time(work, batch, torch)
+                seconds, enqueued = workloads.timed_step_and_enqueue(work, batch)
                 after = counters.stats()
                 answer({"s": seconds, "enqueue_s": enqueued, "shape": shape_of(batch),
                         "calls": {k: after.get(k, 0) - before.get(k, 0) for k in CALLS}})
@@ -268,7 +251,7 @@ def timed_round(r: int, trainers: list[Trainer], steps: int, reset_peak: bool) -
             "ratio": sum(s["s"] for s in mine) / sum(s["s"] for s in theirs),
             "step_ratios": [a["s"] / b["s"] for a, b in zip(mine, theirs, strict=True)],
             "step_times_s": {n: [round(s["s"], 6) for s in v] for n, v in got.items()},
-            "enqueue_times_s": {n: [round(s.get("enqueue_s", 0.0), 6) for s in v]
+            "enqueue_times_s": {n: [round(s["enqueue_s"], 6) for s in v]
                                 for n, v in got.items()},
             "step_device_calls": {n: [s["calls"] for s in v] for n, v in got.items()},
             "shapes": [s["shape"] for s in mine]}
@@ -414,7 +397,7 @@ def main() -> int:
     if rest:  # the parent's own work (reading answers) off the trainers' core
         os.sched_setaffinity(0, rest)
     ours, against = args.ours, args.against
-    if args.self_check and "allocwatch" in ours + against:
+    if args.self_check and any(a.startswith("allocwatch") for a in (ours, against)):
         # On the CPU neither side can install allocwatch: the check compares PyTorch with itself.
         ours, against = "pytorch", "expandable"
     if args.suite:

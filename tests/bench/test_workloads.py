@@ -23,6 +23,8 @@ def test_every_workload_steps_on_the_cpu_at_its_tiny_size(name: str) -> None:
     work = workloads.build(name, torch.device("cpu"), tiny=True, seed=1)
     work.step()
     assert workloads.timed_step(work, work.draw()) > 0
+    seconds, enqueued = workloads.timed_step_and_enqueue(work, work.draw())
+    assert 0 < enqueued <= seconds  # queuing is part of the step, never more than it
     assert work.parameter_count() > 0
 
 
