@@ -78,18 +78,23 @@ def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
     assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr
 
 
+def lockstep_self_check(tmp_path: Path, *args: str) -> dict:
+    """step_lockstep's protocol on the CPU (tiny convnet) with `args`: its JSON result."""
+    pytest.importorskip("torch")
+    out_file = tmp_path / "lockstep.json"
+    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
+                          "--model", "convnet", *args, "--json", str(out_file)], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(out_file.read_text())
+
+
 def test_step_lockstep_checks_the_harness_with_one_allocator_on_both_sides(
         tmp_path: Path) -> None:
     # --ours and --against the same allocator: two processes, named apart, each step's time to
     # queue recorded for both (the CPU run queues and finishes at once: its share is about 1).
-    pytest.importorskip("torch")
-    out_file = tmp_path / "aa.json"
-    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
-                          "--model", "convnet", "--ours", "pytorch", "--against", "pytorch",
-                          "--rounds", "2", "--steps", "2", "--json", str(out_file)], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    result = json.loads(out_file.read_text())
+    result = lockstep_self_check(tmp_path, "--ours", "pytorch", "--against", "pytorch",
+                                 "--rounds", "2", "--steps", "2")
     (phase,) = result["phases"]
     assert result["ours"] == result["against"] == "pytorch"
     names = {"pytorch", "pytorch (second process)"}
@@ -107,14 +112,8 @@ def test_step_lockstep_checks_the_harness_with_one_allocator_on_both_sides(
 def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: Path) -> None:
     # The protocol on the CPU (tiny convnet, PyTorch's allocator on both sides): the timed
     # rounds draw shapes neither process warmed up on, the same in both, a new set each round.
-    pytest.importorskip("torch")
-    out_file = tmp_path / "lockstep.json"
-    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
-                          "--model", "convnet", "--rounds", "2", "--steps", "3",
-                          "--fraction-of-peak", "1.03", "--json", str(out_file)], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    (phase,) = json.loads(out_file.read_text())["phases"]
+    (phase,) = lockstep_self_check(tmp_path, "--rounds", "2", "--steps", "3",
+                                   "--fraction-of-peak", "1.03")["phases"]
     assert phase["fraction_of_peak"] == 1.03 and not phase["failures"]
     rounds = phase["rounds"]
     assert len(rounds) == 2 and phase["steps_compared"] == 6
