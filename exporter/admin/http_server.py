@@ -4,9 +4,10 @@ header and body sizes; a chunked body is read, counted against the limit, never 
 
 Where it listens: a Unix socket (mode 0600 by default: file permissions are the access control),
 and, only when configured, TCP (loopback unless configured otherwise) where every request must
-carry `Authorization: Bearer TOKEN`, checked before the body is read; the token is compared in
-constant time and never logged. With admin.tls_cert_file/tls_key_file the TCP listener speaks
-HTTPS (exporter.admin.tls), renewed certificates taken at the next handshake.
+carry `Authorization: Bearer TOKEN`, checked before the body is read (a refused request's
+body is only drained, within the body limit); the token is compared in constant time and never
+logged. With admin.tls_cert_file/tls_key_file the TCP listener speaks HTTPS
+(exporter.admin.tls), renewed certificates taken at the next handshake.
 
 `parse_request` turns method, target and body into what to do, refusing anything else with an
 AdminError (and a status) before anything is sent; every request is logged (endpoint,

@@ -19,7 +19,8 @@ can take bounded: the metrics endpoint and the admin API both serve through it.
 - size: a request line or header line of at most `max_header_bytes`, at most 32 header lines;
   bodies are read only through `read_body`, which refuses a body without a length (411), larger
   than `max_body_bytes` (413, chunked bodies included: counted as they arrive) or encoded (415;
-  nothing is decompressed);
+  nothing is decompressed); a body the handler did not read is drained within that limit
+  before the answer goes, so that a client still sending it reads the answer, not a reset;
 - the listen backlog: `backlog`.
 
 Nothing here blocks the loop: handlers run on it and must hand CPU work to an executor (the
@@ -324,12 +325,23 @@ class BoundedHttpServer:
             except HttpError as err:
                 response = web.Response(status=err.status, text=f"{err}\n")
             if not response.prepared:  # sent here, within the deadline
+                await self._discard_unread_body(request)
                 await response.prepare(request)
                 await response.write_eof()
             return response
         finally:
             deadline.cancel()
             self._server.request_finished(protocol)
+
+    async def _discard_unread_body(self, request: web.BaseRequest) -> None:
+        """Read and drop a body the handler left unread (a 401, a 404, a GET with a body),
+        within `max_body_bytes` and the request's deadline: without lingering, aiohttp would
+        close at once, and a client still sending its body would get a reset, not the answer.
+        A body over the limit is left, and the connection closes."""
+        if not request.body_exists or request.content.is_eof():
+            return
+        with contextlib.suppress(HttpError):
+            await read_body(request, self.limits.max_body_bytes)
 
     def _timed_out(self, transport: asyncio.Transport | None) -> None:
         if transport is not None and not transport.is_closing():

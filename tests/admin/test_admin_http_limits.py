@@ -8,6 +8,7 @@ refusal changes nothing: no command reaches an agent."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import socket
@@ -65,6 +66,44 @@ def test_a_chunked_body_is_read_with_its_selectors(two_agents) -> None:
                                              _chunked(body)))
     assert status == 200 and json.loads(answer)["selected"] == 1
     assert first.calls == [] and second.calls == [("reclaim", (0, True))]
+
+
+def _answer_after_a_late_body(address: str, head: bytes, body: bytes) -> tuple[int, bool]:
+    """Send a request's headers, then its body only once the server has had time to answer
+    (as http.client does, in two writes); (the answer's status, whether the connection stayed
+    open for another request)."""
+    with raw_socket(address) as sock:
+        sock.sendall(head)
+        time.sleep(0.3)
+        sock.sendall(body)  # a reset here: the server answered and closed without reading it
+        response = http.client.HTTPResponse(sock, method="POST")
+        response.begin()
+        response.read()
+        sock.sendall(b"GET /v1/agents HTTP/1.1\r\nHost: allocwatch\r\n\r\n")
+        again = http.client.HTTPResponse(sock, method="GET")
+        again.begin()
+        return response.status, again.status in (200, 401)
+
+
+def test_a_refused_request_still_has_its_body_drained_and_its_answer_read(
+        two_agents, tmp_path: Path) -> None:
+    running, address, sources = two_agents
+    body = json.dumps({"mode": "all"}).encode()
+    head = _post("/v1/reboot", f"Content-Length: {len(body)}\r\n")
+    assert _answer_after_a_late_body(address, head, body) == (404, True)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    tcp_running = start_control_sidecar(tmp_path / "tcp", admin={
+        "tcp_port": 0, "token_file": str(token_file)})
+    try:
+        tcp = next(a for a in tcp_running.sidecar.admin.addresses() if a.startswith("http://"))
+        wrong = _post("/v1/reclaim", "Authorization: Bearer wrong\r\n"
+                      f"Content-Length: {len(body)}\r\n")
+        assert _answer_after_a_late_body(tcp, wrong, body) == (401, True)
+        assert metric(tcp_running, "allocwatch_commands_total") == 0.0
+    finally:
+        tcp_running.stop()
+    assert _nothing_sent(running, sources)
 
 
 def test_a_client_trickling_its_request_is_closed_before_its_token_is_read(
