@@ -36,7 +36,7 @@ from typing import Any
 from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.client import Agent
-from allocator_ext.agent.identity import build_identity, visible_device_entry
+from allocator_ext.agent.identity import build_identity, nvml_uuid
 from allocator_ext.agent.sources import AllocatorSource, Source, TorchSource, UnsupportedCommand
 from allocator_ext.agent.tls import TlsSettings
 from exporter.protocol.nvml import NvmlReader
@@ -101,19 +101,6 @@ def _default_snapshot_dir(target: str) -> Path:
     return Path(tempfile.gettempdir()) / "allocwatch-snapshots"
 
 
-def _nvml_uuid(nvml: NvmlReader, device: int) -> str:
-    entry = visible_device_entry(os.environ, device)
-    if entry is None:
-        return ""
-    if entry.startswith(("GPU-", "MIG-")):
-        return entry
-    try:
-        gpu = nvml.find(index=int(entry))
-    except ValueError:
-        return ""
-    return gpu.uuid if gpu is not None else ""
-
-
 def start_agent(
     target: str | None = None,
     interval: float = 1.0,
@@ -129,6 +116,7 @@ def start_agent(
     tls: TlsSettings | None = None,
     token: AgentToken | None = None,
     warn_unconnected_after: float = 60.0,
+    connect_at_start: bool = False,
 ) -> Agent:
     """Start publishing to the sidecar at `target` (default: ALLOCWATCH_TARGET).
 
@@ -140,7 +128,9 @@ def start_agent(
     token: the token for a TCP target (default: ALLOCWATCH_TOKEN_FILE or ALLOCWATCH_TOKEN,
     see agent/auth.py).
     warn_unconnected_after: seconds without ever reaching the sidecar before the agent warns,
-    once, in the process's log.
+    once, in the process's log (counted from the process's first GPU use).
+    connect_at_start: connect at once, not at the process's first use of a GPU (a process that
+    never uses one -- a DataLoader worker -- otherwise never shows in the sidecar).
     Never raises for an unreachable sidecar: the agent keeps retrying in the background.
     """
     target = target or os.environ.get("ALLOCWATCH_TARGET")
@@ -164,7 +154,7 @@ def start_agent(
         cuda_device = int(env_device) if env_device else (devices[0] if devices else -1)
     uuid = resolved.gpu_uuid(cuda_device) if cuda_device >= 0 else ""
     if not uuid and reader is not None and cuda_device >= 0:
-        uuid = _nvml_uuid(reader, cuda_device)
+        uuid = nvml_uuid(reader, cuda_device)
     torch_version, cuda_version = resolved.versions()
     ident = build_identity(backend=resolved.backend, cuda_device=cuda_device, gpu_uuid=uuid,
                            torch_version=torch_version, cuda_version=cuda_version,
@@ -173,13 +163,21 @@ def start_agent(
         target, resolved, ident, interval=interval,
         snapshot_dir=Path(snapshot_dir) if snapshot_dir else _default_snapshot_dir(target),
         nvml=reader, buffer_reports=buffer_reports, backoff=backoff, tls=tls, token=token,
-        warn_unconnected_after=warn_unconnected_after)
+        warn_unconnected_after=warn_unconnected_after, connect_at_start=connect_at_start)
     agent.start()
     if stop_at_exit:
         atexit.register(agent.stop, 1.0)
     log.info("agent started", extra={"target": target, "backend": resolved.backend,
                                      "interval": interval})
     return agent
+
+
+def _connect_at_start_from_env() -> bool:
+    value = os.environ.get("ALLOCWATCH_AGENT_CONNECT", "first-gpu-use")
+    if value not in ("first-gpu-use", "start"):
+        raise ValueError(f"ALLOCWATCH_AGENT_CONNECT={value!r}: expected first-gpu-use (the "
+                         "default) or start")
+    return value == "start"
 
 
 def maybe_start_from_env(source: Any = None) -> Agent | None:
@@ -197,8 +195,11 @@ def maybe_start_from_env(source: Any = None) -> Agent | None:
             use_nvml = os.environ.get("ALLOCWATCH_AGENT_NVML", "1") != "0"
             warn_after = float(os.environ.get("ALLOCWATCH_WARN_UNCONNECTED_SECONDS", "60"))
             _env_agent = start_agent(target, interval=interval, source=chosen, nvml=use_nvml,
-                                     warn_unconnected_after=warn_after)
+                                     warn_unconnected_after=warn_after,
+                                     connect_at_start=_connect_at_start_from_env())
         except Exception as err:  # a bad setting must not stop the training job
-            log.warning("allocwatch agent not started", extra={"reason": repr(err)})
+            # The reason in the message itself: a program that configured no logging, or no
+            # structured handler, still shows it.
+            log.warning("allocwatch agent not started: %s", err, extra={"reason": repr(err)})
             return None
         return _env_agent

@@ -3,6 +3,13 @@
 Training is never blocked: sampling runs on its own thread at the report interval; reports go
 through a bounded outbox (oldest dropped and counted when the sidecar is slow or away); the
 connection thread reconnects with exponential backoff and jitter, and carries out commands.
+
+An agent connects once its process uses a GPU (its source has a device to report): a process
+that never does -- a spawned DataLoader worker, torch.compile's compile workers, a preprocessing
+pool, a utility run under `allocwatch run` -- has nothing to publish. Connected, it would show
+in the sidecar as one more process with its parent's rank and no figures, and its exit (a
+DataLoader's workers end with every epoch) would fire AllocwatchAgentGone. `connect_at_start`
+connects at once instead (a deployment checked on a machine without a GPU).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from allocator_ext.agent import convert
 from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.commands import execute
+from allocator_ext.agent.identity import nvml_uuid
 from allocator_ext.agent.oom_snapshots import OomSnapshots
 from allocator_ext.agent.outbox import Outbox
 from allocator_ext.agent.peaks import interval_peaks, largest_free_block
@@ -50,6 +58,7 @@ class Agent:
         tls: TlsSettings | None = None,
         token: AgentToken | None = None,
         warn_unconnected_after: float = 60.0,
+        connect_at_start: bool = False,
     ):
         self.target = target
         self.tls = tls if tls is not None and not target.startswith("unix:") else None
@@ -79,6 +88,12 @@ class Agent:
         self._stop = threading.Event()
         self._stopping = threading.Event()  # no more sampling; drain, say goodbye, close
         self._stream_closed = threading.Event()
+        self.in_use = threading.Event()  # the source has had a device to report
+        self._may_connect = threading.Event()  # in use (or connect_at_start), or stopping
+        self.connect_at_start = connect_at_start
+        if connect_at_start:
+            self.in_use.set()
+            self._may_connect.set()
         self._call: Any = None
         self._call_lock = threading.Lock()
         self._sample_lock = threading.Lock()
@@ -111,6 +126,7 @@ class Agent:
             # The stream closes from our side after the goodbye; the sidecar ends it at once.
             self._stream_closed.wait(max(0.0, deadline - time.monotonic()))
         self._stop.set()
+        self._may_connect.set()
         self.outbox.wake()
         with self._call_lock:
             if self._call is not None:
@@ -126,14 +142,44 @@ class Agent:
     def _sample_loop(self) -> None:
         next_at = time.monotonic()
         while not self._stopping.is_set():
-            self.sample_once()
-            self._warn_if_never_connected()
+            if self.in_use.is_set() or self._note_first_use():
+                self.sample_once()
+                self._warn_if_never_connected()
             next_at += self.interval
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind (suspended process): skip, never burst
                 next_at = time.monotonic()
                 delay = 0
             self._stopping.wait(delay)
+
+    def _note_first_use(self) -> bool:
+        """Whether the process now uses a GPU; from then on the agent samples and connects.
+        A source that cannot say counts as in use: its errors then show as sample errors."""
+        try:
+            devices = self.source.devices()
+        except Exception:
+            devices = [-1]
+        if not devices:
+            return False
+        self._started = time.monotonic()  # the wait for the sidecar counts from here
+        if self.identity.cuda_device < 0 and devices[0] >= 0:
+            # Started before CUDA was (at the program's import of torch): the device it uses
+            # is known now, before the Hello that carries it.
+            self.identity.cuda_device = devices[0]
+            if not self.identity.gpu_uuid:  # ALLOCWATCH_GPU_UUID, where given, stands
+                self.identity.gpu_uuid = self._device_uuid(devices[0])
+        self.in_use.set()
+        self._may_connect.set()
+        return True
+
+    def _device_uuid(self, device: int) -> str:
+        try:
+            uuid = self.source.gpu_uuid(device)
+        except Exception:
+            uuid = ""
+        if not uuid and self.nvml is not None:
+            uuid = nvml_uuid(self.nvml, device)
+        return uuid
 
     def _warn_if_never_connected(self) -> None:
         if self.ever_connected or self.warned_unconnected:
@@ -202,6 +248,7 @@ class Agent:
     # ------------------------------------------------------------------ connection
 
     def _connect_loop(self) -> None:
+        self._may_connect.wait()
         while not self._stop.is_set():
             try:
                 self._run_stream()

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
+from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.version import PACKAGE_VERSION
 
@@ -67,6 +68,21 @@ def visible_device_entry(env: Mapping[str, str], index: int) -> str | None:
         return str(index)
     entries = [e.strip() for e in visible.split(",") if e.strip()]
     return entries[index] if 0 <= index < len(entries) else None
+
+
+def nvml_uuid(nvml: NvmlReader, device: int) -> str:
+    """The UUID of CUDA device `device` as NVML names it ('' where unknown): CUDA's indices
+    count only the visible devices, NVML's every one."""
+    entry = visible_device_entry(os.environ, device)
+    if entry is None:
+        return ""
+    if entry.startswith(("GPU-", "MIG-")):
+        return entry
+    try:
+        gpu = nvml.find(index=int(entry))
+    except ValueError:
+        return ""
+    return gpu.uuid if gpu is not None else ""
 
 
 def build_identity(

@@ -187,3 +187,58 @@ def test_record_history_mid_run_with_the_native_back_end(tmp_path: Path) -> None
                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert "PASS native record-history" in out.stdout
+
+
+SPAWNING_TRAINER = """
+import sys, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Squares(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.02)  # the workers live a while
+        return torch.full((16,), float(i * i))
+
+
+if __name__ == "__main__":
+    weights = torch.ones(1 << 20, device="cuda")
+    loader = DataLoader(Squares(), batch_size=4, num_workers=3,
+                        multiprocessing_context="spawn")
+    for _ in range(2):  # two epochs: the workers end and are spawned again
+        for batch in loader:
+            weights += batch.cuda().sum()
+    torch.cuda.synchronize()
+    time.sleep(float(sys.argv[1]))
+    print("done", flush=True)
+"""
+
+
+def test_spawned_dataloader_workers_stay_out_of_the_sidecar(tmp_path: Path) -> None:
+    # Each worker imports torch, so `allocwatch run`'s hook starts an agent in it; none uses the
+    # GPU, so none connects: the sidecar sees the trainer alone, epoch after epoch.
+    import os
+    import subprocess
+    import sys
+
+    running = start_sidecar(tmp_path)
+    url = running.sidecar.metrics_url
+    script = tmp_path / "spawning_trainer.py"
+    script.write_text(SPAWNING_TRAINER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
+    env.update(ALLOCWATCH_TARGET=running.sidecar.agent_targets[0], ALLOCWATCH_INTERVAL="0.1")
+    seen: list[float] = []
+    try:
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "exporter.cli", "run", "--", sys.executable, str(script), "3"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        while trainer.poll() is None:
+            seen += values(url, "allocwatch_agents_connected")
+        out = trainer.communicate(timeout=60)[0]
+        assert trainer.returncode == 0 and "done" in out, out[-3000:]
+        assert max(seen) == 1.0, seen  # the trainer, never a worker beside it
+    finally:
+        running.stop()

@@ -185,7 +185,10 @@ def test_a_pod_the_component_made_starts_the_agent_through_its_environment_alone
     (ALLOCWATCH_RUN=1, the installed .pth file): the worker's import of torch starts the agent,
     which connects to the sidecar as the pod's one agent; torchrun's launcher starts none.
     With a CPU build of torch, as here, allocwatch's allocator does not install (the worker
-    says so) and the agent's source is PyTorch's allocator: it is the start-up that is tested."""
+    says so) and the agent's source is PyTorch's allocator: it is the start-up that is tested.
+    The worker uses no GPU, so its agent would wait for a first use that never comes
+    (tests/agent/test_agent_unconnected.py): the one variable added to the pod's environment,
+    ALLOCWATCH_AGENT_CONNECT=start, is the one docs/deploy.md gives for a check without GPUs."""
     torch = pytest.importorskip("torch")
     user_dir = tmp_path / "user"
     user_dir.mkdir()
@@ -208,7 +211,8 @@ def test_a_pod_the_component_made_starts_the_agent_through_its_environment_alone
                  timeout=60, what="the sidecar's socket")
         assert sidecar.poll() is None, stop(sidecar)
         # PYTHONPATH emptied: the hook can come from the installed .pth file alone.
-        trainer = pod.start(pod.trainer, argv, cwd=work, PYTHONPATH="")
+        trainer = pod.start(pod.trainer, argv, cwd=work, PYTHONPATH="",
+                            ALLOCWATCH_AGENT_CONNECT="start")
 
         def connected() -> list[dict]:
             out = pod.ctl("agents", "--json")
