@@ -11,11 +11,13 @@ unless told otherwise:
   total (the fraction is a fraction of it), else none (unlimited).
 
 A trace that holds out-of-memory errors but no cap (PyTorch's own snapshot of a run, taken
-when it failed) replays with none, as every trace does unless told: its errors cannot recur, so
-the cap's description says so and what to give. PyTorch's `oom` event keeps the device's free
-memory after the allocator's flush, so what the run could reserve at each error is its reserved
-memory then plus that; where the device still had room for the request's segment, a memory
-fraction the snapshot does not keep was in force instead.
+when it failed) keeps what its errors say of the device: PyTorch's `oom` event keeps the
+device's free memory after the allocator's flush, so what the run could reserve at each error
+is its reserved memory then plus that. The least of those is the device such a trace replays on
+(``device_memory_from`` INFERRED), so that its errors can recur, as `ctl diagnose` replays an
+agent's snapshot; ``--device-memory none`` replays it uncapped. Where the device still had room
+for the request's segment, a memory fraction the snapshot does not keep was in force instead:
+the trace replays with no cap, and the cap's description says so and what to give.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from allocator_ext.replay.trace import Trace
 
 ARGUMENT = "argument"
 RECORDING = "recording"
+INFERRED = "recorded out-of-memory errors"
 
 
 @dataclass(frozen=True)
 class ReplayCap:
     device_memory: int              # 0: unlimited
     memory_fraction: float | None
-    device_memory_from: str | None  # ARGUMENT, RECORDING or None (no cap)
+    device_memory_from: str | None  # ARGUMENT, RECORDING, INFERRED or None (no cap)
     memory_fraction_from: str | None
     note: str | None = None  # why the trace's out-of-memory errors cannot recur without a cap
 
@@ -47,6 +50,10 @@ class ReplayCap:
     def describe(self) -> str:
         """One line for a report: the cap and where each part came from."""
         device = f"{format_size(self.device_memory)} device (from the {self.device_memory_from})"
+        if self.device_memory_from == INFERRED:
+            device = (f"{format_size(self.device_memory)} device, what the recorded run could "
+                      "reserve at its out-of-memory errors (reserved plus the device's free "
+                      "memory at each; --device-memory none for no cap)")
         if self.memory_fraction is None:
             return device if self.device_memory else "none" + (f": {self.note}"
                                                                 if self.note else "")
@@ -68,9 +75,14 @@ def resolve_cap(trace: Trace, device_memory: int | None = None,
         fraction, fraction_from = limits.memory_fraction, RECORDING
     if device_memory is not None:
         return ReplayCap(device_memory, fraction, ARGUMENT if device_memory else None,
-                         fraction_from)
+                         fraction_from, None if device_memory or fraction is not None
+                         else _uncapped_ooms_note(trace))
     if fraction is not None and limits.device_total_bytes:
         return ReplayCap(limits.device_total_bytes, fraction, RECORDING, fraction_from)
+    if fraction is None:
+        at_errors = memory_at_recorded_ooms(trace)
+        if at_errors is not None:
+            return ReplayCap(at_errors, None, INFERRED, None)
     return ReplayCap(0, fraction, None, fraction_from,
                      None if fraction is not None else _uncapped_ooms_note(trace))
 
@@ -94,10 +106,8 @@ def _uncapped_ooms_note(trace: Trace) -> str | None:
         return None
     held = (f"the trace holds {ooms} out-of-memory error(s) but keeps no cap, and without one "
             "none can recur")
-    memory = memory_at_recorded_ooms(trace)
-    if memory is None:
+    if memory_at_recorded_ooms(trace) is None:
         return (f"{held}; the device had room for a failed request, so a memory fraction was in "
                 "force: give it with --memory-fraction and the device's total with "
                 "--device-memory")
-    return (f"{held}: give --device-memory {memory} ({format_size(memory)}, what the recorded "
-            "run could reserve at its errors: reserved plus the device's free memory at each)")
+    return f"{held} (without --device-memory none, the replay runs on the device they imply)"

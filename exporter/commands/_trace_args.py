@@ -18,8 +18,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-memory", metavar="SIZE",
                    help="cap the simulated device: a size in powers of 1024 (80GiB, 80G, "
                         "1.5T, 123456789; KB/MB/GB/TB are refused as ambiguous) or a multiple "
-                        "of the trace's peak requested bytes (1.03x); default: the recorded "
-                        "device's total where the trace recorded a memory fraction, else no cap")
+                        "of the trace's peak requested bytes (1.03x), or none (no cap); "
+                        "default: the recorded device's total where the trace recorded a "
+                        "memory fraction, else what the run could reserve at its recorded "
+                        "out-of-memory errors, else no cap")
     p.add_argument("--memory-fraction", type=fraction, metavar="F",
                    help="as torch.cuda.set_per_process_memory_fraction(F); default: the "
                         "fraction the trace recorded (bench/replay/record_traces.py keeps it in "
@@ -27,13 +29,16 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def device_memory_arg(text: str | None, peak_requested: int) -> int | None:
-    """A size, or a multiple of the trace's peak requested bytes ("1.03x"); None when none is
-    given. ValueError naming --device-memory for anything else, a cap of 0 bytes included
-    (leaving the option out means the trace's own cap, or none)."""
+    """A size, or a multiple of the trace's peak requested bytes ("1.03x"); 0 for "none" (no
+    cap, whatever the trace keeps or implies); None when none is given. ValueError naming
+    --device-memory for anything else, a cap of 0 bytes included (leaving the option out means
+    the trace's own cap)."""
     from allocator_ext.replay.sizes import parse_size
 
     if text is None:
         return None
+    if text.strip().lower() == "none":
+        return 0
     if text.strip().lower().endswith("x"):
         try:
             factor = float(text.strip()[:-1])
@@ -50,7 +55,7 @@ def device_memory_arg(text: str | None, peak_requested: int) -> int | None:
             raise ValueError(f"--device-memory: {err}") from None
     if cap <= 0:
         raise ValueError(f"--device-memory {text}: a cap of 0 bytes leaves the device no memory "
-                         "(leave the option out for the trace's own cap, or none)")
+                         "(leave the option out for the trace's own cap; none for no cap)")
     return cap
 
 

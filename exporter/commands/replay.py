@@ -36,9 +36,10 @@ it, it is freed at the first free after it, where the recorded run began unwindi
 error. The report says of each recorded out-of-memory error whether it recurred. The memory
 fraction and device total the run was capped with are read from the trace where it kept them
 (bench/replay/record_traces.py does); --memory-fraction and --device-memory override them.
-A trace that keeps no cap (PyTorch's own snapshot) replays with none, so its errors cannot
-recur: the cap line then says which --device-memory reproduces them (what the run had reserved
-plus the device's free memory at each error), or that a memory fraction was in force.
+A trace that keeps no cap (PyTorch's own snapshot) replays on the device its errors imply
+(what the run had reserved plus the device's free memory at each error), so that they can
+recur; --device-memory none replays it uncapped. Where the device still had room at an error,
+a memory fraction was in force: the trace replays uncapped and the cap line asks for it.
 
 Times are the trace's active time, as trace_seconds counts it (each gap between events counted
 up to 100 ms, so that data loading and pauses do not count). --plot draws memory on that clock:

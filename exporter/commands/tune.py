@@ -26,10 +26,10 @@ allocwatch settings and, where PyTorch's own allocator understands it, as
 PYTORCH_CUDA_ALLOC_CONF.
 
 On a trace that ended in out-of-memory errors, each replay makes the failed requests too (see
-`allocwatch replay --help`), under the cap the trace recorded (or --memory-fraction and
---device-memory): a candidate under which a recorded error recurs is never recommended, and the
-settings the trace was recorded under are replayed as a candidate of their own. Where every
-candidate runs out of memory, there is no recommendation.
+`allocwatch replay --help`), under the cap the trace recorded or its errors imply (or
+--memory-fraction and --device-memory): a candidate under which a recorded error recurs is
+never recommended, and the settings the trace was recorded under are replayed as a candidate
+of their own. Where every candidate runs out of memory, there is no recommendation.
 
   allocwatch tune my_run.pickle.gz
   allocwatch tune my_run.pickle.gz --device-memory 1.03x --plot tune.png

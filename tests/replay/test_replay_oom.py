@@ -17,7 +17,7 @@ from support.capped_run import record_capped_run
 from support.paths import RECORDED_TRACES, REPO
 
 from allocator_ext.replay import Replayer, TraceError, load_cost_table, load_trace, replay
-from allocator_ext.replay.cap import resolve_cap
+from allocator_ext.replay.cap import memory_at_recorded_ooms, resolve_cap
 from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import RECORDING_KEY, parse_snapshot
 from allocator_ext.replay.tune import RECORDED, candidates_for, recommended, tune
@@ -109,9 +109,15 @@ def test_the_recorded_fraction_and_device_total_are_the_cap_unless_arguments_say
     # Another device: the recorded fraction of the recorded total no longer applies.
     cap = resolve_cap(trace, device_memory=256 * MiB)
     assert (cap.memory_fraction, cap.device_memory) == (None, 256 * MiB)
-    # A trace without the key has no cap.
-    assert resolve_cap(parse_snapshot(one_oom_snapshot())).sources() == {
-        "memory_fraction": None, "device_memory": None}
+    # A trace without the key: the device its out-of-memory error implies, no fraction.
+    bare = parse_snapshot(one_oom_snapshot())
+    cap = resolve_cap(bare)
+    assert cap.sources() == {"memory_fraction": None,
+                             "device_memory": "recorded out-of-memory errors"}
+    assert cap.device_memory == memory_at_recorded_ooms(bare) > 0
+    uncapped = resolve_cap(bare, device_memory=0)  # --device-memory none
+    assert uncapped.sources() == {"memory_fraction": None, "device_memory": None}
+    assert "none can recur" in uncapped.describe()
 
 
 @pytest.mark.parametrize("recording,why", [
@@ -183,27 +189,33 @@ def test_pytorchs_settings_under_the_recorded_cap_reproduce_every_oom_and_retry(
     assert r["num_device_free"] == stats["num_device_free"]
 
 
-def test_a_trace_that_keeps_no_cap_says_its_errors_cannot_recur_and_which_cap_to_give(
+def test_a_trace_that_keeps_no_cap_replays_on_the_device_its_errors_imply(
         tmp_path: Path) -> None:
-    """PyTorch's own snapshot of a run that filled its device keeps no cap: replayed without
-    one, its errors cannot recur. The report says so, and the cap that reproduces them: what
-    the run had reserved plus the device's free memory at each error."""
+    """PyTorch's own snapshot of a run that filled its device keeps no cap, but its errors say
+    what the run could reserve (reserved plus the device's free memory at each): the replay
+    runs on that device, so the errors recur as recorded, and says where the cap came from.
+    `--device-memory none` replays uncapped, where they cannot recur, and the report says so."""
     snapshot, stats = record_capped_run(total=256 * MiB, fraction=None, keep_cap=False)
     assert stats["num_ooms"] >= 3
     path = write(snapshot, tmp_path / "full.pickle.gz")
     out = run_cli("replay", str(path), "--config", "native")
     assert out.returncode == 0, out.stderr
-    assert (f"cap                none: the trace holds {stats['num_ooms']} out-of-memory "
-            "error(s) but keeps no cap, and without one none can recur: give --device-memory "
-            f"{256 * MiB} (256.00 MiB") in out.stdout
-    out = run_cli("replay", str(path), "--config", "native", "--device-memory", str(256 * MiB),
-                  "--json")
-    r = json.loads(out.stdout)
+    assert ("cap                256.00 MiB device, what the recorded run could reserve at its "
+            "out-of-memory errors") in out.stdout
+    r = json.loads(run_cli("replay", str(path), "--config", "native", "--json").stdout)
+    assert r["cap_from"]["device_memory"] == "recorded out-of-memory errors"
+    assert r["device_memory"] == 256 * MiB
     assert r["num_ooms"] == r["recorded_ooms_recurred"] == stats["num_ooms"]
     assert r["num_alloc_retries"] == stats["num_alloc_retries"]
     assert r["peak_reserved_bytes"] == stats["reserved_bytes.all.peak"]
-    # tune, likewise: no claim that a candidate avoids what cannot recur.
-    out = run_cli("tune", str(path), "--json")
+    # tune, likewise: under that device the recorded setting's errors recur.
+    why = json.loads(run_cli("tune", str(path), "--json").stdout)["why"]
+    assert f"ran out of memory {stats['num_ooms']} time(s); replayed" in why
+    # Uncapped on request: the errors cannot recur, and the report says so.
+    out = run_cli("replay", str(path), "--config", "native", "--device-memory", "none")
+    assert (f"cap                none: the trace holds {stats['num_ooms']} out-of-memory "
+            "error(s) but keeps no cap, and without one none can recur") in out.stdout
+    out = run_cli("tune", str(path), "--device-memory", "none", "--json")
     assert "these replays had no cap, so no error could recur" in json.loads(out.stdout)["why"]
 
 

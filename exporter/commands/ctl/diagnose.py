@@ -286,17 +286,15 @@ def replay_cap(trace: Any, gpu_bytes: int) -> tuple[Any, str, bool]:
     out-of-memory errors can recur under it: the cap the snapshot keeps; else what the process
     could reserve at its errors (reserved plus the GPU's free memory at each); else the GPU's
     size where the agent knows it (`gpu_bytes`; 0: unknown)."""
-    from allocator_ext.replay.cap import memory_at_recorded_ooms, resolve_cap
+    from allocator_ext.replay.cap import INFERRED, resolve_cap
     from allocator_ext.replay.replayer import recorded_figures
 
     cap = resolve_cap(trace)
+    if cap.device_memory_from == INFERRED:
+        return (cap, f"{human_bytes(cap.device_memory)}, what the process could reserve at its "
+                "out-of-memory errors (reserved plus the GPU's free memory at each)", True)
     if cap.device_memory or cap.memory_fraction is not None:
         return cap, f"the cap the snapshot keeps ({cap.describe()})", True
-    at_errors = memory_at_recorded_ooms(trace)
-    if at_errors is not None:
-        return (resolve_cap(trace, device_memory=at_errors),
-                f"{human_bytes(at_errors)}, what the process could reserve at its out-of-memory "
-                "errors (reserved plus the GPU's free memory at each)", True)
     # No error, or a memory fraction failed them (the GPU had room): they cannot recur.
     can_recur = recorded_figures(trace).num_ooms == 0
     if gpu_bytes:
