@@ -76,15 +76,15 @@ def resolve_cap(trace: Trace, device_memory: int | None = None,
     if device_memory is not None:
         return ReplayCap(device_memory, fraction, ARGUMENT if device_memory else None,
                          fraction_from, None if device_memory or fraction is not None
-                         else _uncapped_ooms_note(trace))
+                         else _uncapped_ooms_note(trace, memory_at_recorded_ooms(trace)))
     if fraction is not None and limits.device_total_bytes:
         return ReplayCap(limits.device_total_bytes, fraction, RECORDING, fraction_from)
-    if fraction is None:
-        at_errors = memory_at_recorded_ooms(trace)
-        if at_errors is not None:
-            return ReplayCap(at_errors, None, INFERRED, None)
-    return ReplayCap(0, fraction, None, fraction_from,
-                     None if fraction is not None else _uncapped_ooms_note(trace))
+    if fraction is not None:
+        return ReplayCap(0, fraction, None, fraction_from)
+    at_errors = memory_at_recorded_ooms(trace)
+    if at_errors is not None:
+        return ReplayCap(at_errors, None, INFERRED, None)
+    return ReplayCap(0, None, None, None, _uncapped_ooms_note(trace, at_errors))
 
 
 def memory_at_recorded_ooms(trace: Trace) -> int | None:
@@ -100,13 +100,15 @@ def memory_at_recorded_ooms(trace: Trace) -> int | None:
     return min(r + e.addr for r, e in zip(reserved, ooms, strict=True))
 
 
-def _uncapped_ooms_note(trace: Trace) -> str | None:
+def _uncapped_ooms_note(trace: Trace, at_errors: int | None) -> str | None:
+    """Why `trace`'s errors cannot recur uncapped, and what to give; `at_errors`:
+    memory_at_recorded_ooms(trace)."""
     ooms = recorded_figures(trace).num_ooms
     if not ooms:
         return None
     held = (f"the trace holds {ooms} out-of-memory error(s) but keeps no cap, and without one "
             "none can recur")
-    if memory_at_recorded_ooms(trace) is None:
+    if at_errors is None:
         return (f"{held}; the device had room for a failed request, so a memory fraction was in "
                 "force: give it with --memory-fraction and the device's total with "
                 "--device-memory")
