@@ -36,7 +36,7 @@ from typing import Any
 from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.client import Agent
-from allocator_ext.agent.identity import build_identity, nvml_uuid
+from allocator_ext.agent.identity import build_identity, device_uuid
 from allocator_ext.agent.sources import AllocatorSource, Source, TorchSource, UnsupportedCommand
 from allocator_ext.agent.tls import TlsSettings
 from exporter.protocol.nvml import NvmlReader
@@ -152,9 +152,7 @@ def start_agent(
     if cuda_device is None:
         env_device = os.environ.get("ALLOCWATCH_CUDA_DEVICE")
         cuda_device = int(env_device) if env_device else (devices[0] if devices else -1)
-    uuid = resolved.gpu_uuid(cuda_device) if cuda_device >= 0 else ""
-    if not uuid and reader is not None and cuda_device >= 0:
-        uuid = nvml_uuid(reader, cuda_device)
+    uuid = device_uuid(resolved, reader, cuda_device) if cuda_device >= 0 else ""
     torch_version, cuda_version = resolved.versions()
     ident = build_identity(backend=resolved.backend, cuda_device=cuda_device, gpu_uuid=uuid,
                            torch_version=torch_version, cuda_version=cuda_version,

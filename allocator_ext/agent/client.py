@@ -14,6 +14,7 @@ connects at once instead (a deployment checked on a machine without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -27,7 +28,7 @@ from allocator_ext.agent import convert
 from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.commands import execute
-from allocator_ext.agent.identity import nvml_uuid
+from allocator_ext.agent.identity import device_uuid
 from allocator_ext.agent.oom_snapshots import OomSnapshots
 from allocator_ext.agent.outbox import Outbox
 from allocator_ext.agent.peaks import interval_peaks, largest_free_block
@@ -167,19 +168,11 @@ class Agent:
             # is known now, before the Hello that carries it.
             self.identity.cuda_device = devices[0]
             if not self.identity.gpu_uuid:  # ALLOCWATCH_GPU_UUID, where given, stands
-                self.identity.gpu_uuid = self._device_uuid(devices[0])
+                with contextlib.suppress(Exception):  # no UUID rather than no agent
+                    self.identity.gpu_uuid = device_uuid(self.source, self.nvml, devices[0])
         self.in_use.set()
         self._may_connect.set()
         return True
-
-    def _device_uuid(self, device: int) -> str:
-        try:
-            uuid = self.source.gpu_uuid(device)
-        except Exception:
-            uuid = ""
-        if not uuid and self.nvml is not None:
-            uuid = nvml_uuid(self.nvml, device)
-        return uuid
 
     def _warn_if_never_connected(self) -> None:
         if self.ever_connected or self.warned_unconnected:

@@ -28,6 +28,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 from exporter.protocol.nvml import NvmlReader
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
@@ -83,6 +84,14 @@ def nvml_uuid(nvml: NvmlReader, device: int) -> str:
     except ValueError:
         return ""
     return gpu.uuid if gpu is not None else ""
+
+
+def device_uuid(source: Any, nvml: NvmlReader | None, device: int) -> str:
+    """The UUID of CUDA device `device`: the source's, else NVML's ('' where neither knows)."""
+    uuid = source.gpu_uuid(device)
+    if not uuid and nvml is not None:
+        uuid = nvml_uuid(nvml, device)
+    return uuid
 
 
 def build_identity(
