@@ -91,7 +91,6 @@ class Agent:
         self._stream_closed = threading.Event()
         self.in_use = threading.Event()  # the source has had a device to report
         self._may_connect = threading.Event()  # in use (or connect_at_start), or stopping
-        self.connect_at_start = connect_at_start
         if connect_at_start:
             self.in_use.set()
             self._may_connect.set()
