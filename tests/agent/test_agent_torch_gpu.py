@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.environment import without_allocwatch
 from support.sidecar import MiB, start_sidecar, values
 from support.waiting import wait_for
 
@@ -177,12 +178,10 @@ def test_record_history_mid_run_with_the_native_back_end(tmp_path: Path) -> None
     the agent install() started switches on the core's ring buffer, the one PyTorch's own
     torch.cuda.memory._snapshot() reads; the agent's snapshot replays and opens in the viewer,
     and after `stop` nothing more is recorded. In a fresh process: install() precedes CUDA."""
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
-    env["ALLOCWATCH_TARGET"] = f"unix://{tmp_path / 'run' / 'agent.sock'}"
+    env = without_allocwatch(ALLOCWATCH_TARGET=f"unix://{tmp_path / 'run' / 'agent.sock'}")
     out = subprocess.run([sys.executable, "-c", NATIVE_HISTORY, str(Path(__file__).parents[1]),
                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
@@ -220,7 +219,6 @@ if __name__ == "__main__":
 def test_spawned_dataloader_workers_stay_out_of_the_sidecar(tmp_path: Path) -> None:
     # Each worker imports torch, so `allocwatch run`'s hook starts an agent in it; none uses the
     # GPU, so none connects: the sidecar sees the trainer alone, epoch after epoch.
-    import os
     import subprocess
     import sys
 
@@ -228,8 +226,8 @@ def test_spawned_dataloader_workers_stay_out_of_the_sidecar(tmp_path: Path) -> N
     url = running.sidecar.metrics_url
     script = tmp_path / "spawning_trainer.py"
     script.write_text(SPAWNING_TRAINER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
-    env.update(ALLOCWATCH_TARGET=running.sidecar.agent_targets[0], ALLOCWATCH_INTERVAL="0.1")
+    env = without_allocwatch(ALLOCWATCH_TARGET=running.sidecar.agent_targets[0],
+                             ALLOCWATCH_INTERVAL="0.1")
     seen: list[float] = []
     try:
         trainer = subprocess.Popen(

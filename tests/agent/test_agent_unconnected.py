@@ -6,7 +6,6 @@ its process uses a GPU; until then it samples nothing, sends nothing and never w
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.environment import without_allocwatch
 from support.paths import REPO
 from support.sidecar import FakeSource, start_sidecar, values
 from support.waiting import wait_for
@@ -40,9 +40,9 @@ TRAINER = textwrap.dedent("""
 
 def test_the_trainer_log_says_once_where_the_agent_could_not_reach(tmp_path: Path) -> None:
     target = f"unix://{tmp_path}/nobody-listens.sock"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
-    env.update(ALLOCWATCH_TARGET=target, ALLOCWATCH_INTERVAL="0.1",
-               ALLOCWATCH_WARN_UNCONNECTED_SECONDS="0.5", ALLOCWATCH_AGENT_NVML="0")
+    env = without_allocwatch(ALLOCWATCH_TARGET=target, ALLOCWATCH_INTERVAL="0.1",
+                             ALLOCWATCH_WARN_UNCONNECTED_SECONDS="0.5",
+                             ALLOCWATCH_AGENT_NVML="0")
     out = subprocess.run([sys.executable, "-c", TRAINER], capture_output=True, text=True,
                          env=env, cwd=REPO, timeout=60)
     assert out.returncode == 0 and "trained" in out.stdout, out.stderr
@@ -127,9 +127,10 @@ def test_a_process_that_imports_torch_and_never_uses_cuda_stays_unseen(tmp_path:
         time.sleep(1.5)
         print("connected" if agent.connected.is_set() else "unseen", agent.sequence, flush=True)
     """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
-    env.update(ALLOCWATCH_TARGET=sidecar.sidecar.agent_targets[0], ALLOCWATCH_INTERVAL="0.1",
-               ALLOCWATCH_WARN_UNCONNECTED_SECONDS="0.3", ALLOCWATCH_AGENT_NVML="0")
+    env = without_allocwatch(ALLOCWATCH_TARGET=sidecar.sidecar.agent_targets[0],
+                             ALLOCWATCH_INTERVAL="0.1",
+                             ALLOCWATCH_WARN_UNCONNECTED_SECONDS="0.3",
+                             ALLOCWATCH_AGENT_NVML="0")
     try:
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                              env=env, cwd=REPO, timeout=60)
@@ -161,9 +162,9 @@ def test_the_environment_chooses_when_the_agent_connects(tmp_path: Path, setting
         time.sleep(0.5 if agent is None or agent.connected.is_set() else 0)
         print(agent is not None, agent is not None and agent.connected.is_set(), flush=True)
     """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCWATCH_")}
-    env.update(ALLOCWATCH_TARGET=sidecar.sidecar.agent_targets[0], ALLOCWATCH_INTERVAL="0.1",
-               ALLOCWATCH_AGENT_NVML="0", ALLOCWATCH_AGENT_CONNECT=setting)
+    env = without_allocwatch(ALLOCWATCH_TARGET=sidecar.sidecar.agent_targets[0],
+                             ALLOCWATCH_INTERVAL="0.1", ALLOCWATCH_AGENT_NVML="0",
+                             ALLOCWATCH_AGENT_CONNECT=setting)
     try:
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                              env=env, cwd=REPO, timeout=60)
