@@ -45,7 +45,8 @@ def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_pa
                                     "gpu/gpu_soak.py", "replay/fragmentation.py",
                                     "gpu/policy_under_cap.py", "sidecar/agent_cpu_cost.py",
                                     "gpu/step_lockstep.py", "replay/steady_state.py",
-                                    "gpu/long_run.py", "gpu/distributed_train.py"])
+                                    "gpu/long_run.py", "gpu/distributed_train.py",
+                                    "gpu/host_profile.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
@@ -123,6 +124,37 @@ def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: P
         assert all(set(c) == {"num_device_alloc", "num_device_free", "num_sync_all_streams"}
                    for calls in r["step_device_calls"].values() for c in calls)
     assert phase["median_step_ratio"] > 0
+
+
+def test_host_profile_compares_the_same_steps_op_by_op(tmp_path: Path) -> None:
+    # The protocol on the CPU (tiny convnet, PyTorch's allocator on both sides): every process
+    # profiles the same steps, so both sides see the same ops the same number of times, and the
+    # totals are the sums of the per-op figures.
+    out_json = tmp_path / "profile.json"
+    out = subprocess.run([sys.executable, "bench/gpu/host_profile.py", "--self-check", "--reps",
+                          "2", "--steps", "2", "--json", str(out_json)], cwd=REPO,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_json.read_text())
+    ours, theirs = result["labels"]
+    assert (ours, theirs) == ("pytorch", "pytorch (second)")
+    assert [len(result["runs"][label]) for label in (ours, theirs)] == [2, 2]
+    counts = [{op: v["count"] for op, v in run["ops"].items()}
+              for label in (ours, theirs) for run in result["runs"][label]]
+    assert all(c == counts[0] for c in counts) and "aten::convolution" in counts[0]
+    assert all(len(run["step_s"]) == 2 and run["allocations_per_step"] == 0  # no CUDA here
+               for label in (ours, theirs) for run in result["runs"][label])
+    total = sum(row["ours_us"] for row in result["ops"])
+    assert total == pytest.approx(result["self_cpu_us_total"][ours]) and total > 0
+    assert [row["difference_us"] for row in result["ops"]] == sorted(
+        row["difference_us"] for row in result["ops"])
+    assert "self CPU time over 2 profiled steps" in out.stdout
+
+
+def test_host_profile_refuses_zero_steps() -> None:
+    out = subprocess.run([sys.executable, "bench/gpu/host_profile.py", "--self-check", "--steps",
+                          "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--reps and --steps must be at least 1" in out.stderr
 
 
 def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path) -> None:

@@ -1,0 +1,153 @@
+"""Where a training step's host time goes under two allocators, operator by operator.
+
+    python bench/gpu/host_profile.py [--model convnet] [--ours allocwatch]
+                                     [--against allocwatch-pluggable] [--reps 2] [--steps 12]
+                                     [--cores 2] [--json FILE]                    (on a GPU)
+    python bench/gpu/host_profile.py --self-check [--json FILE]                   (on the CPU)
+
+step_lockstep.py says whether one allocator's steps are slower; this says where the host spends
+the difference. Each allocator runs in fresh processes, --reps of each, alternating (ours,
+theirs, ours, ...), each on the same CPU core (--cores). A process warms up as the lockstep
+harness does (the workload's largest shapes, then --steps steps of a fixed seed), times
+--steps steps of that same seed again, with cuDNN's plans and the allocator's layout already
+made, and then profiles the same steps once more with torch.profiler (CPU activity only: the
+host's own time, which is what these host-bound steps wait on).
+
+Reported: per allocator the median step time and the allocations a step makes (the allocator's
+allocation.all.allocated count), and per operator the self CPU time summed over the profiled
+steps, averaged over the reps, with the ops whose time differs most between the two. Profiled
+runs are slower than plain ones and runs in separate processes differ by several percent, so
+read the differences beside those of --ours and --against the same allocator.
+
+--self-check runs the protocol on the CPU with a tiny workload under PyTorch's allocator on both
+sides: it checks the plumbing, not the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child  # noqa: E402
+
+WARMUP_SEED = 1
+SHOWN_OPS = 12  # the ops shown at each end of the ordering by difference
+
+
+def child(model: str, steps: int, cores: str, self_check: bool) -> dict[str, Any]:
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    torch = setup_in_child()
+    from torch.profiler import ProfilerActivity, profile
+
+    from allocator_ext import workloads
+
+    device = torch.device("cpu" if self_check else "cuda")
+    work = workloads.build(model, device, tiny=self_check, seed=0)
+    workloads.meet_the_peak(work)
+    work.reseed(WARMUP_SEED)
+    for _ in range(steps):
+        workloads.timed_step(work, work.draw())
+
+    counters = Counters(torch)
+    before = counters.stats()
+    work.reseed(WARMUP_SEED)
+    plain = [workloads.timed_step_and_enqueue(work, work.draw()) for _ in range(steps)]
+    after = counters.stats()
+
+    work.reseed(WARMUP_SEED)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            workloads.timed_step(work, work.draw())
+    ops = {e.key: {"count": e.count, "self_cpu_us": e.self_cpu_time_total}
+           for e in prof.key_averages()}
+    allocated = after.get("allocation.all.allocated", 0) - before.get("allocation.all.allocated", 0)
+    return {"step_s": [s for s, _ in plain], "enqueue_s": [q for _, q in plain],
+            "allocations_per_step": allocated / steps, "ops": ops}
+
+
+def run_child(allocator: str, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ, **ALLOCATORS[allocator])
+    command = [sys.executable, __file__, "--child", "--model", args.model, "--steps",
+               str(args.steps), "--cores", args.cores]
+    if args.self_check:
+        command.append("--self-check")
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise SystemExit(f"host_profile: the {allocator} process failed:\n"
+                         f"{(out.stderr or out.stdout)[-1500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(runs: dict[str, list[dict[str, Any]]], ours: str, against: str) -> dict[str, Any]:
+    """Per op the mean over reps of its self CPU time under each allocator; their totals."""
+    def mean_us(name: str, op: str) -> float:
+        return statistics.mean(r["ops"].get(op, {}).get("self_cpu_us", 0.0) for r in runs[name])
+
+    names = sorted({op for r in runs[ours] + runs[against] for op in r["ops"]})
+    rows = [{"op": op, "ours_us": mean_us(ours, op), "against_us": mean_us(against, op),
+             "count": runs[ours][0]["ops"].get(op, {}).get("count", 0)} for op in names]
+    for row in rows:
+        row["difference_us"] = row["ours_us"] - row["against_us"]
+    rows.sort(key=lambda row: row["difference_us"])
+    ours_total = sum(row["ours_us"] for row in rows)
+    against_total = sum(row["against_us"] for row in rows)
+    return {"ops": rows, "self_cpu_us_total": {ours: ours_total, against: against_total},
+            "self_cpu_ratio": ours_total / against_total if against_total else float("nan")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("transformer", "moe", "convnet"), default="convnet")
+    p.add_argument("--ours", choices=sorted(ALLOCATORS), default="allocwatch")
+    p.add_argument("--against", choices=sorted(ALLOCATORS), default="allocwatch-pluggable")
+    p.add_argument("--reps", type=int, default=2, help="processes per allocator (default 2)")
+    p.add_argument("--steps", type=int, default=12, help="steps warmed, timed and profiled")
+    p.add_argument("--cores", default="2", help="the CPU core(s) every process runs on")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--self-check", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.reps < 1 or args.steps < 1:
+        p.error("--reps and --steps must be at least 1")
+    if args.self_check:
+        args.ours = args.against = "pytorch"
+        args.cores = ""
+    if args.child:
+        print(json.dumps(child(args.model, args.steps, args.cores, args.self_check)))
+        return 0
+
+    labels = [args.ours, args.against if args.against != args.ours else f"{args.against} (second)"]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    for rep in range(args.reps):
+        for label, allocator in zip(labels, (args.ours, args.against), strict=True):
+            result = run_child(allocator, args)
+            runs[label].append(result)
+            print(f"{label}, process {rep + 1}: median step "
+                  f"{1e3 * statistics.median(result['step_s']):.2f} ms, "
+                  f"{result['allocations_per_step']:.0f} allocations a step", flush=True)
+    compared = compare(runs, *labels)
+    print(f"self CPU time over {args.steps} profiled steps, {labels[0]} / {labels[1]}: "
+          f"{compared['self_cpu_ratio']:.3f}")
+    ops = compared["ops"]
+    shown = ops if len(ops) <= 2 * SHOWN_OPS else ops[:SHOWN_OPS] + ops[-SHOWN_OPS:]
+    for row in shown:
+        print(f"  {row['difference_us']:+9.0f} us  {row['op'][:60]:60s} x{row['count']}  "
+              f"({row['ours_us']:.0f} against {row['against_us']:.0f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "model": args.model, "labels": labels,
+                       "runs": runs, **compared}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
