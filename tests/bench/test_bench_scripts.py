@@ -46,7 +46,7 @@ def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_pa
                                     "gpu/policy_under_cap.py", "sidecar/agent_cpu_cost.py",
                                     "gpu/step_lockstep.py", "replay/steady_state.py",
                                     "gpu/long_run.py", "gpu/distributed_train.py",
-                                    "gpu/host_profile.py"])
+                                    "gpu/host_profile.py", "replay/growth_timeline.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
@@ -71,6 +71,35 @@ def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles
     # The first pass is exactly what `allocwatch replay` prices: the same frees, the same waits.
     replayed = replay(load_trace(str(REPO / "tests/data/traces/convnet__default.pickle.gz")))
     assert passes[0]["call_share"] == pytest.approx(replayed.report["device_call_share"])
+
+
+def test_growth_timeline_traces_each_settings_peak_to_its_requests(tmp_path: Path) -> None:
+    trace = "tests/data/traces/convnet__default.pickle.gz"
+    out_file = tmp_path / "timeline.json"
+    out = subprocess.run([sys.executable, "bench/replay/growth_timeline.py", trace, "--config",
+                          "", "--config", "native", "--json", str(out_file)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    # One stream: its own peak is the trace's.
+    assert result["per_stream_peak_sum_over_requested"] == pytest.approx(1.0)
+    # Each setting's peak is what `allocwatch replay` reports for it, and the event that
+    # reaches it is among the rows shown.
+    for i, config in enumerate(["", "native"]):
+        replayed = replay(load_trace(str(REPO / trace)), config=config or None)
+        peak = replayed.report["peak_reserved_bytes"] / result["peak_requested_bytes"]
+        assert result["peak_reserved_over_requested"][i] == pytest.approx(peak)
+        assert max(row["reserved"][i] for row in result["rows"]) == pytest.approx(peak)
+    assert all(row["action"] and row["event"] >= 0 for row in result["rows"])
+    # PyTorch's rules reserve more than allocwatch's on this trace (1.96 against 1.01).
+    assert result["peak_reserved_over_requested"][1] > result["peak_reserved_over_requested"][0]
+
+
+def test_growth_timeline_refuses_a_bad_setting_naming_it() -> None:
+    out = subprocess.run([sys.executable, "bench/replay/growth_timeline.py",
+                          "tests/data/traces/convnet__default.pickle.gz", "--config",
+                          "bogus_key:1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "bogus_key" in out.stderr and not out.stdout
 
 
 def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
