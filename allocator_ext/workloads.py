@@ -22,8 +22,11 @@ Training steps run under bf16 autocast. Shapes (and the experts' token counts) c
 the workload's seeded generator, never from tensor values: two processes built with the same
 seed draw the same shapes in the same order on any device, which is what lets a benchmark
 compare two allocators step by step and size a memory cap from one run for another.
-`reseed(n)` starts a new sequence. `tiny=True` shrinks every dimension so that the same code
-runs on a CPU in about a second (the self-checks).
+`reseed(n)` starts a new sequence. `fixed_shapes=True` runs every step at the workload's
+largest shapes instead, as a job with a fixed batch and sequence length or image size does: its
+steps then repeat exactly (the MoE's routing still varies with the tokens drawn). `tiny=True`
+shrinks every dimension so that the same code runs on a CPU in about a second (the
+self-checks).
 
 This is the one module of allocator_ext that imports torch: import it only where torch is
 installed.
@@ -72,6 +75,7 @@ class Workload:
         self.model = model.to(device)
         self.device = device
         self.rng = rng
+        self.fixed_shapes = False  # every draw at the largest shapes (build's fixed_shapes)
 
     def reseed(self, seed: int) -> None:
         """Starts the sequence of shapes that `seed` gives (the same in every process)."""
@@ -80,11 +84,12 @@ class Workload:
     def draw(self, largest: bool = False) -> Batch:
         """The next step's inputs, of shapes drawn from the generator; with `largest`, the
         largest shapes of every range instead (the generator is not advanced), so that a run
-        can meet its peak before it sizes a memory cap."""
+        can meet its peak before it sizes a memory cap. A workload with fixed shapes always
+        draws the largest."""
         raise NotImplementedError
 
     def _pick(self, bounds: tuple[int, int], largest: bool) -> int:
-        return bounds[1] if largest else self.rng.randint(*bounds)
+        return bounds[1] if largest or self.fixed_shapes else self.rng.randint(*bounds)
 
     def run(self, batch: Batch) -> None:
         """One step on `batch`."""
@@ -365,7 +370,7 @@ class ConvTraining(Workload):
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
 
     def draw(self, largest: bool = False) -> Batch:
-        side = self.sides[-1] if largest else self.rng.choice(self.sides)
+        side = self.sides[-1] if largest or self.fixed_shapes else self.rng.choice(self.sides)
         batch = self._pick(self.batch, largest)
         images = torch.randn(batch, 3, side, side, device=self.device)
         return images, torch.randint(0, self.classes, (batch,), device=self.device)
@@ -379,8 +384,16 @@ class ConvTraining(Workload):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def build(name: str, device: torch.device, tiny: bool = False, seed: int = 0) -> Workload:
-    """The workload called `name` (one of NAMES), its model on `device`."""
+def build(name: str, device: torch.device, tiny: bool = False, seed: int = 0,
+          fixed_shapes: bool = False) -> Workload:
+    """The workload called `name` (one of NAMES), its model on `device`; with `fixed_shapes`,
+    every step at its largest shapes."""
+    work = _build(name, device, tiny, seed)
+    work.fixed_shapes = fixed_shapes
+    return work
+
+
+def _build(name: str, device: torch.device, tiny: bool, seed: int) -> Workload:
     torch.manual_seed(seed)
     small = Dims(32, 2, 4, 128, (1, 3), (8, 24))
     if name == "transformer":

@@ -9,6 +9,11 @@ DIR/manifest.json. Each trace is recorded in a fresh process, with PYTORCH_CUDA_
 before torch is imported and recording started before the first CUDA allocation, so that every
 trace starts from an empty allocator: the condition for replaying it faithfully.
 
+Workloads: gpt_varlen (the transformer), moe, convnet and decode draw random shapes every step;
+gpt_fixed, moe_fixed and convnet_fixed run every step at the workload's largest shapes, as jobs
+with a fixed batch and sequence length or image size train, so that their steps repeat exactly
+(the MoE's routing still varies).
+
 Settings: default, expandable (expandable_segments:True), max_split (max_split_size_mb:64), gc
 (garbage_collection_threshold:0.6 under a per-process memory fraction of 1.3 x the workload's
 peak reserved bytes with default settings, so that collection actually happens; the fraction is
@@ -57,12 +62,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-# Trace name -> the allocator_ext.workloads workload recorded under it.
-WORKLOADS = {"gpt_varlen": "transformer", "moe": "moe", "convnet": "convnet", "decode": "decode"}
+# Trace name -> the allocator_ext.workloads workload recorded under it, and whether its shapes
+# are fixed (every step at the workload's largest shapes, as a job with a fixed batch and
+# sequence length or image size trains: its steps repeat exactly) rather than random.
+WORKLOADS = {"gpt_varlen": ("transformer", False), "moe": ("moe", False),
+             "convnet": ("convnet", False), "decode": ("decode", False),
+             "gpt_fixed": ("transformer", True), "moe_fixed": ("moe", True),
+             "convnet_fixed": ("convnet", True)}
 WORKLOAD_NAMES = tuple(WORKLOADS)
 # Steps per trace when --steps is not given: enough steps for the shapes to vary widely, few
-# enough that a trace stays under ~300k events (a few MB gzipped) and a run under ~20 s.
-DEFAULT_STEPS = {"gpt_varlen": 40, "moe": 40, "convnet": 40, "decode": 12}
+# enough that a trace stays under ~300k events (a few MB gzipped) and a run under ~20 s. Fixed
+# shapes need fewer: every step after the first two repeats the one before.
+DEFAULT_STEPS = {"gpt_varlen": 40, "moe": 40, "convnet": 40, "decode": 12,
+                 "gpt_fixed": 16, "moe_fixed": 16, "convnet_fixed": 16}
 
 # Setting name -> PYTORCH_CUDA_ALLOC_CONF (None: unset, PyTorch's defaults). Order matters:
 # defaults first, because the gc setting sizes its memory cap from the default run.
@@ -279,7 +291,8 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
     # Before anything touches the GPU's memory: the trace must start from an empty allocator.
     torch.cuda.memory._record_memory_history(
         enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
-    work = workloads.build(WORKLOADS[workload], device)
+    model, fixed_shapes = WORKLOADS[workload]
+    work = workloads.build(model, device, fixed_shapes=fixed_shapes)
     started = time.perf_counter()
 
     def events_so_far() -> int:
@@ -556,7 +569,7 @@ def self_check() -> None:
 
     from allocator_ext import workloads
 
-    assert set(WORKLOADS.values()) <= set(workloads.NAMES)
+    assert {model for model, _ in WORKLOADS.values()} <= set(workloads.NAMES)
     assert set(DEFAULT_STEPS) == set(WORKLOAD_NAMES)
 
     args = parse_args(["--out", "x", "--only", "moe", "gc", "--steps", "3"])
@@ -590,7 +603,8 @@ def self_check() -> None:
 
     cpu = torch.device("cpu")
     for name in WORKLOAD_NAMES:
-        work = workloads.build(WORKLOADS[name], cpu, tiny=True, seed=1)
+        model, fixed_shapes = WORKLOADS[name]
+        work = workloads.build(model, cpu, tiny=True, seed=1, fixed_shapes=fixed_shapes)
         for _ in range(2):
             work.step()
         assert work.parameter_count() > 0
@@ -631,7 +645,7 @@ def _self_check_oom_mode(torch: Any, workloads: Any) -> None:
         except SystemExit as exit_:
             assert exit_.code == 2
 
-    work = workloads.build(WORKLOADS["gpt_varlen"], torch.device("cpu"), tiny=True, seed=1)
+    work = workloads.build(WORKLOADS["gpt_varlen"][0], torch.device("cpu"), tiny=True, seed=1)
     oom = torch.cuda.OutOfMemoryError
     failing = _FailingSteps(work, {2, 4}, oom)
     assert run_steps(failing, 6, DEFAULT_MAX_EVENTS, 2, lambda: 10, oom) == (4, 2)

@@ -92,6 +92,12 @@ def test_the_largest_shapes_are_the_top_of_every_range_and_leave_the_sequence_al
                for d, top in zip(dims, tops, strict=True))
 
 
+@pytest.mark.parametrize("name", sorted(LARGEST))
+def test_fixed_shapes_draw_the_largest_every_step(name: str) -> None:
+    work = workloads.build(name, META, seed=0, fixed_shapes=True)
+    assert set(_shapes(work, 12)) == {LARGEST[name]}
+
+
 def test_a_wrapped_model_trains_the_parameters_its_wrapper_gave_it() -> None:
     """As FSDP's fully_shard does, the wrapper here replaces every parameter: the optimizer
     must step the new ones, and the old ones stay as they were."""
