@@ -3,7 +3,8 @@
 On the trace's active clock (the time the report's `trace_seconds` counts: gaps between events
 up to 100 ms each, so that idle time does not stretch the picture): what the program requested
 (shaded), what the replay allocated and reserved, and what the recorded run reserved (dashed).
-Reserved above requested is what the settings cost. The cap the replay ran under is a line;
+Reserved above requested is what the settings cost. A replay of several passes draws them one
+after another, with a thin line where each begins. The cap the replay ran under is a line;
 the allocator's retries and out-of-memory errors are marked where they happened, and each
 out-of-memory error of the recorded run is a vertical line: red where it recurred in the replay,
 green where the replay served the request.
@@ -74,6 +75,10 @@ def timeline_figure(timeline: Timeline, title: str,
                 color="tab:red", s=60, linewidths=2,
                 label=f"out of memory, replay ({len(timeline.ooms_at)})")
     _mark_recorded_ooms(ax, t, timeline, recorded_ooms or [])
+    for i, start in enumerate(timeline.pass_starts_s):
+        ax.axvline(start * clock, color="0.6", lw=0.6, zorder=1, gid="pass-start",
+                   label=None if i else f"start of a pass ({len(timeline.pass_starts_s) + 1} "
+                                        "passes, each the whole trace)")
 
     ax.set_title(wrap(title, TITLE_WIDTH), loc="left", fontsize=9.5)
     ax.set_xlabel(f"active time ({clock_name}): the trace's time with each gap between events "

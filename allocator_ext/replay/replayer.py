@@ -311,6 +311,7 @@ class Replayer:
                 raise RuntimeError("the previous pass still holds memory: run it with "
                                    "release=True to repeat the trace")
             self.position = 0
+            self.recorded_reserved = 0  # the recorded run's figure, from its start again
         if self.position:
             raise RuntimeError(f"a pass starts at the trace's first event, not at "
                                f"event {self.position}")

@@ -7,8 +7,8 @@ passes on one allocator, as the steps of a long training run repeat.
 Every trace (the shipped example, the shared traces beside the checkout, tests/data/traces) is
 replayed --passes times with the defaults (or --config), and the shipped example once more
 --long-passes times (by default only when --traces is not given). Each pass is the whole trace,
-replayed as `allocwatch replay` does (the same frees, the same waits for other streams), and
-frees what it still holds at its end, so the next pass repeats the same requests on a warm
+replayed as `allocwatch replay --passes` does (the same frees, the same waits for other streams),
+and frees what it still holds at its end, so the next pass repeats the same requests on a warm
 cache; its first pass is exactly what `allocwatch replay` reports.
 
 Per run: peak reserved after pass 2 and after the last pass, and their ratio (a cache that keeps
@@ -34,15 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from allocator_ext.replay import Replayer, load_cost_table, load_trace
-from allocator_ext.replay.trace import trace_seconds
+from allocator_ext.replay import load_trace, replay
 from exporter.commands._trace_args import progress_bar
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "allocator_ext/data/example_trace.pickle.gz"
 DEFAULT_TRACES = [str(EXAMPLE), str(REPO.parent / "shared/traces/*.pickle.gz"),
                   str(REPO / "tests/data/traces/*.pickle.gz")]
-SHOWN = ("create", "map_only", "unmap", "release", "stream_synchronize")
+SHOWN = ("create", "map_only", "unmap", "release", "synchronize")
 SETTLED_AFTER = 2        # passes that only grow the cache
 RESERVED_GROWTH_BAR = 0.002
 CALL_SHARE_BAR = 0.001
@@ -61,23 +60,21 @@ class Run:
 
 def replay_passes(run: Run, config: str | None, done: Any = None) -> list[dict[str, float]]:
     """Per pass: peak reserved so far, reserved at its end, the calls of each shown kind, and
-    `call_share` (all its calls priced / the trace's active time). `done(events)` after each."""
+    `call_share` (all its calls priced / the trace's active time), from `allocwatch replay
+    --passes`'s figures. `done(events)` with the events replayed since the last call."""
     trace = load_trace(run.path)
-    active_s = trace_seconds(trace)
-    costs = load_cost_table()
-    replayer = Replayer(trace, config)
-    rows: list[dict[str, float]] = []
-    for _ in range(run.passes):
-        result = replayer.run_pass(release=True)
-        calls = result.device_calls
-        row: dict[str, float] = {k: calls.get(k, {}).get("count", 0) for k in SHOWN}
-        row["call_share"] = costs.price(calls)[0] / active_s if active_s > 0 else 0.0
-        row["peak_reserved_bytes"] = result.peak_reserved_bytes
-        row["reserved_bytes"] = result.reserved_bytes
-        rows.append(row)
-        if done is not None:
-            done(len(trace.events))
-    return rows
+    reported = [0]
+
+    def progress(events: int) -> None:
+        if done is not None and events > reported[0]:
+            done(events - reported[0])
+            reported[0] = events
+
+    passes = replay(trace, config, progress=progress, passes=run.passes).report["passes"]
+    return [{**{k: p["device_calls"].get(k, {}).get("count", 0) for k in SHOWN},
+             "call_share": p["device_call_share"],
+             "peak_reserved_bytes": p["peak_reserved_bytes"],
+             "reserved_bytes": p["reserved_bytes_at_end"]} for p in passes]
 
 
 def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:

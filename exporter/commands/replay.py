@@ -29,6 +29,15 @@ how often it would have retried or run out of memory, and what its device calls 
   allocwatch replay trace.pickle.gz --config native,expandable_segments:True
   allocwatch replay trace.pickle.gz --device-memory 1.03x --json
   allocwatch replay trace.pickle.gz --plot replay.png
+  allocwatch replay trace.pickle.gz --passes 50          what a long run of it reserves
+
+One replay answers for the run that was recorded. A long run repeats its steps for hours, and a
+cache that keeps changing its layout can keep growing: --passes N runs the trace's program N
+times on the one allocator (each pass freeing what it still holds at its end, as a step does)
+and adds what the passes reached: the peak reserved after the last pass beside the first's,
+what each pass's device calls cost once the cache is warm, and the retries and out-of-memory
+errors of the later passes (under a cap, a run that creeps grows into it). The figures above
+that stay the first pass's.
 
 A trace that ended in an out-of-memory error holds the request that failed (an `oom` event):
 the replay makes that request too, at its place and on its stream; where the allocator serves
@@ -60,10 +69,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "PyTorch's defaults (default: allocwatch's defaults)")
     p.add_argument("--device", type=int,
                    help="which device's trace (default: the first with events)")
+    p.add_argument("--passes", type=_passes, default=1, metavar="N",
+                   help="replay the trace N times on one allocator, as a long run repeats its "
+                        "steps, and report what the last pass reached (default: 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    add_plot_argument(p, "write a plot of memory over the trace")
+    add_plot_argument(p, "write a plot of memory over the trace (every pass, one after another)")
     p.add_argument("--costs", metavar="FILE", help="device-call cost table (default: the H200 one)")
     p.set_defaults(func=run)
+
+
+def _passes(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
 
 
 def human_report(r: dict) -> str:
@@ -99,7 +121,26 @@ def human_report(r: dict) -> str:
             lines.append(f"  … and {len(r['recorded_ooms']) - SHOWN_OOMS} more (see --json)")
     if r["unknown_actions"]:
         lines.append(f"unknown actions    {r['unknown_actions']} (counted, not replayed)")
+    if "long_run" in r:
+        lines += _long_run_lines(r["long_run"])
     return "\n".join(lines)
+
+
+def _long_run_lines(run: dict) -> list[str]:
+    from allocator_ext.replay.sizes import format_size
+
+    growth = run["growth_over_first_pass"] - 1
+    return [
+        f"{'after ' + str(run['passes']) + ' passes':19s}peak reserved "
+        f"{format_size(run['peak_reserved_bytes'])}"
+        f" (reserved/requested {run['reserved_ratio']:.4f}), {100 * growth:+.2f} % over the "
+        "first pass",
+        f"                   device calls {100 * run['device_call_share_last_pass']:.3f} % of "
+        f"the active time in the last pass (at most "
+        f"{100 * run['device_call_share_worst_later_pass']:.3f} % after the first)",
+        f"                   retries / OOMs after the first pass: "
+        f"{run['num_alloc_retries_later_passes']} / {run['num_ooms_later_passes']}",
+    ]
 
 
 def _active_time(seconds: float) -> str:
@@ -137,10 +178,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        with progress_bar(len(trace.events), "replay", args.json) as progress:
+        with progress_bar(len(trace.events) * args.passes, "replay", args.json) as progress:
             result = replay(trace, config=args.config, device_memory=cap.device_memory,
                             memory_fraction=cap.memory_fraction, costs=costs,
-                            progress=progress, timeline=bool(args.plot))
+                            progress=progress, timeline=bool(args.plot), passes=args.passes)
     except (TraceError, ValueError) as e:
         print(f"allocwatch replay: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,125 @@
+"""`allocwatch replay --passes N`: the trace's program run N times on one allocator, as a long
+run repeats its steps. The report stays the first pass's; each pass's figures and what the last
+pass reached are added, so that a cache that keeps growing, device calls that never stop and a
+run that grows into its cap show before a ten-hour job finds them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from support.paths import REPO
+
+from allocator_ext.replay import load_trace, replay
+from allocator_ext.replay.trace import peak_requested_bytes
+
+CONVNET = REPO / "tests/data/traces/convnet__default.pickle.gz"
+DECODE = REPO / "tests/data/traces/decode__default.pickle.gz"
+
+
+def test_the_report_stays_the_first_passs_and_gains_every_pass() -> None:
+    trace = load_trace(CONVNET)
+    once = replay(trace).report
+    report = replay(trace, passes=4).report
+    rows, run = report.pop("passes"), report.pop("long_run")
+    assert report == once
+    assert [r["pass"] for r in rows] == [1, 2, 3, 4]
+    # Pass 1 is the single replay; peaks are the allocator's so far, so they never fall.
+    assert rows[0]["peak_reserved_bytes"] == once["peak_reserved_bytes"]
+    assert rows[0]["device_call_share"] == pytest.approx(once["device_call_share"])
+    peaks = [r["peak_reserved_bytes"] for r in rows]
+    assert peaks == sorted(peaks)
+    assert run["passes"] == 4 and run["peak_reserved_bytes"] == peaks[-1]
+    assert run["growth_over_first_pass"] == pytest.approx(peaks[-1] / peaks[0])
+    assert run["reserved_ratio"] == pytest.approx(peaks[-1] / once["peak_requested_bytes"])
+    # A warm cache asks the device for a fraction of what the first pass asked.
+    assert rows[0]["num_device_alloc"] > 50
+    assert all(r["num_device_alloc"] * 5 <= rows[0]["num_device_alloc"] for r in rows[1:])
+    assert run["device_call_share_worst_later_pass"] == max(
+        r["device_call_share"] for r in rows[1:])
+
+
+def test_pytorchs_allocator_keeps_its_segments_and_asks_nothing_after_the_first_pass() -> None:
+    run = replay(load_trace(CONVNET), config="native", passes=3).report["long_run"]
+    assert run["growth_over_first_pass"] == 1.0
+    assert run["device_call_share_worst_later_pass"] == 0.0
+
+
+def test_a_long_run_can_run_out_of_memory_under_a_cap_its_first_pass_fits() -> None:
+    """What one replay cannot show: under a cap of 1.03 x the peak requested bytes, allocwatch's
+    defaults fit the decoder's first pass, and pages moved in every pass leave its free memory
+    in pieces that a later pass's request cannot use (counted, not hidden)."""
+    trace = load_trace(DECODE)
+    cap = int(1.03 * peak_requested_bytes(trace))
+    report = replay(trace, device_memory=cap, passes=8).report
+    assert report["num_ooms"] == 0
+    assert report["long_run"]["num_ooms_later_passes"] > 0
+    assert sum(r["num_ooms"] for r in report["passes"]) == (
+        report["long_run"]["num_ooms_later_passes"])
+    # Settling repeated page moves keeps that layout: no pass runs out.
+    settled = replay(trace, config="settle_page_moves:True", device_memory=cap, passes=8)
+    assert settled.report["long_run"]["num_ooms_later_passes"] == 0
+
+
+def test_the_timeline_draws_every_pass_one_after_another_with_no_peak_lost() -> None:
+    trace = load_trace(CONVNET)
+    one = replay(trace, timeline=True).timeline
+    result = replay(trace, timeline=True, passes=3)
+    tl = result.timeline
+    assert tl.pass_starts_s == pytest.approx([one.time_s[-1], 2 * one.time_s[-1]])
+    assert tl.time_s == sorted(tl.time_s) and tl.time_s[-1] == pytest.approx(3 * one.time_s[-1])
+    # About one pass's worth of points however many passes (a pass's last step ends a point),
+    # each the highest of its steps.
+    assert len(tl.reserved) <= len(one.reserved) + 3
+    assert max(tl.reserved) == result.report["long_run"]["peak_reserved_bytes"]
+    assert max(tl.requested) == max(one.requested)
+
+
+def test_fewer_than_one_pass_is_refused() -> None:
+    with pytest.raises(ValueError, match="passes must be at least 1, not 0"):
+        replay(load_trace(CONVNET), passes=0)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exporter.cli", "replay", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_the_command_reports_the_long_run_in_its_table_and_its_json() -> None:
+    out = run_cli(str(CONVNET), "--passes", "3")
+    assert out.returncode == 0, out.stderr
+    assert "after 3 passes" in out.stdout and "over the first pass" in out.stdout
+    out = run_cli(str(CONVNET), "--passes", "3", "--json")
+    report = json.loads(out.stdout)
+    assert len(report["passes"]) == 3 and report["long_run"]["passes"] == 3
+    single = json.loads(run_cli(str(CONVNET), "--json").stdout)
+    assert "passes" not in single and "long_run" not in single
+
+
+@pytest.mark.parametrize("value, why", [("0", "must be at least 1, not 0"),
+                                        ("two", "not a whole number: 'two'")])
+def test_the_command_refuses_a_bad_number_of_passes_naming_it(value: str, why: str) -> None:
+    out = run_cli(str(CONVNET), "--passes", value)
+    assert out.returncode == 2 and "--passes" in out.stderr and why in out.stderr
+    assert not out.stdout
+
+
+def test_the_plot_marks_where_each_pass_begins() -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is absent")
+    import matplotlib.pyplot as plt
+
+    from allocator_ext.replay.plot import timeline_figure
+
+    tl = replay(load_trace(CONVNET), timeline=True, passes=3).timeline
+    fig = timeline_figure(tl, "three passes")
+    try:
+        ax = fig.axes[0]
+        starts = [line.get_xdata()[0] for line in ax.get_lines()
+                  if line.get_gid() == "pass-start"]
+        assert starts == pytest.approx(tl.pass_starts_s)
+        assert any("start of a pass (3 passes" in t.get_text()
+                   for t in ax.get_legend().get_texts())
+    finally:
+        plt.close(fig)
