@@ -2,7 +2,7 @@
 shapes neither has seen.
 
     python bench/gpu/step_lockstep.py [--model transformer|moe|convnet] [--against expandable]
-                                      [--ours allocwatch]
+                                      [--ours allocwatch] [--fixed-shapes]
                                       [--rounds 8] [--steps 12] [--fraction-of-peak F]
                                       [--json FILE]                               (on a GPU)
     python bench/gpu/step_lockstep.py --suite DIR [--rounds 8] [--steps 12]       (on a GPU)
@@ -47,6 +47,11 @@ requested.
 --ours picks the allocator judged (default allocwatch's); --ours and --against the same
 allocator check the harness itself, whose ratio should then be 1.00 within the spread.
 
+--fixed-shapes runs every step, warm-up and rounds alike, at the workload's largest shapes, as
+a job with a fixed batch and sequence length or image size trains: its steps repeat exactly
+(the MoE's routing aside), and an allocator whose layout moves pages in every repetition pays
+for it in every step.
+
 --self-check runs the same protocol on the CPU with tiny workloads (two processes under
 PyTorch's allocator, no GPU): it checks the plumbing and that the timed shapes are fresh and
 the same in both processes, not the figures.
@@ -81,7 +86,8 @@ def shape_of(batch: tuple) -> list:
     return [list(t.shape) if hasattr(t, "shape") else t for t in batch]
 
 
-def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
+def child(model_name: str, steps: int, cores: str, self_check: bool,
+          fixed_shapes: bool = False) -> None:
     """Answers one line per command on stdin: 'cap F', 'seed N', 'step', 'stats'."""
     if cores:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
@@ -89,7 +95,8 @@ def child(model_name: str, steps: int, cores: str, self_check: bool) -> None:
     from allocator_ext import workloads
 
     device = torch.device("cpu" if self_check else "cuda")
-    work = workloads.build(model_name, device, tiny=self_check, seed=0)
+    work = workloads.build(model_name, device, tiny=self_check, seed=0,
+                           fixed_shapes=fixed_shapes)
     counters = Counters(torch)
     warmup_shapes: list = []
     # allocwatch's pluggable path reports running out of memory as a plain RuntimeError;
@@ -180,11 +187,11 @@ class Trainer:
     """One training process under one allocator, answering one line per command."""
 
     def __init__(self, allocator: str, model: str, steps: int, cores: str,
-                 self_check: bool, name: str = "") -> None:
+                 self_check: bool, name: str = "", fixed_shapes: bool = False) -> None:
         self.name = name or allocator
         env = dict(os.environ, **ALLOCATORS[allocator])
         argv = [sys.executable, __file__, "--child", model, str(steps), cores,
-                "1" if self_check else "0"]
+                "1" if self_check else "0", "1" if fixed_shapes else "0"]
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
 
@@ -316,14 +323,15 @@ def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int)
 
 
 def run_workload(model: str, ours: str, against: str, fractions: list[float], rounds: int,
-                 steps: int, cores: str, self_check: bool, out: Path | None) -> dict:
+                 steps: int, cores: str, self_check: bool, out: Path | None,
+                 fixed_shapes: bool = False) -> dict:
     result: dict[str, Any] = {"command": " ".join(sys.argv), "model": model, "ours": ours,
                               "against": against, "cores": cores, "steps_per_round": steps,
-                              "phases": []}
+                              "fixed_shapes": fixed_shapes, "phases": []}
     # The same allocator on both sides (--ours): the second is named apart, the harness's own
     # check (its ratio should be 1.00 within the spread).
     names = (ours, against) if ours != against else (ours, f"{against} (second process)")
-    trainers = [Trainer(a, model, steps, cores, self_check, n)
+    trainers = [Trainer(a, model, steps, cores, self_check, n, fixed_shapes)
                 for a, n in zip((ours, against), names, strict=True)]
     try:
         try:  # both warm up at once; timing starts when both are ready
@@ -374,15 +382,18 @@ def main() -> int:
                         "this process may use, the parent then on the others)")
     p.add_argument("--fraction-of-peak", type=float, default=0.0, metavar="F",
                    help="cap each process at F x the peak requested bytes it has met (e.g. 1.03)")
+    p.add_argument("--fixed-shapes", action="store_true",
+                   help="every step at the workload's largest shapes (the steps repeat)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--suite", metavar="DIR",
                    help="every workload, uncapped then at 1.03 x: DIR/lockstep_<workload>.json")
     p.add_argument("--self-check", action="store_true",
                    help="the protocol on the CPU with tiny workloads (no GPU)")
-    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), args.child[2], args.child[3] == "1")
+        child(args.child[0], int(args.child[1]), args.child[2], args.child[3] == "1",
+              args.child[4] == "1")
         return 0
     if args.fraction_of_peak and args.fraction_of_peak < 1.0:
         p.error(f"--fraction-of-peak must be at least 1.0 (the workload's own need), got "
@@ -405,11 +416,13 @@ def main() -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         results = [run_workload(m, ours, against, [0.0, SUITE_FRACTION], args.rounds,
                                 args.steps, cores, args.self_check,
-                                out_dir / f"lockstep_{m}.json") for m in TRAINED]
+                                out_dir / f"lockstep_{m}.json", args.fixed_shapes)
+                   for m in TRAINED]
     else:
         fractions = [args.fraction_of_peak]
         results = [run_workload(args.model, ours, against, fractions, args.rounds, args.steps,
-                                cores, args.self_check, Path(args.json) if args.json else None)]
+                                cores, args.self_check, Path(args.json) if args.json else None,
+                                args.fixed_shapes)]
     ok = all(not r.get("failures") and r["phases"] and not any(ph["failures"]
                                                               for ph in r["phases"])
              for r in results)

@@ -155,6 +155,15 @@ def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: P
     assert phase["median_step_ratio"] > 0
 
 
+def test_step_lockstep_with_fixed_shapes_times_one_shape_every_step(tmp_path: Path) -> None:
+    result = lockstep_self_check(tmp_path, "--fixed-shapes", "--rounds", "2", "--steps", "2")
+    (phase,) = result["phases"]
+    assert result["fixed_shapes"] and not phase["failures"]
+    shapes = [tuple(map(tuple, s)) for r in phase["rounds"] for s in r["shapes"]]
+    assert len(shapes) == 4 and len(set(shapes)) == 1
+    assert not phase["timed_shapes_fresh"]  # the warm-up's shapes, as a fixed-shape job's
+
+
 def test_host_profile_compares_the_same_steps_op_by_op(tmp_path: Path) -> None:
     # The protocol on the CPU (tiny convnet, PyTorch's allocator on both sides): every process
     # profiles the same steps, so both sides see the same ops the same number of times, and the
