@@ -16,9 +16,9 @@ ALLOCATORS = {
     "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     # install()'s default: the native back end built against this torch (allocator_ext/native/).
     "allocwatch": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1"},
-    # allocwatch with settle_page_moves:True (a page move that recurs creates its pages once).
-    "allocwatch-settle": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
-                          "ALLOCWATCH_ALLOC_CONF": "settle_page_moves:True"},
+    # allocwatch without settle_page_moves (a page move that recurs moves its pages again).
+    "allocwatch-moving": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
+                          "ALLOCWATCH_ALLOC_CONF": "settle_page_moves:False"},
     # The same core through PyTorch's CUDAPluggableAllocator, install()'s fallback.
     "allocwatch-pluggable": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
                              "ALLOCWATCH_NATIVE": "0"},

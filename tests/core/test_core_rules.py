@@ -530,18 +530,22 @@ def _looped_step_page_calls(config: str | None, passes: int, fraction: float = 0
     return rows
 
 
+MOVING = "settle_page_moves:False"  # take-backs that recur move their pages again every time
+
+
 def test_a_repeated_take_back_creates_pages_once_and_the_loop_settles() -> None:
-    # With the defaults the step moves the same free pages to its growth and back in every
-    # pass: an unmap (a wait for the stream) and a map each time, for ever. settle_page_moves
-    # creates them the second time, and from then on the step makes no device call at all.
-    moving = _looped_step_page_calls(None, 6)
+    # Without settle_page_moves the step moves the same free pages to its growth and back in
+    # every pass: an unmap (a wait for the stream) and a map each time, for ever. The defaults
+    # (settle_page_moves) create them the second time, and from then on the step makes no
+    # device call at all.
+    moving = _looped_step_page_calls(MOVING, 6)
     assert all(page_calls > 0 for _, page_calls in moving[2:])
-    settled = _looped_step_page_calls("settle_page_moves:True", 6)
+    settled = _looped_step_page_calls(None, 6)
     assert settled[0] == moving[0]                        # the first pass is unchanged
     assert [page_calls for _, page_calls in settled[2:]] == [0, 0, 0, 0]
     assert {peak for peak, _ in settled[1:]} == {140}     # flat from pass 2
     # Under a memory fraction that leaves no room to create, pages move as before.
-    capped = _looped_step_page_calls("settle_page_moves:True", 6, fraction=120 / 1024)
+    capped = _looped_step_page_calls(None, 6, fraction=120 / 1024)
     assert all(peak <= 120 for peak, _ in capped)
     assert all(page_calls > 0 for _, page_calls in capped[2:])
 
@@ -551,8 +555,8 @@ def test_a_settled_growth_creates_its_pages_where_the_fewest_are_missing() -> No
     # that leaves the fewest to create, not in the lowest hole where it fits: 6 MiB more than
     # the first pass, where the lowest hole took 30 MiB (and moved the next pass's requests
     # elsewhere). The loop is flat from pass 2 without a device call.
-    moving = _looped_step_page_calls(None, 6, step=STEP_AMONG_HOLES)
-    settled = _looped_step_page_calls("settle_page_moves:True", 6, step=STEP_AMONG_HOLES)
+    moving = _looped_step_page_calls(MOVING, 6, step=STEP_AMONG_HOLES)
+    settled = _looped_step_page_calls(None, 6, step=STEP_AMONG_HOLES)
     assert settled[0] == moving[0] and settled[0][0] == 124
     assert {peak for peak, _ in settled[1:]} == {130}
     assert [page_calls for _, page_calls in settled[2:]] == [0, 0, 0, 0]

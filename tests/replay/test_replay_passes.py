@@ -48,18 +48,18 @@ def test_pytorchs_allocator_keeps_its_segments_and_asks_nothing_after_the_first_
 
 
 def test_a_long_run_can_run_out_of_memory_under_a_cap_its_first_pass_fits() -> None:
-    """What one replay cannot show: under a cap of 1.03 x the peak requested bytes, allocwatch's
-    defaults fit the decoder's first pass, and pages moved in every pass leave its free memory
-    in pieces that a later pass's request cannot use (counted, not hidden)."""
+    """What one replay cannot show: under a cap of 1.03 x the peak requested bytes, page moves
+    repeated in every pass (settle_page_moves off) fit the decoder's first pass, and leave its
+    free memory in pieces that a later pass's request cannot use (counted, not hidden)."""
     trace = load_trace(DECODE)
     cap = int(1.03 * peak_requested_bytes(trace))
-    report = replay(trace, device_memory=cap, passes=8).report
+    report = replay(trace, config="settle_page_moves:False", device_memory=cap, passes=8).report
     assert report["num_ooms"] == 0
     assert report["long_run"]["num_ooms_later_passes"] > 0
     assert sum(r["num_ooms"] for r in report["passes"]) == (
         report["long_run"]["num_ooms_later_passes"])
-    # Settling repeated page moves keeps that layout: no pass runs out.
-    settled = replay(trace, config="settle_page_moves:True", device_memory=cap, passes=8)
+    # The defaults settle repeated page moves and keep that layout: no pass runs out.
+    settled = replay(trace, device_memory=cap, passes=8)
     assert settled.report["long_run"]["num_ooms_later_passes"] == 0
 
 

@@ -214,12 +214,14 @@ AllocatorConfig AllocatorConfig::allocwatch() {
   AllocatorConfig cfg;
   cfg.expandable_segments = true;
   // PyTorch's rules with expandable segments, plus allocwatch's page policy: free pages taken
-  // back before a segment grows past its high-water mark, 2 MiB large pages created in 10 MiB
-  // chunks (expandable.cpp, Note [page policy]). Chosen by the measures of DESIGN.md on the
-  // recorded traces; the figures are in docs/benchmarks.md.
+  // back before a segment grows past its high-water mark, a take-back that recurs settled by
+  // creating its pages once, 2 MiB large pages created in 10 MiB chunks (expandable.cpp, Note
+  // [page policy]). Chosen by the measures of DESIGN.md and of long runs on the recorded
+  // traces; the figures are in docs/benchmarks.md.
   cfg.expandable_large_page = 2 * kMiB;
   cfg.expandable_chunk = 10 * kMiB;
   cfg.reuse_free_pages = true;
+  cfg.settle_page_moves = true;
   return cfg;
 }
 
