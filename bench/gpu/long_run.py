@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                    "workload: transformer (default), moe, convnet")
     p.add_argument("--config", metavar="STR", default="",
                    help="allocwatch settings for the worker (ALLOCWATCH_ALLOC_CONF), e.g. "
-                        "settle_page_moves:True; default: allocwatch's defaults")
+                        "settle_page_moves:False; default: allocwatch's defaults")
     p.add_argument("--json", metavar="FILE", help="default DIR/long_run.json")
     p.add_argument("--plot", metavar="FILE", help="default DIR/long_run.png")
     p.add_argument("--self-check", action="store_true", help="CPU: the plumbing (see above)")

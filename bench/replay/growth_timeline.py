@@ -3,7 +3,7 @@
     python bench/replay/growth_timeline.py TRACE [--config SETTINGS ...] [--near 0.99]
                                            [--json FILE]
 
-Replays TRACE once per --config (default: allocwatch's defaults and settle_page_moves:True) and
+Replays TRACE once per --config (default: allocwatch's defaults and settle_page_moves:False) and
 prints every event where one of them changes reserved memory while it is within --near of its
 peak: the event's index in the trace, the request, the bytes requested then and each setting's
 reserved bytes, both over the trace's peak requested bytes: so two settings' peaks can be
@@ -27,7 +27,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout
 from allocator_ext.replay.replayer import Replayer  # noqa: E402
 from allocator_ext.replay.trace import Trace, TraceError, load_trace  # noqa: E402
 
-DEFAULT_CONFIGS = ("", "settle_page_moves:True")
+DEFAULT_CONFIGS = ("", "settle_page_moves:False")
 
 
 def per_stream_peak_sum(trace: Trace) -> int:

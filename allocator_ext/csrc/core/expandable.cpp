@@ -4,9 +4,9 @@
 //
 // Note [page policy]
 // ~~~~~~~~~~~~~~~~~~
-// allocwatch's own rules for expandable segments, on with its defaults (reuse_free_pages, 2 MiB
-// large pages in chunks); PyTorch maps new pages for every growth and unmaps only in
-// empty_cache. Each rule was chosen by replaying the recorded traces
+// allocwatch's own rules for expandable segments, on with its defaults (reuse_free_pages,
+// settle_page_moves, 2 MiB large pages in chunks); PyTorch maps new pages for every growth and
+// unmaps only in empty_cache. Each rule was chosen by replaying the recorded traces
 // (bench/replay/fragmentation.py for reserved memory and device calls, and
 // bench/replay/steady_state.py for the calls repeated passes keep making); the figures, and
 // the variants that lost, are in docs/benchmarks.md. Code elsewhere cites this note rather
@@ -62,17 +62,18 @@
 // unmap waits for a stream, which a capture forbids (PyTorch releases nothing during capture
 // either). Growth then creates pages.
 //
-// Long runs, a known limit. A workload that repeats sits with reserved memory at its mark,
-// so every growth it still needs takes pages back. A take-back comes up short where the free
-// memory left lies inside partly used chunks or pages; the pages created for the shortfall
-// raise the mark for good. And each take-back unmaps free blocks inside mapped ranges, which
-// splits them: the next repetition finds its free memory in other, smaller pieces, needs to
-// grow again, and takes back again. The mark therefore ratchets up by the shortfalls while the
-// mapped ranges multiply (replaying the example trace in a loop: about 10 ranges after the
-// first pass, about 100 after 200 passes). PyTorch, which never takes pages back, settles after
-// a pass or two, higher.
+// Long runs. A workload that repeats sits with reserved memory at its mark, so every growth
+// it still needs takes pages back. A take-back comes up short where the free memory left lies
+// inside partly used chunks or pages; the pages created for the shortfall raise the mark for
+// good. And each take-back unmaps free blocks inside mapped ranges, which splits them: the
+// next repetition finds its free memory in other, smaller pieces, needs to grow again, and
+// takes back again. Left alone, the mark ratchets up by the shortfalls while the mapped ranges
+// multiply (the example trace in a loop: about 10 ranges after the first pass, about 100
+// after 200 passes; +3 % of reserved memory), the moves never stop (a fixed-shape convnet:
+// device calls costing up to 7 % of a pass, every pass), and under a tight cap a later
+// repetition runs out of memory where the first fitted. Hence the next rule.
 //
-// Repeated moves (settle_page_moves, off by default). A take-back is a cycle once it recurs:
+// Repeated moves (settle_page_moves, on by default). A take-back is a cycle once it recurs:
 // the same request on the same stream with the same bytes allocated is the same moment of a
 // repeated step, and the pages it moves will have moved back by then, or the repetition would
 // have found them. So the second time it creates its pages instead, once; the layout keeps
@@ -83,9 +84,13 @@
 // which then need growth of their own (ckpt settled a pass later, 8.8 % above pass 2, before
 // this placement; settles at pass 2 with it). Past the memory fraction pages move regardless
 // (they are the only room), and an explicit reclaim forgets the growths seen, as it lowers the
-// mark. The cost: a workload whose steps already repeat inside one recording (multistream)
-// pays in its first pass the memory the moves had saved, which is why the rule is not a default
-// (docs/benchmarks.md, "Repeated passes", has the figures).
+// mark. The cost: settling holds, from the first recurrence on, the memory that the moves of
+// the following repetitions would have saved and the creep would have spent later anyway. A
+// workload whose steps repeat inside one recording pays it in its first pass: multistream's
+// single replay reserves 1.0565 x its peak request instead of 1.0278 (and 1.054 x after 200
+// passes of moving). No rule keyed on the recurrence tells that first pass from a second, and
+// the moves cannot stay: docs/benchmarks.md, "Repeated passes", has the figures and the
+// variants that lost.
 #include <algorithm>
 
 #include "allocator.h"
