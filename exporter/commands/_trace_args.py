@@ -28,6 +28,22 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                         "the snapshot), unless --device-memory is given")
 
 
+def add_passes_argument(p: argparse.ArgumentParser, judged: str) -> None:
+    p.add_argument("--passes", type=_passes, default=1, metavar="N",
+                   help="replay the trace N times on one allocator, as a long run repeats its "
+                        f"steps, and {judged} (default: 1)")
+
+
+def _passes(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
 def device_memory_arg(text: str | None, peak_requested: int) -> int | None:
     """A size, or a multiple of the trace's peak requested bytes ("1.03x"); 0 for "none" (no
     cap, whatever the trace keeps or implies); None when none is given. ValueError naming

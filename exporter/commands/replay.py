@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from exporter.commands._trace_args import (
+    add_passes_argument,
     add_plot_argument,
     add_trace_arguments,
     check_plot_target,
@@ -69,23 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "PyTorch's defaults (default: allocwatch's defaults)")
     p.add_argument("--device", type=int,
                    help="which device's trace (default: the first with events)")
-    p.add_argument("--passes", type=_passes, default=1, metavar="N",
-                   help="replay the trace N times on one allocator, as a long run repeats its "
-                        "steps, and report what the last pass reached (default: 1)")
+    add_passes_argument(p, "report what the last pass reached")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_plot_argument(p, "write a plot of memory over the trace (every pass, one after another)")
     p.add_argument("--costs", metavar="FILE", help="device-call cost table (default: the H200 one)")
     p.set_defaults(func=run)
-
-
-def _passes(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
-    return n
 
 
 def human_report(r: dict) -> str:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from exporter.commands._trace_args import (
+    add_passes_argument,
     add_plot_argument,
     add_trace_arguments,
     check_plot_target,
@@ -31,8 +32,14 @@ On a trace that ended in out-of-memory errors, each replay makes the failed requ
 never recommended, and the settings the trace was recorded under are replayed as a candidate
 of their own. Where every candidate runs out of memory, there is no recommendation.
 
+With --passes N each candidate replays the trace N times on one allocator, as a long run repeats
+its steps, and is judged by what the passes reached: the peak reserved after the last pass and
+the out-of-memory errors of every pass, so that a setting whose cache creeps into the cap late
+in a long run is not recommended.
+
   allocwatch tune my_run.pickle.gz
   allocwatch tune my_run.pickle.gz --device-memory 1.03x --plot tune.png
+  allocwatch tune my_run.pickle.gz --device-memory 1.03x --passes 20
   allocwatch tune my_run.pickle.gz --json"""
 
 
@@ -40,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tune", help=HELP, description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_arguments(p)
+    add_passes_argument(p, "judge each candidate by what its passes reached")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_plot_argument(p, "a bar chart of peak reserved by setting")
     p.set_defaults(func=run)
@@ -66,20 +74,20 @@ def chart(ranked: list[Any], best: Any, peak_requested: int, title: str) -> Any:
 
     rows = ranked[::-1]  # best at the top
     unit_name, unit = memory_unit(max(peak_requested,
-                                      *(c.report["peak_reserved_bytes"] for c in rows)))
+                                      *(c.figures["peak_reserved_bytes"] for c in rows)))
     base = peak_requested / unit
-    values = [c.report["peak_reserved_bytes"] / unit for c in rows]
+    values = [c.figures["peak_reserved_bytes"] / unit for c in rows]
     inside = [v for v in values if v <= CLIP_RATIO * base] or values
     left = min(base, *values)
     right = left + 1.25 * max(max(inside) - left, 0.01 * base)
-    colors = ["tab:red" if c.report["num_ooms"] else
+    colors = ["tab:red" if c.figures["num_ooms"] else
               "tab:green" if c is best else "tab:blue" for c in rows]
     fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.6), dpi=110)
     shown = [min(v, right) - left for v in values]
     bars = ax.barh([c.name for c in rows], shown, left=left, color=colors)
     pad = 0.005 * (right - left)
     for bar, value, candidate in zip(bars, values, rows, strict=True):
-        r = candidate.report
+        r = candidate.figures
         label = (f"{value:.2f} {unit_name}, {r['num_ooms']} OOMs" if r["num_ooms"]
                  else f"{value:.2f} {unit_name}  ({r['reserved_ratio']:.3f}×)")
         middle = bar.get_y() + bar.get_height() / 2
@@ -111,7 +119,7 @@ def _table(ranked: list[Any], recorded_ooms: int = 0) -> list[str]:
     lines = [f"{'setting':{width}s}  {'peak reserved':>13s}  {'ratio':>6s}  {'retries':>7s}  "
              f"{'OOMs':>4s}{recurred}  {'dev calls':>9s}  {'cost %':>6s}"]
     for c in ranked:
-        r = c.report
+        r = c.figures
         recurred = (f"  {r['recorded_ooms_recurred']:>3d} of {recorded_ooms:<2d}"
                     if recorded_ooms else "")
         lines.append(
@@ -139,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     candidates = candidates_for(trace)
     try:
-        with progress_bar(len(trace.events) * len(candidates), "tune", args.json) as progress:
-            ranked = tune(trace, cap.device_memory, cap.memory_fraction, candidates, progress)
+        with progress_bar(len(trace.events) * len(candidates) * args.passes, "tune",
+                          args.json) as progress:
+            ranked = tune(trace, cap.device_memory, cap.memory_fraction, candidates, progress,
+                          passes=args.passes)
     except (TraceError, ValueError) as e:
         print(f"allocwatch tune: {e}", file=sys.stderr)
         return 2
@@ -153,23 +163,27 @@ def run(args: argparse.Namespace) -> int:
             "trace": args.trace, "device_memory": cap.device_memory,
             "memory_fraction": cap.memory_fraction, "cap": cap.describe(),
             "cap_from": cap.sources(), "peak_requested_bytes": peak,
-            "recorded_ooms": recorded_ooms,
+            "recorded_ooms": recorded_ooms, "passes": args.passes,
             "recommended": None if best is None else {
                 "name": best.name, "allocwatch_settings": best.settings,
                 "pytorch_cuda_alloc_conf": best.pytorch_conf, "why": why},
             "why": why,
             "candidates": [{"name": c.name, "settings": c.settings,
                             "pytorch_cuda_alloc_conf": c.pytorch_conf, **{
-                                k: c.report[k] for k in (
+                                k: c.figures[k] for k in (
                                     "peak_reserved_bytes", "reserved_ratio", "num_alloc_retries",
                                     "num_ooms", "recorded_ooms_recurred", "num_device_alloc",
                                     "num_device_free", "device_call_seconds_estimate",
-                                    "device_call_share")}}
+                                    "device_call_share")},
+                            **({"long_run": c.report["long_run"]}
+                               if "long_run" in c.report else {})}
                            for c in ranked],
         }, indent=2))
         return status
     print(f"trace {args.trace}: peak requested {format_size(peak)}, cap: {cap.describe()}"
-          + (f", {recorded_ooms} recorded out-of-memory error(s)" if recorded_ooms else ""))
+          + (f", {recorded_ooms} recorded out-of-memory error(s)" if recorded_ooms else "")
+          + (f"; peak reserved after {args.passes} passes, retries and OOMs of all of them"
+             if args.passes > 1 else ""))
     print("\n".join(_table(ranked, recorded_ooms)))
     print()
     if best is None:

@@ -108,3 +108,40 @@ def test_the_chart_of_a_small_trace_reads_in_mib_and_its_long_title_fits() -> No
     box = ax._left_title.get_window_extent()  # matplotlib's artist of a loc="left" title
     assert 0 <= box.x0 and box.x1 <= fig.bbox.width
     plt.close(fig)
+
+
+DECODE = REPO / "tests" / "data" / "traces" / "decode__default.pickle.gz"
+MOVING = "allocwatch, page moves repeated"
+
+
+def test_with_passes_a_setting_that_runs_out_only_in_a_later_pass_is_not_recommended() -> None:
+    # Under a cap of 1.03 x the peak requested bytes, page moves repeated every pass fit the
+    # decoder's first pass and run out of memory in later ones: one replay cannot tell.
+    trace = load_trace(DECODE)
+    cap = int(1.03 * peak_requested_bytes(trace))
+    once = {c.name: c for c in tune(trace, device_memory=cap)}
+    assert once[MOVING].figures["num_ooms"] == 0
+    ranked = tune(trace, device_memory=cap, passes=6)
+    by_name = {c.name: c for c in ranked}
+    moving = by_name[MOVING]
+    assert moving.report["num_ooms"] == 0                     # the first pass, as before
+    assert moving.figures["num_ooms"] == moving.report["long_run"]["num_ooms_later_passes"] > 0
+    assert moving.figures["peak_reserved_bytes"] == moving.report["long_run"][
+        "peak_reserved_bytes"]
+    assert ranked[0].figures["num_ooms"] == 0 and ranked[0] is not moving
+    ooms = [c.figures["num_ooms"] > 0 for c in ranked]
+    assert ooms == sorted(ooms)
+
+
+def test_tune_command_judges_the_passes_and_says_so() -> None:
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "tune", str(DECODE),
+                          "--device-memory", "1.03x", "--passes", "4", "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["passes"] == 4 and "over 4 passes" in result["why"]
+    assert all(c["long_run"]["passes"] == 4 for c in result["candidates"])
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "tune", str(DECODE),
+                          "--passes", "-1"], capture_output=True, text=True, cwd=REPO,
+                         timeout=60)
+    assert out.returncode == 2 and "--passes" in out.stderr and "at least 1" in out.stderr
