@@ -2,7 +2,7 @@
 passes on one allocator, as the steps of a long training run repeat.
 
     python bench/replay/steady_state.py [--passes 200] [--long-passes 2000] [--config STR]
-                                        [--traces GLOB ...] [--jobs N] [--json FILE]
+                                        [--cap F] [--traces GLOB ...] [--jobs N] [--json FILE]
 
 Every trace (the shipped example, the shared traces beside the checkout, tests/data/traces) is
 replayed --passes times with the defaults (or --config), and the shipped example once more
@@ -18,6 +18,10 @@ pass after pass 2 priced with the cost table measured on the H200
 replay's 2 % bar uses: what the setting costs every step once it has settled. The bar: the
 last pass within 0.2 % of pass 2's peak reserved, and every pass after pass 2 at most 0.1 %.
 Counts from the simulated device: the same on any machine. --jobs replays runs side by side.
+
+--cap F replays every pass on a device capped at F x the trace's peak requested bytes (1.03:
+the pressure measure's cap), and counts each pass's allocation retries and out-of-memory
+errors: a cache that creeps runs into the cap in a later pass where the first fitted.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from allocator_ext.replay import load_trace, replay
+from allocator_ext.replay.trace import peak_requested_bytes
 from exporter.commands._trace_args import progress_bar
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +57,7 @@ class Run:
     path: str
     passes: int
     long: bool = False  # the long run of the example, named apart from its ordinary run
+    cap: float = 0.0    # the device capped at this multiple of the peak requested (0: none)
 
     @property
     def name(self) -> str:
@@ -70,11 +76,15 @@ def replay_passes(run: Run, config: str | None, done: Any = None) -> list[dict[s
             done(events - reported[0])
             reported[0] = events
 
-    passes = replay(trace, config, progress=progress, passes=run.passes).report["passes"]
+    device_memory = int(run.cap * peak_requested_bytes(trace)) if run.cap else 0
+    passes = replay(trace, config, device_memory=device_memory, progress=progress,
+                    passes=run.passes).report["passes"]
     return [{**{k: p["device_calls"].get(k, {}).get("count", 0) for k in SHOWN},
              "call_share": p["device_call_share"],
              "peak_reserved_bytes": p["peak_reserved_bytes"],
-             "reserved_bytes": p["reserved_bytes_at_end"]} for p in passes]
+             "reserved_bytes": p["reserved_bytes_at_end"],
+             "num_alloc_retries": p["num_alloc_retries"], "num_ooms": p["num_ooms"]}
+            for p in passes]
 
 
 def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
@@ -90,6 +100,9 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
         "call_share_after_pass_2_mean": sum(later) / len(later) if later else 0.0,
         "call_share_after_pass_2_max": max(later, default=0.0),
         "first_pass_call_share": rows[0]["call_share"],
+        "first_pass_ooms": rows[0]["num_ooms"],
+        "ooms_after_pass_1": sum(r["num_ooms"] for r in rows[1:]),
+        "retries_after_pass_1": sum(r["num_alloc_retries"] for r in rows[1:]),
     }
     summary["meets_bar"] = (growth <= 1 + RESERVED_GROWTH_BAR
                             and summary["call_share_after_pass_2_max"] <= CALL_SHARE_BAR)
@@ -141,11 +154,11 @@ def replay_all(runs: list[Run], config: str | None, jobs: int
 def _runs(args: argparse.Namespace) -> list[Run]:
     paths = sorted({f for g in (args.traces or DEFAULT_TRACES) for f in glob.glob(g)},
                    key=lambda p: (Path(p) != EXAMPLE, Path(p).parent.name, Path(p).name))
-    runs = [Run(p, args.passes) for p in paths]
+    runs = [Run(p, args.passes, cap=args.cap) for p in paths]
     long_passes = args.long_passes if args.long_passes is not None else (
         0 if args.traces else 2000)
     if long_passes:
-        runs.append(Run(str(EXAMPLE), long_passes, long=True))
+        runs.append(Run(str(EXAMPLE), long_passes, long=True, cap=args.cap))
     return runs
 
 
@@ -154,6 +167,9 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="allocator settings (default: allocwatch's)")
     p.add_argument("--passes", type=int, default=200)
+    p.add_argument("--cap", type=float, default=0.0, metavar="F",
+                   help="cap the device at F x each trace's peak requested bytes (e.g. 1.03) "
+                        "and count each pass's retries and out-of-memory errors")
     p.add_argument("--long-passes", type=int, metavar="N",
                    help="passes of the shipped example trace, a run of its own (default: 2000 "
                         "with the default traces, 0 with --traces)")
@@ -168,6 +184,8 @@ def main() -> int:
         p.error(f"--long-passes must be 0 or at least {SETTLED_AFTER + 1}")
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
+    if args.cap and args.cap < 1.0:
+        p.error(f"--cap must be at least 1.0 (the trace's own peak), not {args.cap}")
     runs = _runs(args)
     if not runs:
         p.error("no trace matched")
@@ -184,14 +202,21 @@ def main() -> int:
         print(f"{name[:36]:36s} {s['passes']:6d} "
               f"{s['peak_reserved_after_pass_2'] / 2**30:17.3f} GiB "
               f"{s['peak_reserved_last_over_pass_2']:11.4f} {share:>31s}  "
-              f"{'ok' if s['meets_bar'] else 'MISS'}", flush=True)
+              f"{'ok' if s['meets_bar'] else 'MISS'}"
+              + (f"  OOMs pass 1 / later {s['first_pass_ooms']} / {s['ooms_after_pass_1']}, "
+                 f"retries later {s['retries_after_pass_1']}" if args.cap else ""), flush=True)
     met = sum(s["meets_bar"] for s in summaries.values())
     print(f"{met} of {len(summaries)} runs meet the bar (last pass within "
           f"{RESERVED_GROWTH_BAR:.1%} of pass 2's peak reserved, every pass after pass 2 at "
           f"most {CALL_SHARE_BAR:.1%} of the trace's active time)")
+    if args.cap:
+        late = [n for n, s in summaries.items() if s["ooms_after_pass_1"] and not
+                s["first_pass_ooms"]]
+        print(f"under {args.cap:g} x: {len(late)} runs ran out of memory only after their "
+              f"first pass{': ' + ', '.join(late) if late else ''}")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "command": " ".join(sys.argv), "config": args.config,
+            "command": " ".join(sys.argv), "config": args.config, "cap": args.cap,
             "date": datetime.date.today().isoformat(),
             "bar": {"peak_reserved_last_over_pass_2": 1 + RESERVED_GROWTH_BAR,
                     "call_share_after_pass_2_max": CALL_SHARE_BAR},

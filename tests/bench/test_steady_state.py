@@ -73,3 +73,24 @@ def test_too_few_passes_are_refused() -> None:
     out = subprocess.run([sys.executable, "bench/replay/steady_state.py", "--passes", "2"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--passes must be at least 3" in out.stderr
+
+
+def test_under_a_cap_each_pass_counts_what_ran_out_of_memory(tmp_path: Path) -> None:
+    # Page moves repeated every pass fit the decoder's first pass under 1.03 x its peak
+    # requested bytes and run out in later ones; the defaults, which settle them, do not.
+    decode = str(REPO / "tests/data/traces/decode__default.pickle.gz")
+    moving = run_bench(tmp_path, "--passes", "6", "--cap", "1.03", "--traces", decode,
+                       "--config", "settle_page_moves:False")
+    s = moving["summary"]["decode__default.pickle.gz"]
+    rows = moving["passes"]["decode__default.pickle.gz"]
+    assert moving["cap"] == 1.03 and s["first_pass_ooms"] == 0
+    assert s["ooms_after_pass_1"] == sum(r["num_ooms"] for r in rows[1:]) > 0
+    assert "ran out of memory only after their first pass: decode__default" in moving["stdout"]
+    settled = run_bench(tmp_path, "--passes", "6", "--cap", "1.03", "--traces", decode)
+    assert settled["summary"]["decode__default.pickle.gz"]["ooms_after_pass_1"] == 0
+
+
+def test_a_cap_below_the_traces_own_peak_is_refused() -> None:
+    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", "--cap", "0.9"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--cap must be at least 1.0" in out.stderr
