@@ -79,19 +79,57 @@ class Trace:
         return str(self.allocator_settings.get("PYTORCH_CUDA_ALLOC_CONF") or "")
 
 
+@dataclass(frozen=True)
+class Lifetime:
+    """One request of the recorded program: its size and stream, from the event that allocated
+    it to the one that completed its free (the trace's length if never freed)."""
+
+    start: int
+    end: int
+    size: int
+    stream: int
+
+
+def lifetimes(trace: Trace) -> list[Lifetime]:
+    """Every request's lifetime, in the order the requests were freed (the unfreed last)."""
+    live: dict[int, tuple[int, int, int]] = {}
+    out: list[Lifetime] = []
+    for i, e in enumerate(trace.events):
+        if e.action == "alloc":
+            live[e.addr] = (i, e.size, e.stream)
+        elif e.action == "free_completed" and e.addr in live:
+            start, size, stream = live.pop(e.addr)
+            out.append(Lifetime(start, i, size, stream))
+    end = len(trace.events)
+    out.extend(Lifetime(start, end, size, stream) for start, size, stream in live.values())
+    return out
+
+
+def peak_requested_by_stream(trace: Trace) -> tuple[int, dict[int, int]]:
+    """The most memory the recorded program asked for at once (live requests, including frees
+    still waiting for other streams), and the same for each stream's requests alone."""
+    live: dict[int, tuple[int, int]] = {}
+    current = peak = 0
+    stream_current: dict[int, int] = {}
+    stream_peak: dict[int, int] = {}
+    for e in trace.events:
+        if e.action == "alloc":
+            live[e.addr] = (e.size, e.stream)
+            current += e.size
+            peak = max(peak, current)
+            stream_current[e.stream] = stream_current.get(e.stream, 0) + e.size
+            stream_peak[e.stream] = max(stream_peak.get(e.stream, 0), stream_current[e.stream])
+        elif e.action == "free_completed" and e.addr in live:
+            size, stream = live.pop(e.addr)
+            current -= size
+            stream_current[stream] -= size
+    return peak, stream_peak
+
+
 def peak_requested_bytes(trace: Trace) -> int:
     """The most memory the recorded program asked for at once (live requests, including
     frees still waiting for other streams)."""
-    live: dict[int, int] = {}
-    current = peak = 0
-    for e in trace.events:
-        if e.action == "alloc":
-            live[e.addr] = e.size
-            current += e.size
-            peak = max(peak, current)
-        elif e.action == "free_completed":
-            current -= live.pop(e.addr, 0)
-    return peak
+    return peak_requested_by_stream(trace)[0]
 
 
 def active_times(trace: Trace) -> list[float]:

@@ -1,7 +1,7 @@
 """Where reserved memory grows in one replay of a trace, under each of several settings.
 
     python bench/replay/growth_timeline.py TRACE [--config SETTINGS ...] [--near 0.99]
-                                           [--json FILE]
+                                           [--fixed-layout-bound] [--json FILE]
 
 Replays TRACE once per --config (default: allocwatch's defaults and settle_page_moves:False) and
 prints every event where one of them changes reserved memory while it is within --near of its
@@ -13,6 +13,13 @@ Also printed: the sum over the trace's streams of each stream's own peak of byte
 over the trace's peak requested. Without moving pages between streams an allocator holds at
 least that much (a block serves only its own stream), so a figure of 1.0000 says the streams
 themselves force no extra memory.
+
+--fixed-layout-bound adds what a layout that never moves a page needs when it knows the whole
+trace in advance: each stream's requests packed into one address range, largest first, each at
+the lowest address free for its whole lifetime (greedy best fit by decreasing size, offline),
+over the trace's peak requested bytes. An online allocator cannot know the future; a figure
+near 1.0000 says the memory a setting holds beyond it is the price of not knowing, not of the
+requests themselves. Quadratic in the worst case: seconds for tens of thousands of requests.
 """
 
 from __future__ import annotations
@@ -25,30 +32,55 @@ from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout
 from allocator_ext.replay.replayer import Replayer  # noqa: E402
-from allocator_ext.replay.trace import Trace, TraceError, load_trace  # noqa: E402
+from allocator_ext.replay.trace import (  # noqa: E402
+    Lifetime,
+    Trace,
+    TraceError,
+    lifetimes,
+    load_trace,
+    peak_requested_by_stream,
+)
 
 DEFAULT_CONFIGS = ("", "settle_page_moves:False")
 
 
 def per_stream_peak_sum(trace: Trace) -> int:
     """The sum over streams of the most bytes each stream's requests held at once."""
-    live: dict[int, tuple[int, int]] = {}
-    current: dict[int, int] = {}
-    peak: dict[int, int] = {}
-    for e in trace.events:
-        if e.action == "alloc":
-            live[e.addr] = (e.size, e.stream)
-            current[e.stream] = current.get(e.stream, 0) + e.size
-            peak[e.stream] = max(peak.get(e.stream, 0), current[e.stream])
-        elif e.action == "free_completed" and e.addr in live:
-            size, stream = live.pop(e.addr)
-            current[stream] -= size
-    return sum(peak.values())
+    return sum(peak_requested_by_stream(trace)[1].values())
+
+
+def packed_span(requests: list[Lifetime]) -> int:
+    """The address range a fixed layout of `requests` needs, packed offline: largest first (the
+    longer-lived first among equals), each at the lowest offset where no request placed before
+    it and alive at the same time overlaps it."""
+    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+    span = 0
+    for r in sorted(requests, key=lambda r: (-r.size, r.start - r.end)):
+        taken = sorted((offset, offset + size) for start, end, offset, size in placed
+                       if start < r.end and r.start < end)
+        offset = 0
+        for low, high in taken:
+            if offset + r.size <= low:
+                break
+            offset = max(offset, high)
+        placed.append((r.start, r.end, offset, r.size))
+        span = max(span, offset + r.size)
+    return span
+
+
+def fixed_layout_bound(trace: Trace) -> int:
+    """The bytes a layout that never moves a page needs with foresight: each stream packed
+    apart (packed_span), summed."""
+    by_stream: dict[int, list[Lifetime]] = {}
+    for r in lifetimes(trace):
+        by_stream.setdefault(r.stream, []).append(r)
+    return sum(packed_span(requests) for requests in by_stream.values())
 
 
 def reserved_by_event(trace: Trace, config: str) -> tuple[list[int], list[int], list[int]]:
-    """Reserved bytes after each replayed event, the bytes requested then, and the event's
-    index in the trace (a free whose completion follows at once replays as one step)."""
+    """Reserved bytes after each replayed event, the bytes requested then (the same under every
+    setting of an uncapped replay), and the event's index in the trace (a free whose completion
+    follows at once replays as one step)."""
     replayer = Replayer(trace, config or None)
     reserved: list[int] = []
     requested: list[int] = []
@@ -61,7 +93,8 @@ def reserved_by_event(trace: Trace, config: str) -> tuple[list[int], list[int], 
     return reserved, requested, index
 
 
-def timeline(trace: Trace, configs: list[str], near: float) -> dict[str, Any]:
+def timeline(trace: Trace, configs: list[str], near: float,
+             bound: bool = False) -> dict[str, Any]:
     runs = [reserved_by_event(trace, c) for c in configs]
     _, requested, index = runs[0]
     reserved = [r for r, _, _ in runs]
@@ -76,10 +109,13 @@ def timeline(trace: Trace, configs: list[str], near: float) -> dict[str, Any]:
             rows.append({"event": index[i], "action": e.action, "size": e.size,
                          "stream": e.stream, "requested": requested[i] / peak_requested,
                          "reserved": [r[i] / peak_requested for r in reserved]})
-    return {"trace": trace.path, "configs": configs, "peak_requested_bytes": peak_requested,
-            "peak_reserved_over_requested": [p / peak_requested for p in peaks],
-            "per_stream_peak_sum_over_requested": per_stream_peak_sum(trace) / peak_requested,
-            "rows": rows}
+    result = {"trace": trace.path, "configs": configs, "peak_requested_bytes": peak_requested,
+              "peak_reserved_over_requested": [p / peak_requested for p in peaks],
+              "per_stream_peak_sum_over_requested": per_stream_peak_sum(trace) / peak_requested,
+              "rows": rows}
+    if bound:
+        result["fixed_layout_bound_over_requested"] = fixed_layout_bound(trace) / peak_requested
+    return result
 
 
 def main() -> int:
@@ -90,19 +126,26 @@ def main() -> int:
                    help="an allocwatch settings string; repeat for several ('' = defaults)")
     p.add_argument("--near", type=float, default=0.99,
                    help="show changes within this fraction of a setting's peak (default 0.99)")
+    p.add_argument("--fixed-layout-bound", action="store_true",
+                   help="also pack each stream's requests offline, with foresight, and print "
+                        "the span over the peak requested bytes")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     if not 0 < args.near <= 1:
         p.error(f"--near must be in (0, 1], not {args.near}")
     try:
         trace = load_trace(args.trace)
-        result = timeline(trace, list(args.config or DEFAULT_CONFIGS), args.near)
+        result = timeline(trace, list(args.config or DEFAULT_CONFIGS), args.near,
+                          args.fixed_layout_bound)
     except (TraceError, ValueError, OSError) as e:
         print(f"growth_timeline: {e}", file=sys.stderr)
         return 2
     names = [c or "defaults" for c in result["configs"]]
     print(f"{trace.path}: sum of per-stream peaks / peak requested = "
           f"{result['per_stream_peak_sum_over_requested']:.4f}")
+    if args.fixed_layout_bound:
+        print("a fixed layout packed with foresight (never moving a page) / peak requested = "
+              f"{result['fixed_layout_bound_over_requested']:.4f}")
     print("peak reserved / peak requested: " + ", ".join(
         f"{n} {v:.4f}" for n, v in zip(names, result["peak_reserved_over_requested"],
                                        strict=True)))

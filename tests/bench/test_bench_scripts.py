@@ -95,6 +95,36 @@ def test_growth_timeline_traces_each_settings_peak_to_its_requests(tmp_path: Pat
     assert result["peak_reserved_over_requested"][1] > result["peak_reserved_over_requested"][0]
 
 
+def _growth_timeline_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "growth_timeline", REPO / "bench/replay/growth_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_fixed_layout_bound_packs_requests_that_never_meet_into_the_same_bytes() -> None:
+    from allocator_ext.replay.trace import Lifetime
+
+    gt = _growth_timeline_module()
+    # 4 bytes alive throughout; two 2-byte requests one after the other share their place;
+    # a 3-byte one overlapping both in time needs a place of its own.
+    assert gt.packed_span([Lifetime(0, 10, 4, 0), Lifetime(0, 5, 2, 0),
+                           Lifetime(5, 10, 2, 0)]) == 6
+    assert gt.packed_span([Lifetime(0, 10, 4, 0), Lifetime(0, 5, 2, 0), Lifetime(5, 10, 2, 0),
+                           Lifetime(4, 6, 3, 0)]) == 9
+    # On a recorded trace it cannot go below what the program holds at once.
+    out = subprocess.run([sys.executable, "bench/replay/growth_timeline.py",
+                          "tests/data/traces/convnet__default.pickle.gz", "--config", "native",
+                          "--fixed-layout-bound"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if "packed with foresight" in x)
+    assert 1.0 <= float(line.rsplit("=", 1)[1]) < 1.1
+
+
 def test_growth_timeline_refuses_a_bad_setting_naming_it() -> None:
     out = subprocess.run([sys.executable, "bench/replay/growth_timeline.py",
                           "tests/data/traces/convnet__default.pickle.gz", "--config",
