@@ -145,6 +145,25 @@ def meet_the_peak(work: Workload, step: Callable[[Batch], object] | None = None)
             step(batch)
 
 
+def batch_shape(batch: Batch) -> list[Any]:
+    """A batch's shapes: each tensor's as a list, anything else as it is."""
+    return [list(t.shape) if hasattr(t, "shape") else t for t in batch]
+
+
+def warm_up(work: Workload, steps: int, seed: int) -> list[list[Any]]:
+    """The benchmarks' warm-up, untimed: the workload's peak met (meet_the_peak), then `steps`
+    steps of the sequence `seed` draws (library plans, the allocator's first growth). Returns
+    the shapes of those steps, so that timed steps can be shown to be others."""
+    meet_the_peak(work)
+    work.reseed(seed)
+    shapes = []
+    for _ in range(steps):
+        batch = work.draw()
+        shapes.append(batch_shape(batch))
+        timed_step(work, batch)
+    return shapes
+
+
 # ---- token models
 
 class Attention(nn.Module):

@@ -51,10 +51,7 @@ def child(model: str, steps: int, cores: str, self_check: bool) -> dict[str, Any
 
     device = torch.device("cpu" if self_check else "cuda")
     work = workloads.build(model, device, tiny=self_check, seed=0)
-    workloads.meet_the_peak(work)
-    work.reseed(WARMUP_SEED)
-    for _ in range(steps):
-        workloads.timed_step(work, work.draw())
+    workloads.warm_up(work, steps, WARMUP_SEED)
 
     counters = Counters(torch)
     before = counters.stats()

@@ -82,10 +82,6 @@ CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 # ------------------------------------------------------------------------------- the child
 
-def shape_of(batch: tuple) -> list:
-    return [list(t.shape) if hasattr(t, "shape") else t for t in batch]
-
-
 def child(model_name: str, steps: int, cores: str, self_check: bool,
           fixed_shapes: bool = False) -> None:
     """Answers one line per command on stdin: 'cap F', 'seed N', 'step', 'stats'."""
@@ -109,13 +105,7 @@ def child(model_name: str, steps: int, cores: str, self_check: bool,
         return f"{'oom' if out_of_memory else 'error'}: {str(e)[:200]!r}"
 
     def warm_up() -> None:
-        warmup_shapes.clear()
-        workloads.meet_the_peak(work)
-        work.reseed(WARMUP_SEED)
-        for _ in range(steps):
-            batch = work.draw()
-            warmup_shapes.append(shape_of(batch))
-            workloads.timed_step(work, batch)
+        warmup_shapes[:] = workloads.warm_up(work, steps, WARMUP_SEED)
 
     def answer(value: Any) -> None:
         print(json.dumps(value), flush=True)
@@ -158,7 +148,7 @@ def child(model_name: str, steps: int, cores: str, self_check: bool,
                 before = counters.stats()
                 seconds, enqueued = workloads.timed_step_and_enqueue(work, batch)
                 after = counters.stats()
-                answer({"s": seconds, "enqueue_s": enqueued, "shape": shape_of(batch),
+                answer({"s": seconds, "enqueue_s": enqueued, "shape": workloads.batch_shape(batch),
                         "calls": {k: after.get(k, 0) - before.get(k, 0) for k in CALLS}})
             elif command == "stats":
                 s = counters.stats()

@@ -114,3 +114,12 @@ def test_a_wrapped_model_trains_the_parameters_its_wrapper_gave_it() -> None:
                                                     strict=True))
     with pytest.raises(RuntimeError, match="before its first step"):
         work.wrap(copy.deepcopy)
+
+
+def test_the_warm_up_meets_the_peak_then_steps_the_sequence_its_seed_draws() -> None:
+    work = workloads.build("convnet", torch.device("cpu"), tiny=True, seed=0)
+    shapes = workloads.warm_up(work, 3, seed=7)
+    other = workloads.build("convnet", META, tiny=True, seed=0)
+    other.reseed(7)
+    assert shapes == [workloads.batch_shape(other.draw()) for _ in range(3)]
+    assert work.optimizer.state  # the peak's two steps created the optimizer's state
