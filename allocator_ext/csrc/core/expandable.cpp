@@ -70,7 +70,7 @@
 // takes back again. Left alone, the mark ratchets up by the shortfalls while the mapped ranges
 // multiply (the example trace in a loop: about 10 ranges after the first pass, about 100
 // after 200 passes; +3 % of reserved memory), the moves never stop (a fixed-shape convnet:
-// device calls costing up to 7 % of a pass, every pass), and under a tight cap a later
+// device calls costing up to 9 % of a pass, every pass), and under a tight cap a later
 // repetition runs out of memory where the first fitted. Hence the next rule.
 //
 // Repeated moves (settle_page_moves, on by default). A take-back is a cycle once it recurs:
