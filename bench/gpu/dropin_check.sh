@@ -248,7 +248,7 @@ do_peer_pair() {
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(install build kernel gputests workloads peer_pair)
 note "dropin check $(date -u +%FT%TZ) on $(hostname): $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1)"
-note "torch $("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.version.git_version[:12])' 2>&1 | tail -1); commit $(git log -1 --format=%h 2>/dev/null)"
+note "torch $("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.version.git_version[:12])' 2>&1 | tail -1); source $("$PYTHON" -m bench.lib.source_tree 2>/dev/null)"
 for p in "${parts[@]}"; do
   case $p in
     install) do_install ;; build) do_build ;; gputests) do_gputests ;;

@@ -126,7 +126,7 @@ run_part() {
 }
 
 main() {
-  echo "gpu_checks: $(date -u +%FT%TZ) on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "gpu_checks: $(date -u +%FT%TZ) on $(hostname), source $("$PYTHON" -m bench.lib.source_tree 2>/dev/null)"
   nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv,noheader
   for p in "$@"; do run_part "$p"; done
   echo; echo "=== summary ==="

@@ -55,7 +55,7 @@ traces() {
 }
 
 main() {
-  echo "gpu_session: $(date -u +%FT%TZ) on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "gpu_session: $(date -u +%FT%TZ) on $(hostname), source $("$PYTHON" -m bench.lib.source_tree 2>/dev/null)"
   part "machine facts" facts
   if [ "${GPU_SESSION_INSTALL:-0}" = 1 ]; then part "pip install -e ." install_package; fi
   part "device call costs" device_costs

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib import source_tree  # noqa: E402
 from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -349,15 +350,6 @@ def progress(minute: int, samples: list[dict[str, Any]], mark_s: float) -> str:
             f"{int(now['device_mallocs_total'])} frees {int(now['device_frees_total'])}")
 
 
-def tree() -> str | None:
-    """The checkout's commit, where it is a git checkout."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def worker_command(args: argparse.Namespace, target: str, stop_at: float) -> list[str]:
     """The worker through `allocwatch run` (installed at torch's import, the agent publishing
     to `target`); in the self-check without --target: the worker publishes the simulated
@@ -434,7 +426,7 @@ def drive(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
-        "host": socket.gethostname(), "tree": tree(),
+        "host": socket.gethostname(), "source": source_tree.label(),
         "model": args.model, "config": args.config or "defaults",
         "device": (start or {}).get("device", "?"),
         "torch": (start or {}).get("torch"), "cuda": (start or {}).get("cuda"),

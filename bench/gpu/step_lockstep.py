@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from bench.lib import source_tree  # noqa: E402
 from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child  # noqa: E402
 from bench.lib.stats import mean_and_stderr  # noqa: E402
 
@@ -317,7 +318,8 @@ def run_workload(model: str, ours: str, against: str, fractions: list[float], ro
                  fixed_shapes: bool = False) -> dict:
     result: dict[str, Any] = {"command": " ".join(sys.argv), "model": model, "ours": ours,
                               "against": against, "cores": cores, "steps_per_round": steps,
-                              "fixed_shapes": fixed_shapes, "phases": []}
+                              "fixed_shapes": fixed_shapes, "source": source_tree.label(),
+                              "phases": []}
     # The same allocator on both sides (--ours): the second is named apart, the harness's own
     # check (its ratio should be 1.00 within the spread).
     names = (ours, against) if ours != against else (ours, f"{against} (second process)")
