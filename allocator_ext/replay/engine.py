@@ -125,12 +125,13 @@ def replay(
             if progress is not None:
                 progress(done * n + events)
 
-        before = replayer.allocator.stats()
+        before = replayer.allocator.stats() if passes > 1 else {}
         result = replayer.run_pass(progress=pass_progress, after_step=recorder)
         if done == 0:
             # The first pass is the recorded run's own: its report before anything is freed.
             report = replayer.report(costs)
-        rows.append(_pass_row(done + 1, replayer, before, result, costs))
+        if passes > 1:
+            rows.append(_pass_row(done + 1, replayer, before, result, costs))
         if done + 1 < passes:
             replayer.release_held()
     if passes > 1:
