@@ -715,3 +715,65 @@ def test_taken_back_chunks_are_mapped_again_whole_instead_of_released() -> None:
     assert c["create"]["count"] == 2      # only the 40 MiB not taken back, as two chunks
     assert a.stats()["reserved_bytes.all.current"] == 82 * MiB
     assert a.check_invariants() == ""
+
+
+CHUNKED = "native,expandable_segments:True,reuse_free_pages:True,expandable_large_page_mb:2," \
+          "expandable_chunk_mb:20"
+
+
+def pinned_after_freeing_the_tail(dev: ae.SimDevice, a: ae.Allocator) -> int:
+    """Reserved bytes left once the back 36 MiB of a 46 MiB growth are freed and the cache
+    emptied, with its front 10 MiB still in use: what a partly used handle pins."""
+    big = a.malloc(46 * MiB)
+    a.free(big)
+    head = a.malloc(10 * MiB)                 # the front of the same range
+    tail = a.malloc(36 * MiB)
+    assert tail == head + 10 * MiB
+    a.free(tail)
+    a.empty_cache()
+    return a.stats()["reserved_bytes.all.current"]
+
+
+def test_chunks_pin_the_free_pages_of_a_range_partly_in_use() -> None:
+    # The trade chunks make: a handle goes back whole or not at all. 10 MiB in use inside the
+    # first 20 MiB chunk keeps all of it.
+    dev, a = native(config=CHUNKED)
+    assert pinned_after_freeing_the_tail(dev, a) == 22 * MiB   # a 2 MiB page and a chunk
+    assert a.check_invariants() == ""
+
+
+def test_near_the_memory_at_which_the_device_ran_out_growth_creates_single_pages() -> None:
+    # Under a cap, memory pinned in partly used chunks is what later out-of-memory errors are
+    # made of (a long run's later passes, docs/benchmarks.md): close to where the device once
+    # refused growth, every page is a handle of its own and goes back as soon as it is free.
+    dev, a = native(capacity=100 * MiB, config=CHUNKED)
+    a.malloc(50 * MiB)                        # stays: the next growth ends 4 % below the ceiling
+    with pytest.raises(ae.OutOfMemoryError):
+        a.malloc(60 * MiB)                    # refused at 50 + 50 MiB free: the ceiling is 100
+    dev.reset_counters()
+    assert pinned_after_freeing_the_tail(dev, a) == 50 * MiB + 10 * MiB
+    assert a.check_invariants() == ""
+
+
+def test_a_refusal_far_above_what_is_reserved_leaves_growth_chunked() -> None:
+    # A probe for more than the device has (cuDNN's benchmark mode tries such workspaces and
+    # catches the error) says nothing about the memory the run itself needs.
+    dev, a = native(capacity=GiB, config=CHUNKED)
+    with pytest.raises(ae.OutOfMemoryError):
+        a.malloc(2 * GiB)
+    dev.reset_counters()
+    a.free(a.malloc(46 * MiB))
+    assert calls(dev, "create") == 5          # a page, two chunks, two pages
+    assert a.check_invariants() == ""
+
+
+def test_a_memory_fraction_that_refuses_growth_sets_the_ceiling_too() -> None:
+    dev, a = native(capacity=GiB, config=CHUNKED)
+    a.set_memory_limit(100 * MiB)
+    a.malloc(60 * MiB)
+    with pytest.raises(ae.OutOfMemoryError):
+        a.malloc(50 * MiB)
+    dev.reset_counters()
+    a.free(a.malloc(36 * MiB))                # to 96 MiB, past 95 % of the fraction's 100
+    assert calls(dev, "create") == 18         # 2 MiB pages, where chunks took 9 handles
+    assert a.check_invariants() == ""

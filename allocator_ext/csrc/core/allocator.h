@@ -236,6 +236,7 @@ class CachingAllocator {
                                      std::size_t page) const;
   std::size_t growth_chunk_pages(const BlockPool& pool, std::size_t size,
                                  std::size_t page) const;
+  bool near_growth_ceiling(std::size_t bytes) const;
   bool should_take_back(std::size_t bytes) const;
   bool repeats_page_move();
   void create_or_incref_pool_locked(MempoolId id, bool plain_segments);  // mutex_ held
@@ -307,6 +308,9 @@ class CachingAllocator {
   std::set<Growth> growths_that_moved_pages_;
   Growth growth_ {};
   bool growth_moved_pages_ = false;
+  // Reserved memory plus what was left when the device or the memory fraction last refused
+  // growth (0: never): near it the large pool grows by single pages (Note [page policy]).
+  std::size_t growth_ceiling_ = 0;
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;
   std::size_t device_total_ = 0;

@@ -43,7 +43,14 @@
 // large-pool growth creates chunks (expandable_chunk_mb) in the middle of the grown range and
 // single pages at both of its ends, where it borders other blocks whose free space must stay
 // givable once they are freed (ExpandableSegment::map). The chunk size is a measured sweet
-// spot, not a plateau.
+// spot, not a plateau. A chunk still goes back whole or not at all, so a chunk partly in use
+// pins its free pages; under a cap those pinned pages are where a long run's later
+// repetitions ran out of memory (a convnet at 1.03 x its peak request: four errors a pass from
+// pass 12 on, its free memory in 41 pieces of at most 7 MiB). So once the device or the memory
+// fraction has refused growth, growth that would bring reserved memory within 5 % of that
+// ceiling (reserved memory plus what the device had left; the fraction's limit) creates
+// single pages. A refusal far above what is reserved (cuDNN's benchmark mode probing for a
+// workspace larger than the device) leaves growth chunked.
 //
 // Memory fraction. With reuse_free_pages the fraction is checked in map_block, after the
 // take-back, against what growth really adds. PyTorch checks reserved memory plus the whole
@@ -102,6 +109,11 @@ namespace {
 // Free small-pool pages the large pool leaves in place when it takes the rest (Note [page
 // policy], small-pool reserve).
 constexpr std::size_t kSmallPagesKept = 2;
+
+// Large-pool growth creates single pages, not chunks, once reserved memory would pass this share
+// of the ceiling at which the device or the memory fraction last refused growth (Note [page
+// policy], page size and chunks).
+constexpr double kNearCeiling = 0.95;
 
 constexpr std::size_t kNoRoom = static_cast<std::size_t>(-1);
 
@@ -192,8 +204,17 @@ std::size_t CachingAllocator::growth_chunk_pages(const BlockPool& pool, std::siz
   // and chunks). The small pool maps its 2 MiB pages one by one, as PyTorch does.
   if (pool.is_small) return 1;
   if (config_.expandable_grow > 0) return whole_pages(size, page) / page;
-  if (config_.expandable_chunk > page) return config_.expandable_chunk / page;
+  if (config_.expandable_chunk > page && !near_growth_ceiling(size))
+    return config_.expandable_chunk / page;
   return 1;
+}
+
+bool CachingAllocator::near_growth_ceiling(std::size_t bytes) const {
+  // Within kNearCeiling of the reserved memory at which growth was last refused (Note [page
+  // policy], page size and chunks).
+  return growth_ceiling_ > 0 &&
+         static_cast<double>(total_allocated_memory_ + bytes) >
+             kNearCeiling * static_cast<double>(growth_ceiling_);
 }
 
 bool CachingAllocator::should_take_back(std::size_t bytes) const {
@@ -237,7 +258,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   ExpandableSegment* es = to_map->expandable;
   const std::size_t page = es->page_size();
   size = growth_within_fraction(size, needed, page);
-  const std::size_t chunk_pages = growth_chunk_pages(*to_map->pool, size, page);
+  std::size_t chunk_pages = growth_chunk_pages(*to_map->pool, size, page);
   const std::size_t rounded = whole_pages(size, page);
   // Taken-back pages never outlive this call, even when a device call throws: another
   // segment (whose page size may differ) must not map or release them.
@@ -258,7 +279,8 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   if (took_back) take_back_free_pages(to_map->pool, to_map, rounded);
   if (over_fraction_when_mapping(rounded)) {
     // Still over the memory fraction: pages taken back go to the device, and the caller's
-    // out-of-memory path frees cached blocks and retries.
+    // out-of-memory path frees cached blocks and retries. The fraction is the ceiling.
+    growth_ceiling_ = allowed_memory_maximum_;
     release_spares_beyond(0, page);
     return false;
   }
@@ -267,6 +289,11 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
       config_.expandable_grow > 0 && chunk_pages > 1 ? 0 : rounded / page;
   release_spares_beyond(spare_room, page);
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
+  if (mapped.size == 0) {
+    // The device refused: what it had left marks the ceiling, and from here growth nears it.
+    growth_ceiling_ = total_allocated_memory_ + device_->memory_info().free;
+    chunk_pages = growth_chunk_pages(*to_map->pool, size, page);
+  }
   // The device had no memory left for pages below the high-water mark: take back after all.
   if (mapped.size == 0 && !took_back && config_.reuse_free_pages && !captures_underway() &&
       take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
