@@ -63,6 +63,17 @@ def test_a_long_run_can_run_out_of_memory_under_a_cap_its_first_pass_fits() -> N
     assert settled.report["long_run"]["num_ooms_later_passes"] == 0
 
 
+def test_near_its_cap_a_long_run_grows_by_pages_that_free_memory_can_give_back() -> None:
+    """The convnet's 12th pass under 1.03 x ran out of memory four times while its free memory
+    lay pinned in chunks partly in use. Near the ceiling at which the device refused growth, the
+    defaults create single pages instead (tests/core: the rule itself), and every pass fits."""
+    trace = load_trace(CONVNET)
+    cap = int(1.03 * peak_requested_bytes(trace))
+    report = replay(trace, device_memory=cap, passes=13).report
+    assert report["num_ooms"] == 0
+    assert report["long_run"]["num_ooms_later_passes"] == 0
+
+
 def test_the_timeline_draws_every_pass_one_after_another_with_no_peak_lost() -> None:
     trace = load_trace(CONVNET)
     one = replay(trace, timeline=True).timeline
