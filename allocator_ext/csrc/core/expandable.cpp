@@ -291,7 +291,12 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
   if (mapped.size == 0) {
     // The device refused: what it had left marks the ceiling, and from here growth nears it.
-    growth_ceiling_ = total_allocated_memory_ + device_->memory_info().free;
+    std::size_t device_free = 0;  // unknown: the ceiling is what is reserved
+    try {
+      device_free = device_->memory_info().free;
+    } catch (...) {
+    }
+    growth_ceiling_ = total_allocated_memory_ + device_free;
     chunk_pages = growth_chunk_pages(*to_map->pool, size, page);
   }
   // The device had no memory left for pages below the high-water mark: take back after all.
