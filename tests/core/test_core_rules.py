@@ -777,3 +777,33 @@ def test_a_memory_fraction_that_refuses_growth_sets_the_ceiling_too() -> None:
     a.free(a.malloc(36 * MiB))                # to 96 MiB, past 95 % of the fraction's 100
     assert calls(dev, "create") == 18         # 2 MiB pages, where chunks took 9 handles
     assert a.check_invariants() == ""
+
+
+def test_a_new_memory_fraction_forgets_the_ceiling_the_old_one_set() -> None:
+    dev, a = native(capacity=GiB, config=CHUNKED)
+    a.set_memory_limit(100 * MiB)
+    a.malloc(60 * MiB)
+    with pytest.raises(ae.OutOfMemoryError):
+        a.malloc(50 * MiB)
+    a.set_memory_limit(GiB)
+    dev.reset_counters()
+    a.malloc(36 * MiB)
+    assert calls(dev, "create") == 9          # chunked again: a page, a chunk, single pages
+    assert a.check_invariants() == ""
+
+
+def test_growth_past_the_ceiling_forgets_it() -> None:
+    # Another process on the device freed its memory: the ceiling its use had set is gone.
+    dev = ae.SimDevice(capacity=200 * MiB)
+    a, other = ae.Allocator(dev, CHUNKED), ae.Allocator(dev, CHUNKED)
+    hog = other.malloc(100 * MiB)
+    a.malloc(50 * MiB)
+    with pytest.raises(ae.OutOfMemoryError):
+        a.malloc(60 * MiB)                    # refused at 50 + 50 MiB free
+    other.free(hog)
+    other.empty_cache()
+    a.malloc(60 * MiB)                        # to 110 MiB: past the ceiling of 100
+    dev.reset_counters()
+    a.malloc(46 * MiB)
+    assert calls(dev, "create") == 5          # chunked again
+    assert a.check_invariants() == ""

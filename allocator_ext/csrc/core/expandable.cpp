@@ -50,7 +50,8 @@
 // fraction has refused growth, growth that would bring reserved memory within 5 % of that
 // ceiling (reserved memory plus what the device had left; the fraction's limit) creates
 // single pages. A refusal far above what is reserved (cuDNN's benchmark mode probing for a
-// workspace larger than the device) leaves growth chunked.
+// workspace larger than the device) leaves growth chunked; a new memory fraction, or growth
+// past the ceiling (another process freed memory), forgets it.
 //
 // Memory fraction. With reuse_free_pages the fraction is checked in map_block, after the
 // take-back, against what growth really adds. PyTorch checks reserved memory plus the whole
@@ -312,6 +313,8 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   adopt_mapped(to_map, mapped);
   count_reserved(*to_map->pool, TraceAction::segment_map, mapped.ptr, mapped.size,
                  to_map->stream);
+  // Memory past the ceiling was there after all (another process freed some): forget it.
+  if (total_allocated_memory_ > growth_ceiling_) growth_ceiling_ = 0;
   return true;
 }
 
