@@ -20,6 +20,9 @@
 #   lockstep     bench/gpu/step_lockstep.py --suite: transformer, moe and convnet against
 #                expandable segments, uncapped and at 1.03 x, on fresh shapes after warm-up:
 #                the two processes take turns step by step (steadier than steptime)
+#   convnetlockstep  bench/gpu/step_lockstep.py --model convnet, 8 rounds of 12 steps, uncapped
+#                then at 1.03 x, against expandable segments (about 3 minutes): the suite's
+#                convnet alone
 #   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
 #                expandable segments, both capped at 1.03 x the workload's peak requested bytes
 #   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
@@ -92,6 +95,11 @@ run_part() {
         --steps 30 --allocators expandable,allocwatch --json "$OUT/steptime_convnet.json" ;;
     lockstep)
       part "lockstep suite" "$PYTHON" bench/gpu/step_lockstep.py --suite "$OUT/lockstep" ;;
+    convnetlockstep)
+      part "convnet lockstep, uncapped" "$PYTHON" bench/gpu/step_lockstep.py --model convnet \
+        --rounds 8 --steps 12 --json "$OUT/lockstep_convnet.json"
+      part "convnet lockstep at 1.03x" "$PYTHON" bench/gpu/step_lockstep.py --model convnet \
+        --rounds 8 --steps 12 --fraction-of-peak 1.03 --json "$OUT/lockstep_convnet_cap103.json" ;;
     caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
         --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     probes)  # never a binary left from an earlier call: the run needs this build
