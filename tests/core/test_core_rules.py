@@ -767,12 +767,18 @@ def test_a_refusal_far_above_what_is_reserved_leaves_growth_chunked() -> None:
     assert a.check_invariants() == ""
 
 
-def test_a_memory_fraction_that_refuses_growth_sets_the_ceiling_too() -> None:
+def refused_by_a_fraction_of_100_mib() -> tuple[ae.SimDevice, ae.Allocator]:
+    """60 MiB in use under a limit of 100 MiB, after a 50 MiB request the limit refused."""
     dev, a = native(capacity=GiB, config=CHUNKED)
     a.set_memory_limit(100 * MiB)
     a.malloc(60 * MiB)
     with pytest.raises(ae.OutOfMemoryError):
         a.malloc(50 * MiB)
+    return dev, a
+
+
+def test_a_memory_fraction_that_refuses_growth_sets_the_ceiling_too() -> None:
+    dev, a = refused_by_a_fraction_of_100_mib()
     dev.reset_counters()
     a.free(a.malloc(36 * MiB))                # to 96 MiB, past 95 % of the fraction's 100
     assert calls(dev, "create") == 18         # 2 MiB pages, where chunks took 9 handles
@@ -780,11 +786,7 @@ def test_a_memory_fraction_that_refuses_growth_sets_the_ceiling_too() -> None:
 
 
 def test_a_new_memory_fraction_forgets_the_ceiling_the_old_one_set() -> None:
-    dev, a = native(capacity=GiB, config=CHUNKED)
-    a.set_memory_limit(100 * MiB)
-    a.malloc(60 * MiB)
-    with pytest.raises(ae.OutOfMemoryError):
-        a.malloc(50 * MiB)
+    dev, a = refused_by_a_fraction_of_100_mib()
     a.set_memory_limit(GiB)
     dev.reset_counters()
     a.malloc(36 * MiB)
