@@ -1,5 +1,6 @@
 // The cuda back end against tests/native/fake_libcuda.cpp: driver loading, context handling on
-// other threads, out-of-memory answers, error messages, the event pool and capture status.
+// other threads, out-of-memory answers, error messages, the event pool and capture status, and
+// the allocator's answer to a refused cuMemCreate.
 // Run by tests/core/test_cuda_backend_fake_driver.py; prints "N passed, N failed".
 #include <dlfcn.h>
 
@@ -8,7 +9,10 @@
 #include <string>
 #include <thread>
 
+#include <memory>
+
 #include "backends/cuda_device.h"
+#include "core/allocator.h"
 
 namespace {
 
@@ -150,6 +154,30 @@ int main() {
   }
   expect(references() == 0, "the primary context is released");
   expect(live_events() == 0, "pooled events are destroyed");
+
+  // The allocator's defaults over the back end: a cuMemCreate the driver refuses sets the
+  // growth ceiling from cuMemGetInfo, and growth near it creates single 2 MiB pages (Note
+  // [page policy], page size and chunks).
+  if (auto live_handles = hook<int (*)()>("fake_cuda_live_handles")) {
+    set_capacity(100 * MiB);
+    {
+      allocwatch::CachingAllocator allocator(std::make_shared<CudaDevice>(0),
+                                             allocwatch::AllocatorConfig::allocwatch());
+      void* kept = allocator.malloc(50 * MiB, 0, nullptr);
+      allocwatch::OutOfMemoryReport report;
+      expect(allocator.malloc(60 * MiB, 0, &report) == nullptr,
+             "a request past the driver's capacity is refused");
+      const int before = live_handles();
+      void* near = allocator.malloc(46 * MiB, 0, nullptr);  // to 96 MiB of a 100 MiB ceiling
+      expect(live_handles() - before == 23, "growth near the ceiling creates 2 MiB pages");
+      allocator.free(near);
+      allocator.free(kept);
+    }
+    set_capacity(std::size_t{80} << 30);
+  } else {
+    expect(false, "the fake driver counts its handles");
+  }
+  expect(references() == 0, "the allocator releases the primary context");
 
   // Process exit: tensors freed after the driver shut down must not throw from the allocator.
   {

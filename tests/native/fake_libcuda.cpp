@@ -90,6 +90,7 @@ void fake_cuda_set_capture(int status, int implicit) {
 }
 int fake_cuda_primary_references() { return g_primary_references; }
 int fake_cuda_live_events() { return static_cast<int>(g_events.size()); }
+int fake_cuda_live_handles() { return static_cast<int>(g_handles.size()); }
 void* fake_cuda_current_context() { return t_current; }
 void fake_cuda_set_current_context(void* ctx) { t_current = ctx; }
 
