@@ -721,7 +721,7 @@ CHUNKED = "native,expandable_segments:True,reuse_free_pages:True,expandable_larg
           "expandable_chunk_mb:20"
 
 
-def pinned_after_freeing_the_tail(dev: ae.SimDevice, a: ae.Allocator) -> int:
+def pinned_after_freeing_the_tail(a: ae.Allocator) -> int:
     """Reserved bytes left once the back 36 MiB of a 46 MiB growth are freed and the cache
     emptied, with its front 10 MiB still in use: what a partly used handle pins."""
     big = a.malloc(46 * MiB)
@@ -737,8 +737,8 @@ def pinned_after_freeing_the_tail(dev: ae.SimDevice, a: ae.Allocator) -> int:
 def test_chunks_pin_the_free_pages_of_a_range_partly_in_use() -> None:
     # The trade chunks make: a handle goes back whole or not at all. 10 MiB in use inside the
     # first 20 MiB chunk keeps all of it.
-    dev, a = native(config=CHUNKED)
-    assert pinned_after_freeing_the_tail(dev, a) == 22 * MiB   # a 2 MiB page and a chunk
+    _, a = native(config=CHUNKED)
+    assert pinned_after_freeing_the_tail(a) == 22 * MiB   # a 2 MiB page and a chunk
     assert a.check_invariants() == ""
 
 
@@ -746,12 +746,11 @@ def test_near_the_memory_at_which_the_device_ran_out_growth_creates_single_pages
     # Under a cap, memory pinned in partly used chunks is what later out-of-memory errors are
     # made of (a long run's later passes, docs/benchmarks.md): close to where the device once
     # refused growth, every page is a handle of its own and goes back as soon as it is free.
-    dev, a = native(capacity=100 * MiB, config=CHUNKED)
+    _, a = native(capacity=100 * MiB, config=CHUNKED)
     a.malloc(50 * MiB)                        # stays: the next growth ends 4 % below the ceiling
     with pytest.raises(ae.OutOfMemoryError):
         a.malloc(60 * MiB)                    # refused at 50 + 50 MiB free: the ceiling is 100
-    dev.reset_counters()
-    assert pinned_after_freeing_the_tail(dev, a) == 50 * MiB + 10 * MiB
+    assert pinned_after_freeing_the_tail(a) == 50 * MiB + 10 * MiB
     assert a.check_invariants() == ""
 
 
