@@ -33,9 +33,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from allocator_ext.agent import grpc_fork_handlers_off  # noqa: F401  (before grpc's import)
 from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
-from allocator_ext.agent.client import Agent
+from allocator_ext.agent.client import Agent, abandon_inherited_agents
 from allocator_ext.agent.identity import build_identity, device_uuid
 from allocator_ext.agent.sources import AllocatorSource, Source, TorchSource, UnsupportedCommand
 from allocator_ext.agent.tls import TlsSettings
@@ -201,3 +202,17 @@ def maybe_start_from_env(source: Any = None) -> Agent | None:
             log.warning("allocwatch agent not started: %s", err, extra={"reason": repr(err)})
             return None
         return _env_agent
+
+
+def _after_fork_in_child() -> None:
+    """A forked process keeps its parent's agent objects but none of their threads, and their
+    connections are the parent's: every copy is abandoned (Agent.abandon_after_fork), and no
+    new agent starts in the child. gRPC is not safe to use in a child forked while its parent
+    had a channel; a forked process that uses a GPU itself (a launcher's ranks started with
+    the fork method) can call start_agent() once it runs, or be started with spawn."""
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    abandon_inherited_agents()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

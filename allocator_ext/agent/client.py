@@ -10,6 +10,10 @@ pool, a utility run under `allocwatch run` -- has nothing to publish. Connected,
 in the sidecar as one more process with its parent's rank and no figures, and its exit (a
 DataLoader's workers end with every epoch) would fire AllocwatchAgentGone. `connect_at_start`
 connects at once instead (a deployment checked on a machine without a GPU).
+
+A forked process (a DataLoader worker under the fork start method) inherits a copy of the agent
+without its threads, and a connection that belongs to its parent: abandon_inherited_agents()
+marks every copy stopped, so the child never touches that connection nor waits for it at exit.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,14 @@ from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
 from exporter.protocol.service import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("allocator_ext.agent")
+
+_agents: weakref.WeakSet[Agent] = weakref.WeakSet()
+
+
+def abandon_inherited_agents() -> None:
+    """In a forked child: every agent object is its parent's copy (Agent.abandon_after_fork)."""
+    for agent in list(_agents):
+        agent.abandon_after_fork()
 
 
 class Agent:
@@ -101,6 +114,8 @@ class Agent:
                                          daemon=True)
         self._connector = threading.Thread(target=self._connect_loop, name="allocwatch-agent",
                                            daemon=True)
+        self._forked_copy = False
+        _agents.add(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -112,7 +127,7 @@ class Agent:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop sampling, send what is queued and a goodbye where connected, then end both
         threads. Bounded by `timeout`: exit is never held up by a slow or absent sidecar."""
-        if self._stopping.is_set():
+        if self._forked_copy or self._stopping.is_set():
             return
         deadline = time.monotonic() + timeout
         self._stopping.set()
@@ -132,6 +147,14 @@ class Agent:
             if self._call is not None:
                 self._call.cancel()
         self._connector.join(max(0.1, deadline - time.monotonic()))
+
+    def abandon_after_fork(self) -> None:
+        """Called in a forked child on the copy of its parent's agent: its threads did not
+        survive the fork, its stream is the parent's, and the locks it holds may have been held
+        by the parent's threads at that moment. So nothing here takes a lock or calls gRPC: the
+        copy just counts as stopped and unconnected, and stop() (atexit's) returns at once."""
+        self._forked_copy = True
+        self.connected = threading.Event()
 
     @property
     def dropped(self) -> int:
