@@ -16,6 +16,7 @@ since the previous call, without resetting the process's own peaks; and
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -219,7 +220,36 @@ class TorchSource:
         self._torch.cuda.reset_peak_memory_stats(device)
 
     def snapshot(self, device: int) -> dict[str, Any]:
-        return dict(self._torch.cuda.memory._snapshot())
+        from allocator_ext.replay.trace import RECORDING_KEY
+
+        snapshot = dict(self._torch.cuda.memory._snapshot())
+        snapshot[RECORDING_KEY] = self.recorded_limits(device)
+        return snapshot
+
+    def recorded_limits(self, device: int) -> dict[str, Any]:
+        """The memory fraction in force and the device total it is a fraction of, which
+        PyTorch's snapshot does not keep and a replay needs for an out-of-memory error to
+        recur (allocator_ext.replay.cap); None for what this torch cannot say. PyTorch reports
+        1.0 where no fraction is set; the fraction is nudged up to the least double that gives
+        back PyTorch's limit to the byte, as a replay computes it."""
+        cuda = self._torch.cuda
+        limits: dict[str, Any] = {"memory_fraction": None, "device_total_bytes": None}
+        try:
+            total = int(cuda.get_device_properties(device).total_memory)
+        except Exception:
+            return limits
+        limits["device_total_bytes"] = total
+        getter = getattr(cuda, "get_per_process_memory_fraction", None)
+        try:
+            fraction = float(getter(device)) if getter is not None else 1.0
+        except Exception:
+            return limits
+        if 0 < fraction < 1:
+            limit = round(fraction * total)
+            while int(fraction * total) < limit:
+                fraction = math.nextafter(fraction, 1.0)
+            limits["memory_fraction"] = fraction
+        return limits
 
     def record_history(self, device: int, enabled: bool, max_entries: int) -> None:
         # "all": allocations with their Python and C++ stacks, and the trace's every action.

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <memory>
 
 #include "backends/sim_device.h"
@@ -113,6 +114,31 @@ std::uint32_t action_bits(const std::vector<std::string>& names) {
   return bits;
 }
 
+// The memory fraction in force (None: none, or one at least the device) and the device's total
+// (None: unknown), under the key allocwatch's recorders keep them (allocator_ext.replay.trace,
+// RECORDING_KEY): PyTorch's snapshot keeps neither, and an out-of-memory error recorded under a
+// fraction recurs in a replay only under the same cap. The fraction is the least double that
+// gives back the limit to the byte, as set_memory_fraction computes it.
+py::dict recorded_limits(CachingAllocator& a) {
+  std::size_t total = 0;
+  try {
+    total = a.device().memory_info().total;
+  } catch (const std::exception&) {  // a device that cannot say: the snapshot keeps no cap
+  }
+  const std::size_t limit = a.memory_limit();
+  py::dict recording;
+  recording["device_total_bytes"] = total > 0 ? py::object(py::int_(total)) : py::none();
+  py::object fraction = py::none();
+  if (limit > 0 && limit < total) {
+    const double t = static_cast<double>(total);
+    double f = static_cast<double>(limit) / t;
+    while (static_cast<std::size_t>(f * t) < limit) f = std::nextafter(f, 1.0);
+    fraction = py::float_(f);
+  }
+  recording["memory_fraction"] = fraction;
+  return recording;
+}
+
 // The layout of torch.cuda.memory._snapshot(), which PyTorch's memory viewer reads.
 py::dict snapshot_dict(CachingAllocator& a) {
   py::list segments;
@@ -154,6 +180,7 @@ py::dict snapshot_dict(CachingAllocator& a) {
   snap["device_traces"] = device_traces;
   snap["allocator_settings"] = settings;
   snap["external_annotations"] = py::list();
+  snap["allocwatch_recording"] = recorded_limits(a);
   return snap;
 }
 

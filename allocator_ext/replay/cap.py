@@ -2,8 +2,9 @@
 
 A PyTorch snapshot holds neither the per-process memory fraction of its run nor the device's
 total memory, yet an out-of-memory error recorded under a fraction recurs only under the same
-cap. allocwatch's recorders keep both in the snapshot (trace.RECORDING_KEY); a replay uses them
-unless told otherwise:
+cap. allocwatch keeps both in the snapshot (trace.RECORDING_KEY): its recorders, its allocator's
+snapshots, and the agent's snapshots of PyTorch's allocator. A replay uses them unless told
+otherwise:
 
 - the memory fraction: ``--memory-fraction`` if given, else the recorded one, unless
   ``--device-memory`` is given (a fraction of another device's total is not the recorded cap);
@@ -11,7 +12,7 @@ unless told otherwise:
   total (the fraction is a fraction of it), else none (unlimited).
 
 A trace that holds out-of-memory errors but no cap (PyTorch's own snapshot of a run, taken
-when it failed) keeps what its errors say of the device: PyTorch's `oom` event keeps the
+by hand when it failed) keeps what its errors say of the device: PyTorch's `oom` event keeps the
 device's free memory after the allocator's flush, so what the run could reserve at each error
 is its reserved memory then plus that. The least of those is the device such a trace replays on
 (``device_memory_from`` INFERRED), so that its errors can recur, as `ctl diagnose` replays an

@@ -240,3 +240,21 @@ def test_spawned_dataloader_workers_stay_out_of_the_sidecar(tmp_path: Path) -> N
         assert max(seen) == 1.0, seen  # the trainer, never a worker beside it
     finally:
         running.stop()
+
+
+def test_pytorchs_snapshot_keeps_the_memory_fraction_in_force() -> None:
+    # What the agent writes at an out-of-memory error keeps PyTorch's cap, which PyTorch's
+    # snapshot does not, so that `ctl diagnose --replay` replays under it.
+    from allocator_ext.agent.sources import TorchSource
+    from allocator_ext.replay.trace import RECORDING_KEY
+
+    torch.cuda.init()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.37, 0)
+    try:
+        kept = TorchSource().snapshot(0)[RECORDING_KEY]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert kept["device_total_bytes"] == total
+    assert int(kept["memory_fraction"] * total) == int(0.37 * total)
+    assert TorchSource().snapshot(0)[RECORDING_KEY]["memory_fraction"] is None  # 1.0: no cap

@@ -117,6 +117,52 @@ class _FakeTorch:
         self.applied.append(text)
 
 
+class _FractionTorch:
+    """A stand-in for torch's CUDA memory calls (no CUDA build of torch runs here): PyTorch's
+    allocator reports its memory fraction as its limit in bytes over the device's total, and
+    1.0 where none is set."""
+
+    def __init__(self, total: int, allowed: int | None, has_getter: bool = True) -> None:
+        props = SimpleNamespace(total_memory=total)
+        self.cuda = SimpleNamespace(
+            memory=SimpleNamespace(_snapshot=lambda: {"segments": [], "device_traces": [[]]}),
+            get_device_properties=lambda device: props)
+        if has_getter:
+            self.cuda.get_per_process_memory_fraction = (
+                lambda device: 1.0 if allowed is None else allowed / total)
+
+
+H200_TOTAL = 150_109_880_320  # bytes, as cudaMemGetInfo reports an H200's
+
+
+# 300 MiB + 21 bytes over the H200's total, multiplied back, falls a byte short of the limit.
+@pytest.mark.parametrize("allowed", [None, H200_TOTAL // 2, int(0.0762 * H200_TOTAL),
+                                     300 * (1 << 20) + 21])
+def test_torch_source_snapshot_keeps_pytorchs_memory_fraction_to_the_byte(
+        allowed: int | None) -> None:
+    from allocator_ext.replay.trace import RECORDING_KEY, parse_snapshot
+
+    snapshot = TorchSource(_FractionTorch(H200_TOTAL, allowed)).snapshot(0)
+    assert snapshot["segments"] == []  # PyTorch's snapshot, as it was
+    kept = snapshot[RECORDING_KEY]
+    assert kept["device_total_bytes"] == H200_TOTAL
+    if allowed is None:
+        assert kept["memory_fraction"] is None
+        return
+    # A replay sets the kept fraction on a device of the kept total: PyTorch's very limit.
+    assert int(kept["memory_fraction"] * H200_TOTAL) == allowed
+    one_event = [[{"action": "alloc", "addr": 1, "size": 512, "stream": 0, "time_us": 0}]]
+    assert parse_snapshot({**snapshot, "device_traces": one_event}).limits.memory_fraction \
+        == kept["memory_fraction"]
+
+
+def test_torch_source_snapshot_of_a_torch_that_cannot_say_its_fraction_keeps_the_total() -> None:
+    from allocator_ext.replay.trace import RECORDING_KEY
+
+    snapshot = TorchSource(_FractionTorch(1 << 30, 1 << 29, has_getter=False)).snapshot(0)
+    assert snapshot[RECORDING_KEY] == {"memory_fraction": None, "device_total_bytes": 1 << 30}
+
+
 def test_torch_source_sends_the_whole_settings_string(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:256")
     torch = _FakeTorch()

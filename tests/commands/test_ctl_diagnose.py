@@ -206,8 +206,9 @@ def capped_agent(tmp_path: Path, request: pytest.FixtureRequest):
 @pytest.mark.parametrize("capped_agent", [None], indirect=True)
 def test_diagnose_replays_a_live_snapshot_under_what_the_process_could_reserve(
         capped_agent, capsys: pytest.CaptureFixture[str]) -> None:
-    """A live snapshot keeps no cap; its out-of-memory events keep the GPU's free memory,
-    which, with what the process had reserved, is the cap under which they recur."""
+    """A process with no memory fraction ran out of the GPU itself; its snapshot's out-of-memory
+    events keep the GPU's free memory, which, with what the process had reserved, is the cap
+    under which they recur."""
     address, stats = capped_agent
     assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
     out = capsys.readouterr().out
@@ -236,18 +237,54 @@ def measured(out: str, candidate: str) -> str:
 
 
 @pytest.mark.parametrize("capped_agent", [0.25], indirect=True)
-def test_diagnose_proposes_nothing_from_a_snapshot_whose_errors_a_memory_fraction_made(
+def test_diagnose_replays_a_live_snapshot_under_the_memory_fraction_the_process_ran_under(
         capped_agent, capsys: pytest.CaptureFixture[str]) -> None:
-    """The GPU had room at each error: the process's memory fraction failed them, and the
-    snapshot does not keep it, so no replay here can say which setting avoids them."""
+    """The GPU had room at each error: the process's memory fraction failed them. The agent's
+    snapshot keeps that fraction and the GPU's total, so the replay runs under the same cap,
+    the recorded settings fail as the process did, and a setting under which none recurs is
+    proposed."""
     address, stats = capped_agent
     assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
     out = capsys.readouterr().out
-    [step] = [line for line in out.splitlines() if line.startswith("5. snapshot: ")]
+    ooms = stats["num_ooms"]
+    assert ooms >= 3
+    assert ("replayed under the cap the snapshot keeps (256.00 MiB allowed: memory fraction "
+            "0.25 (from the recording) of a 1.00 GiB device (from the recording))") in out
+    assert measured(out, "native").endswith(f"retries {stats['num_alloc_retries']}, OOMs "
+                                            f"{ooms} (recorded OOMs recurred: {ooms} of {ooms})")
+    [proposal] = [line for line in out.splitlines() if line.startswith("recommendation: ")]
+    chosen = proposal.removeprefix("recommendation: ")
+    assert chosen != "native"
+    assert measured(out, chosen).endswith(f"OOMs 0 (recorded OOMs recurred: 0 of {ooms})")
+
+
+def test_a_snapshot_whose_errors_an_unkept_memory_fraction_made_gets_no_proposal(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """PyTorch's own snapshot keeps no cap (a torch that cannot report its memory fraction, or
+    a snapshot taken by hand): where the GPU had room at each error, no replay can say which
+    setting avoids them, and none is proposed."""
+    from support.capped_run import record_capped_run
+
+    from allocator_ext.replay.trace import parse_snapshot
+    from allocator_ext.replay.tune import tune
+    from exporter.commands.ctl.diagnose import Replayed, replay_cap
+
+    snapshot, stats = record_capped_run(keep_cap=False)  # a fraction of 0.25 failed it
+    trace = parse_snapshot(snapshot)
+    cap, described, can_recur = replay_cap(trace, gpu_bytes=1 << 30)
+    assert not can_recur and described == "the GPU's 1.0 GiB"
+    ranked = tune(trace, cap.device_memory, cap.memory_fraction,
+                  candidates=[(s, s, True) for s in ("native", f"native,{EXPANDABLE}")])
+    healthy = device(reserved=100 * MiB, allocated=95 * MiB)
+    healthy["settings"]["config_string"] = "native"
+    d = diagnose("a", healthy, healthy, 1.0, Replayed(ranked, described, can_recur))
+    print_diagnosis(d, sys.stdout)
+    [step] = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("5. snapshot: ")]
     assert (f"the snapshot holds {stats['num_ooms']} out-of-memory error(s), but the GPU had "
             "room for the requests that failed: a per-process memory fraction") in step
     assert "none is proposed" in step
-    assert "would apply" not in out.split("5. snapshot: ")[1].split("\n")[1]
+    assert d.steps[-1].proposal is None and d.recommendation is None
     assert "lowest peak reserved" not in step and "do best" not in step
 
 

@@ -189,6 +189,36 @@ def test_pytorchs_settings_under_the_recorded_cap_reproduce_every_oom_and_retry(
     assert r["num_device_free"] == stats["num_device_free"]
 
 
+H200_TOTAL = 150_109_880_320  # bytes, as cudaMemGetInfo reports an H200's
+
+
+# 300 MiB + 21 bytes is a limit whose quotient by the H200's total, multiplied back, falls
+# short of it by a byte: the fraction kept is the next double up.
+@pytest.mark.parametrize("cap", [None, 0.25, 0.0762, 1 / 3, 300 * MiB + 21, 2 * H200_TOTAL])
+def test_allocwatchs_snapshot_keeps_the_cap_it_ran_under_to_the_byte(cap: float | None) -> None:
+    """What the agent writes at an out-of-memory error replays under the same cap: the memory
+    fraction in force (or a limit in bytes, as a fraction) and the device's total. A limit
+    at or past the device's total is no cap of its own."""
+    import allocator_ext as ae
+
+    allocator = ae.Allocator(ae.SimDevice(capacity=H200_TOTAL), "native")
+    if isinstance(cap, float):
+        allocator.set_memory_fraction(cap)
+    elif cap is not None:
+        allocator.set_memory_limit(cap)
+    allocator.record_history(True)
+    allocator.free(allocator.malloc(MiB))
+    limits = parse_snapshot(allocator.snapshot()).limits
+    assert limits.device_total_bytes == H200_TOTAL
+    if cap is None or cap == 2 * H200_TOTAL:
+        assert limits.memory_fraction is None
+        return
+    assert limits.memory_fraction is not None
+    replayed = ae.Allocator(ae.SimDevice(capacity=H200_TOTAL), "native")
+    replayed.set_memory_fraction(limits.memory_fraction)
+    assert replayed.memory_limit == allocator.memory_limit
+
+
 def test_a_trace_that_keeps_no_cap_replays_on_the_device_its_errors_imply(
         tmp_path: Path) -> None:
     """PyTorch's own snapshot of a run that filled its device keeps no cap, but its errors say

@@ -16,17 +16,17 @@ MiB = 1 << 20
 def record_capped_run(total: int = 1 << 30, fraction: float | None = 0.25,
                       keep_cap: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """run_capped_steps on PyTorch's settings on a device of `total` bytes, under a memory
-    fraction unless None: its snapshot, in PyTorch's layout, with the cap kept as allocwatch's
-    recorders keep it where `keep_cap` (PyTorch's own snapshot keeps none), and its final
-    statistics."""
+    fraction unless None: its snapshot, in PyTorch's layout, with the cap it ran under as
+    allocwatch's allocator keeps it (RECORDING_KEY), or without it unless `keep_cap` (as
+    PyTorch's own snapshot, which keeps none), and its final statistics."""
     allocator = ae.Allocator(ae.SimDevice(capacity=total), "native")
     if fraction is not None:
         allocator.set_memory_fraction(fraction)
     allocator.record_history(True, 1_000_000)
     run_capped_steps(allocator)
     snapshot = allocator.snapshot()
-    if keep_cap:
-        snapshot[RECORDING_KEY] = {"memory_fraction": fraction, "device_total_bytes": total}
+    if not keep_cap:
+        del snapshot[RECORDING_KEY]
     return snapshot, allocator.stats()
 
 
