@@ -124,7 +124,8 @@ def start_agent(
     source: None/"auto" (allocwatch's allocator if installed, else PyTorch's), "allocwatch",
     "pytorch", an allocator_ext.Allocator, a {device: Allocator} mapping, or any Source.
     identity: overrides of Identity fields (e.g. {"training_job": "llm-7b"}).
-    nvml: False to skip NVML; True to read it; or a pynvml-like module (tests).
+    nvml: False to skip NVML; True to read it (initialised at the process's first GPU use, on
+    the agent's thread); or a pynvml-like module (tests).
     tls: TLS to a TCP target (default: from ALLOCWATCH_TLS_CA etc., see agent/tls.py).
     token: the token for a TCP target (default: ALLOCWATCH_TOKEN_FILE or ALLOCWATCH_TOKEN,
     see agent/auth.py).
@@ -144,16 +145,17 @@ def start_agent(
     if tls is not None:
         tls.check()
     resolved = _resolve_source(source)
+    # NVML starts with the agent's first sample, on its own thread (Agent.start_nvml): a
+    # process that never uses a GPU never pays for it, nor does the program's import of torch.
     reader: NvmlReader | None = None
     if nvml:
         reader = NvmlReader(None if nvml is True else nvml, cache_seconds=interval / 2)
-        if not reader.start():
-            reader = None
     devices = resolved.devices()
     if cuda_device is None:
         env_device = os.environ.get("ALLOCWATCH_CUDA_DEVICE")
         cuda_device = int(env_device) if env_device else (devices[0] if devices else -1)
-    uuid = device_uuid(resolved, reader, cuda_device) if cuda_device >= 0 else ""
+    # The source says the UUID where it can (torch does); NVML is asked later, at first use.
+    uuid = device_uuid(resolved, None, cuda_device) if cuda_device >= 0 else ""
     torch_version, cuda_version = resolved.versions()
     ident = build_identity(backend=resolved.backend, cuda_device=cuda_device, gpu_uuid=uuid,
                            torch_version=torch_version, cuda_version=cuda_version,

@@ -166,6 +166,7 @@ class Agent:
         next_at = time.monotonic()
         while not self._stopping.is_set():
             if self.in_use.is_set() or self._note_first_use():
+                self.start_nvml()
                 self.sample_once()
                 self._warn_if_never_connected()
             next_at += self.interval
@@ -185,16 +186,28 @@ class Agent:
         if not devices:
             return False
         self._started = time.monotonic()  # the wait for the sidecar counts from here
+        self.start_nvml()  # before the UUID is looked up, which may ask NVML
         if self.identity.cuda_device < 0 and devices[0] >= 0:
             # Started before CUDA was (at the program's import of torch): the device it uses
             # is known now, before the Hello that carries it.
             self.identity.cuda_device = devices[0]
-            if not self.identity.gpu_uuid:  # ALLOCWATCH_GPU_UUID, where given, stands
-                with contextlib.suppress(Exception):  # no UUID rather than no agent
-                    self.identity.gpu_uuid = device_uuid(self.source, self.nvml, devices[0])
+        if not self.identity.gpu_uuid and self.identity.cuda_device >= 0:
+            # ALLOCWATCH_GPU_UUID, or the source's at start, stands; else the source's or
+            # NVML's now.
+            with contextlib.suppress(Exception):  # no UUID rather than no agent
+                self.identity.gpu_uuid = device_uuid(self.source, self.nvml,
+                                                     self.identity.cuda_device)
         self.in_use.set()
         self._may_connect.set()
         return True
+
+    def start_nvml(self) -> None:
+        """Initialise NVML once the process uses a GPU, on the sampler thread: nvmlInit can
+        take seconds on a host whose GPUs are not in persistence mode, which the program's
+        import of torch, and every DataLoader worker that imports it and never uses a GPU,
+        would otherwise wait for. Where NVML cannot be used the agent goes on without it."""
+        if self.nvml is not None and not self.nvml.started and not self.nvml.start():
+            self.nvml = None
 
     def _warn_if_never_connected(self) -> None:
         if self.ever_connected or self.warned_unconnected:

@@ -41,10 +41,12 @@ class NvmlReader:
         self._cached: list[GpuMemory] = []
         self._cached_at = -1e18
         self.available = False
+        self.started = False
         self.failure: str | None = None
 
     def start(self) -> bool:
         """Initialise NVML; False (with a logged warning) where it cannot be used."""
+        self.started = True
         try:
             if self._module is None:
                 import pynvml

@@ -2,20 +2,23 @@
 (the agent warns once, after a bounded time, naming the target and the reason, even where the
 program configured no logging), and as a metric of the sidecar, which counts how long it has
 waited for its first agent (AllocwatchNoAgentConnected reads it). An agent connects only once
-its process uses a GPU; until then it samples nothing, sends nothing and never warns."""
+its process uses a GPU; until then it samples nothing, sends nothing, never warns and never
+initialises NVML."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from support.environment import without_allocwatch
+from support.fake_nvml import FakePynvml
 from support.paths import REPO
-from support.sidecar import FakeSource, start_sidecar, values
+from support.sidecar import FakeSource, MiB, start_sidecar, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
@@ -108,6 +111,44 @@ def test_an_agent_connects_only_once_its_process_uses_a_gpu(tmp_path: Path) -> N
         assert agent.outbox.dropped == 0
         # The Hello carried the device it uses, known by then.
         assert (agent.identity.cuda_device, agent.identity.gpu_uuid) == (0, "GPU-fake-0")
+    finally:
+        agent.stop()
+        sidecar.stop()
+
+
+class InitRecordingNvml(FakePynvml):
+    """A stand-in for pynvml (no NVML library here) that records the threads calling
+    nvmlInit."""
+
+    def __init__(self, gpus: list) -> None:
+        super().__init__(gpus)
+        self.init_threads: list[str] = []
+
+    def nvmlInit(self) -> None:  # noqa: N802 (pynvml's name)
+        self.init_threads.append(threading.current_thread().name)
+        super().nvmlInit()
+
+
+def test_nvml_starts_at_the_first_gpu_use_on_the_agents_thread(tmp_path: Path) -> None:
+    # nvmlInit can take seconds where the GPUs are not in persistence mode: neither the
+    # program's import of torch (where the agent starts) nor a DataLoader worker that never
+    # uses a GPU may wait for it.
+    sidecar = start_sidecar(tmp_path, nvml=False)
+    url = sidecar.sidecar.metrics_url
+    nvml = InitRecordingNvml([("GPU-3333", 40 * MiB * 1024, 5 * MiB * 1024, {})])
+    source = FakeSource(devices={})
+    agent = start_agent(sidecar.sidecar.agent_targets[0], interval=0.05, source=source,
+                        nvml=nvml, stop_at_exit=False)
+    try:
+        time.sleep(0.5)  # ten intervals without a GPU
+        assert nvml.init_threads == []
+        with source.lock:  # the process's first CUDA allocation
+            source.uuids[0] = ""
+            source.stats[0] = source._initial()
+        wait_for(lambda: values(url, "allocwatch_gpu_memory_total_bytes") == [40 * MiB * 1024],
+                 what="the GPU's figures from the agent's NVML")
+        assert nvml.init_threads == ["allocwatch-agent-sampler"]  # once, and not ours
+        assert agent.identity.gpu_uuid == "GPU-3333"  # from NVML, the source had none
     finally:
         agent.stop()
         sidecar.stop()
