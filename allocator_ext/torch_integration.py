@@ -229,7 +229,10 @@ def allocator(device: int = 0) -> Any:
 
 def snapshot(device: int | None = None) -> dict[str, Any]:
     """A snapshot in the layout of torch.cuda.memory._snapshot(), which PyTorch's memory
-    viewer (pytorch.org/memory_viz) and torch.cuda._memory_viz open."""
+    viewer (pytorch.org/memory_viz) and torch.cuda._memory_viz open. One device's keeps its cap
+    (the memory fraction and the device's total, allocwatch_recording) for a replay."""
+    from allocator_ext.replay.trace import RECORDING_KEY
+
     devices = [device] if device is not None else _core.torch_devices()
     result: dict[str, Any] = {"segments": [], "device_traces": [], "external_annotations": []}
     for d in devices:
@@ -243,6 +246,8 @@ def snapshot(device: int | None = None) -> dict[str, Any]:
         result["segments"].extend(snap["segments"])
         result["device_traces"].append(snap["device_traces"][0])
         result["allocator_settings"] = snap["allocator_settings"]
+        if len(devices) == 1:  # the cap is one device's (allocator_ext.replay.cap)
+            result[RECORDING_KEY] = snap[RECORDING_KEY]
     return result
 
 

@@ -147,15 +147,19 @@ def start_agent(
     resolved = _resolve_source(source)
     # NVML starts with the agent's first sample, on its own thread (Agent.start_nvml): a
     # process that never uses a GPU never pays for it, nor does the program's import of torch.
+    # An agent that connects at start starts it here: its Hello goes out at once, with the
+    # GPU's UUID, which NVML may be the one to know.
     reader: NvmlReader | None = None
     if nvml:
         reader = NvmlReader(None if nvml is True else nvml, cache_seconds=interval / 2)
+        if connect_at_start and not reader.start():
+            reader = None
     devices = resolved.devices()
     if cuda_device is None:
         env_device = os.environ.get("ALLOCWATCH_CUDA_DEVICE")
         cuda_device = int(env_device) if env_device else (devices[0] if devices else -1)
-    # The source says the UUID where it can (torch does); NVML is asked later, at first use.
-    uuid = device_uuid(resolved, None, cuda_device) if cuda_device >= 0 else ""
+    started = reader if reader is not None and reader.started else None
+    uuid = device_uuid(resolved, started, cuda_device) if cuda_device >= 0 else ""
     torch_version, cuda_version = resolved.versions()
     ident = build_identity(backend=resolved.backend, cuda_device=cuda_device, gpu_uuid=uuid,
                            torch_version=torch_version, cuda_version=cuda_version,
@@ -209,9 +213,10 @@ def maybe_start_from_env(source: Any = None) -> Agent | None:
 def _after_fork_in_child() -> None:
     """A forked process keeps its parent's agent objects but none of their threads, and their
     connections are the parent's: every copy is abandoned (Agent.abandon_after_fork), and no
-    new agent starts in the child. gRPC is not safe to use in a child forked while its parent
-    had a channel; a forked process that uses a GPU itself (a launcher's ranks started with
-    the fork method) can call start_agent() once it runs, or be started with spawn."""
+    new agent starts in the child: gRPC is not safe to use in a child forked while its parent
+    had a channel. A forked process that uses a GPU itself (a launcher's ranks started with the
+    fork method) is best started with spawn; where its parent's agent never connected, it can
+    also call start_agent() itself."""
     global _lock
     _lock = threading.Lock()  # another thread of the parent may have held it at the fork
     abandon_inherited_agents()

@@ -256,7 +256,8 @@ class Agent:
             if largest is not None:
                 entry.allocator.largest_free_block_bytes = largest
             self.oom_snapshots.observe(self.source, device, stats)
-            gpu = self.nvml.find(uuid=uuid, index=device) if self.nvml is not None else None
+            nvml = self.nvml  # start_nvml may drop it meanwhile, on the sampler thread
+            gpu = nvml.find(uuid=uuid, index=device) if nvml is not None else None
             if gpu is not None:
                 if not entry.gpu_uuid:
                     entry.gpu_uuid = gpu.uuid

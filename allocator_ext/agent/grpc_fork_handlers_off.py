@@ -1,4 +1,4 @@
-"""Imported before grpc: gRPC's own fork handlers default to off in a process with an agent.
+"""Imported before grpc: gRPC's fork handlers default to off where the agent is imported.
 
 The agent's stream keeps a gRPC call open for the life of the process, so at every fork (each
 DataLoader worker started with the fork method) gRPC's handlers find "other threads calling

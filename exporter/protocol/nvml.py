@@ -11,12 +11,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from types import ModuleType
 from typing import Any
 
 log = logging.getLogger("exporter.nvml")
+
+# No fork lands inside one of our NVML calls: a child would inherit NVML's and pynvml's locks
+# held by a thread it does not have, and its own first NVML call (torch counts devices through
+# NVML) could wait for them forever. A fork waits for the call under way instead, once.
+_nvml_calls = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _nvml_calls
+    _nvml_calls = threading.Lock()
+
+
+os.register_at_fork(before=lambda: _nvml_calls.acquire(),
+                    after_in_parent=lambda: _nvml_calls.release(),
+                    after_in_child=_new_lock_in_child)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +68,9 @@ class NvmlReader:
                 import pynvml
 
                 self._module = pynvml
-            self._module.nvmlInit()
-            count = self._module.nvmlDeviceGetCount()
+            with _nvml_calls:
+                self._module.nvmlInit()
+                count = self._module.nvmlDeviceGetCount()
         except Exception as err:  # ImportError, NVMLError (no driver / no GPU), OSError
             self.failure = f"{type(err).__name__}: {err}"
             log.warning(
@@ -74,7 +91,8 @@ class NvmlReader:
             if now - self._cached_at < self._cache_seconds:
                 return self._cached
             try:
-                self._cached = self._read_all()
+                with _nvml_calls:
+                    self._cached = self._read_all()
             except Exception as err:
                 # Device series stop; allocator series carry on. Logged once per outage.
                 if self.failure is None:
@@ -124,7 +142,8 @@ class NvmlReader:
     def close(self) -> None:
         if self.available and self._module is not None:
             try:
-                self._module.nvmlShutdown()
+                with _nvml_calls:
+                    self._module.nvmlShutdown()
             except Exception:
                 pass
         self.available = False

@@ -228,6 +228,10 @@ def statistics() -> str:
 
     html = _memory_viz.segment_plot(allocator_ext.snapshot())
     assert len(html) > 1000
+    # One device's snapshot keeps its cap for a replay: here none set, and the GPU's total.
+    kept = allocator_ext.snapshot(0)["allocwatch_recording"]
+    assert kept == {"memory_fraction": None,
+                    "device_total_bytes": torch.cuda.mem_get_info(0)[1]}, kept
     return f"memory_allocated={a}, summary {len(summary)} chars, viewer html {len(html)} chars"
 
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from support.fake_nvml import FakePynvml
+from support.paths import REPO
 from support.sidecar import FakeSource, samples, start_sidecar, values
 from support.waiting import wait_for
 
@@ -76,20 +79,26 @@ def test_sidecar_reads_its_own_gpus(tmp_path: Path) -> None:
         running.stop()
 
 
-def test_agent_reports_its_own_gpu_where_the_sidecar_sees_none(tmp_path: Path) -> None:
+@pytest.mark.parametrize("connect_at_start", [False, True])
+def test_agent_reports_its_own_gpu_where_the_sidecar_sees_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, connect_at_start: bool) -> None:
     # Kubernetes: the sidecar container has no GPU; the training container's agent reads NVML.
-    fake = FakePynvml([("GPU-2222", 40 * GiB, 5 * GiB, {os.getpid(): 2 * GiB})])
+    # Its CUDA device 0 is the node's second GPU, which only NVML can name (the source cannot);
+    # an agent that connects at start says so in its first Hello.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    fake = FakePynvml([("GPU-1111", 80 * GiB, 70 * GiB, {}),
+                       ("GPU-2222", 40 * GiB, 5 * GiB, {os.getpid(): 2 * GiB})])
     running = start_sidecar(tmp_path, nvml=False)
     url = running.sidecar.metrics_url
     agent = start_agent(running.sidecar.agent_targets[0], interval=0.1,
                         source=FakeSource({0: ""}), identity={"rank": 1}, nvml=fake,
-                        stop_at_exit=False)
+                        stop_at_exit=False, connect_at_start=connect_at_start)
     try:
         wait_for(lambda: values(url, "allocwatch_gpu_memory_total_bytes"), what="device series")
         assert values(url, "allocwatch_gpu_memory_total_bytes") == [40 * GiB]
         assert values(url, "allocwatch_gpu_memory_used_bytes", gpu_uuid="GPU-2222") == [5 * GiB]
         assert values(url, "allocwatch_process_gpu_memory_used_bytes", rank="1") == [2 * GiB]
-        # The agent learnt its GPU's UUID from NVML (CUDA device 0 -> the first GPU).
+        # The agent learnt its GPU's UUID from NVML (CUDA device 0 -> the second GPU).
         assert agent.identity.gpu_uuid == "GPU-2222"
         assert values(url, "torch_cuda_allocator_reserved_bytes", gpu_uuid="GPU-2222")
     finally:
@@ -110,3 +119,44 @@ def test_reader_maps_visible_devices_and_survives_process_query_errors() -> None
     assert reader.find(index=1).total_bytes == 20  # type: ignore[union-attr]
     assert reader.find(uuid="GPU-a").index == 0  # type: ignore[union-attr]
     assert reader.find(uuid="GPU-zzz") is None
+
+
+# A process whose NVML initialisation, on another thread, is under way when the main thread
+# forks (a DataLoader starting its workers at the first step). The fork must wait for it: the
+# child would otherwise inherit NVML's locks held by a thread it does not have.
+FORK_DURING_NVML_INIT = """
+import os, sys, threading, time
+sys.path.insert(0, "tests")
+from support.fake_nvml import FakePynvml
+from support.paths import REPO
+from exporter.protocol import nvml
+
+class SlowInit(FakePynvml):
+    def nvmlInit(self):
+        self.entered.set()
+        time.sleep(0.5)
+        self.done_at = time.monotonic()
+
+fake = SlowInit([("GPU-1", 1 << 30, 0, {})])
+fake.entered = threading.Event()
+reader = nvml.NvmlReader(fake)
+starting = threading.Thread(target=reader.start)
+starting.start()
+fake.entered.wait()
+pid = os.fork()
+if pid == 0:  # NVML was up when the fork came, and the child's own calls are not held up
+    lock = getattr(nvml, "_nvml_calls", None)
+    os._exit(0 if (lock is None or not lock.locked()) and reader.read() else 3)
+forked_at = time.monotonic()
+_, status = os.waitpid(pid, 0)
+starting.join()
+waited = "waited" if forked_at >= fake.done_at else "forked mid-init"
+print(waited, os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_fork_waits_for_an_nvml_call_under_way() -> None:
+    out = subprocess.run([sys.executable, "-c", FORK_DURING_NVML_INIT], capture_output=True,
+                         text=True, cwd=REPO, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["waited", "0"], out.stdout + out.stderr
