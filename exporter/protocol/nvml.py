@@ -21,18 +21,31 @@ log = logging.getLogger("exporter.nvml")
 
 # No fork lands inside one of our NVML calls: a child would inherit NVML's and pynvml's locks
 # held by a thread it does not have, and its own first NVML call (torch counts devices through
-# NVML) could wait for them forever. A fork waits for the call under way instead, once.
+# NVML) could wait for them forever. A fork waits for the call under way instead, but never
+# longer than FORK_WAIT_SECONDS: an NVML call can hang with its GPU, and the fork (a DataLoader
+# starting its workers) must not hang with it.
+FORK_WAIT_SECONDS = 5.0
 _nvml_calls = threading.Lock()
+_held_for_fork = False
 
 
-def _new_lock_in_child() -> None:
+def _before_fork() -> None:
+    global _held_for_fork
+    _held_for_fork = _nvml_calls.acquire(timeout=FORK_WAIT_SECONDS)
+
+
+def _after_fork_in_parent() -> None:
+    if _held_for_fork:
+        _nvml_calls.release()
+
+
+def _after_fork_in_child() -> None:
     global _nvml_calls
     _nvml_calls = threading.Lock()
 
 
-os.register_at_fork(before=lambda: _nvml_calls.acquire(),
-                    after_in_parent=lambda: _nvml_calls.release(),
-                    after_in_child=_new_lock_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,3 +160,16 @@ def test_a_fork_waits_for_an_nvml_call_under_way() -> None:
                          text=True, cwd=REPO, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["waited", "0"], out.stdout + out.stderr
+
+
+def test_a_fork_waits_for_a_hung_nvml_call_only_so_long() -> None:
+    # An NVML call that hangs with its GPU: the fork goes ahead after FORK_WAIT_SECONDS.
+    script = (FORK_DURING_NVML_INIT
+              .replace("time.sleep(0.5)", "time.sleep(2)")
+              .replace("reader = nvml.NvmlReader(fake)",
+                       "nvml.FORK_WAIT_SECONDS = 0.2\nreader = nvml.NvmlReader(fake)"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=REPO, timeout=30)
+    assert out.returncode == 0, out.stderr
+    # The child forked mid-call: NVML was not up in its copy (exit status 3), but it ran.
+    assert out.stdout.split() == ["forked", "mid-init", "3"], out.stdout + out.stderr
