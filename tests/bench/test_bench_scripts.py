@@ -267,3 +267,70 @@ def test_hotpath_ratios_compare_batches_of_the_same_round() -> None:
     assert got["geomean_ratio"]["allocwatch"] == pytest.approx(0.5)
     assert got["median_ns"]["pytorch"]["mix1000"] == pytest.approx(400)
     assert "pytorch" not in got["geomean_ratio"]
+
+
+SMALL_TRACE = REPO / "tests" / "data" / "traces" / "convnet_fixed__default.pickle.gz"
+
+
+def test_a_trace_program_frees_only_what_it_allocated(tmp_path: Path) -> None:
+    out = tmp_path / "program.txt"
+    done = subprocess.run([sys.executable, "bench/replay/trace_program.py", str(SMALL_TRACE),
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    header, *lines = out.read_text().splitlines()
+    magic, version, count, ids = header.split()
+    assert (magic, version, int(count)) == ("allocwatch-program", "1", len(lines))
+    live: set[int] = set()
+    allocated = 0
+    for line in lines:
+        kind, ident, *rest = line.split()
+        if kind == "a":
+            assert int(ident) not in live and len(rest) == 2
+            live.add(int(ident))
+            allocated += 1
+        else:
+            live.remove(int(ident))  # a free names a live allocation
+    trace = load_trace(SMALL_TRACE)
+    assert allocated == int(ids) == sum(e.action == "alloc" for e in trace.events)
+
+
+def test_trace_ops_times_each_setting_without_device_calls(tmp_path: Path) -> None:
+    # Built with a C++ compiler alone; the figures count only on an idle host.
+    out_file = tmp_path / "trace_ops.json"
+    done = subprocess.run(["bash", "bench/native/run_trace_ops.sh", str(SMALL_TRACE),
+                           "--rounds", "2", "--json", str(out_file), "defaults", "native"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out_file.read_text())
+    assert result["rounds"] == 2 and result["operations"] > 1000
+    by_setting = {r["setting"]: r for r in result["results"]}
+    assert list(by_setting) == ["defaults", "native"]
+    assert by_setting["defaults"]["ratio_to_first"] == 1.0
+    # The layout settled in the untimed passes: the timed ones call the device never.
+    assert all(r["timed_device_calls"] == 0 and r["median_ns_per_op"] > 0
+               for r in by_setting.values())
+
+
+@pytest.mark.parametrize("line, why", [("a 0 512", "bad operation 'a 0 512'"),
+                                       ("f 0", "bad operation 'f 0'"),
+                                       ("a 5 512 0", "bad operation 'a 5 512 0'")])
+def test_trace_ops_refuses_a_bad_program_naming_the_line(tmp_path: Path, line: str,
+                                                         why: str) -> None:
+    program = tmp_path / "program.txt"
+    program.write_text(f"allocwatch-program 1 1 1\n{line}\n")
+    subprocess.run(["bash", "bench/native/build.sh", str(REPO / "build" / "native"),
+                    "trace_ops"], cwd=REPO, capture_output=True, timeout=300, check=True)
+    done = subprocess.run([str(REPO / "build" / "native" / "trace_ops"), str(program),
+                           "defaults"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"{program}:2: {why}" in done.stderr
+
+
+def test_trace_program_refuses_a_corrupt_trace_and_writes_nothing(tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt.pickle.gz"
+    corrupt.write_bytes(b"\x1f\x8b not a gzip stream")
+    out = tmp_path / "program.txt"
+    done = subprocess.run([sys.executable, "bench/replay/trace_program.py", str(corrupt),
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith(f"trace_program: {corrupt}")
+    assert not out.exists()
