@@ -11,11 +11,13 @@ theirs, ours, ...), each on the same CPU core (--cores). A process warms up as t
 harness does (the workload's largest shapes, then --steps steps of a fixed seed), times
 --steps steps of that same seed again, with cuDNN's plans and the allocator's layout already
 made, and then profiles the same steps once more with torch.profiler (CPU activity only: the
-host's own time, which is what these host-bound steps wait on).
+host's own time, which is what these host-bound steps wait on), and once more with its device
+activity alone: the kernels' and copies' own time, which the host's pace does not move.
 
-Reported: per allocator the median step time and the allocations a step makes (the allocator's
-allocation.all.allocated count), and per operator the self CPU time summed over the profiled
-steps, averaged over the reps, with the ops whose time differs most between the two. Profiled
+Reported: per allocator the median step time, the allocations a step makes (the allocator's
+allocation.all.allocated count) and the device's time a step, and per operator the self CPU
+time summed over the profiled steps, averaged over the reps, with the ops whose time differs
+most between the two. Profiled
 runs are slower than plain ones and runs in separate processes differ by several percent, so
 read the differences beside those of --ours and --against the same allocator.
 
@@ -67,7 +69,26 @@ def child(model: str, steps: int, cores: str, self_check: bool) -> dict[str, Any
            for e in prof.key_averages()}
     allocated = after.get("allocation.all.allocated", 0) - before.get("allocation.all.allocated", 0)
     return {"step_s": [s for s, _ in plain], "enqueue_s": [q for _, q in plain],
-            "allocations_per_step": allocated / steps, "ops": ops}
+            "allocations_per_step": allocated / steps, "ops": ops,
+            "kernel_us_per_step": kernel_time(work, steps, torch) / steps}
+
+
+def kernel_time(work: Any, steps: int, torch: Any) -> float:
+    """The device's own time over `steps` steps of the warm-up's seed, in us: every kernel's
+    and copy's duration as the profiler's device activity records it, summed. Unlike a step's
+    wall time it does not move with the host's pace, so an allocator whose memory layout made
+    kernels slower (their pages, their addresses) would show here. 0 on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from allocator_ext import workloads
+
+    if work.device.type != "cuda":
+        return 0.0
+    work.reseed(WARMUP_SEED)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            workloads.timed_step(work, work.draw())
+    return float(sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages()))
 
 
 def run_child(allocator: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -132,8 +153,15 @@ def main() -> int:
                   f"{1e3 * statistics.median(result['step_s']):.2f} ms, "
                   f"{result['allocations_per_step']:.0f} allocations a step", flush=True)
     compared = compare(runs, *labels)
+    kernel = {label: statistics.mean(r["kernel_us_per_step"] for r in runs[label])
+              for label in labels}
+    compared["kernel_us_per_step"] = kernel
     print(f"self CPU time over {args.steps} profiled steps, {labels[0]} / {labels[1]}: "
           f"{compared['self_cpu_ratio']:.3f}")
+    if kernel[labels[1]]:
+        print(f"device time a step (kernels and copies), {labels[0]} / {labels[1]}: "
+              f"{kernel[labels[0]] / kernel[labels[1]]:.4f} ({kernel[labels[0]]:.0f} against "
+              f"{kernel[labels[1]]:.0f} us)")
     ops = compared["ops"]
     shown = ops if len(ops) <= 2 * SHOWN_OPS else ops[:SHOWN_OPS] + ops[-SHOWN_OPS:]
     for row in shown:
