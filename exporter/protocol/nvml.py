@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -27,6 +28,7 @@ log = logging.getLogger("exporter.nvml")
 FORK_WAIT_SECONDS = 5.0
 _nvml_calls = threading.Lock()
 _held_for_fork = False
+_readers: weakref.WeakSet[NvmlReader] = weakref.WeakSet()
 
 
 def _before_fork() -> None:
@@ -42,6 +44,8 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     global _nvml_calls
     _nvml_calls = threading.Lock()
+    for reader in list(_readers):  # a reader's lock, too, may have been held by another thread
+        reader._lock = threading.Lock()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
@@ -67,6 +71,7 @@ class NvmlReader:
         self._module = module
         self._cache_seconds = cache_seconds
         self._lock = threading.Lock()
+        _readers.add(self)
         self._cached: list[GpuMemory] = []
         self._cached_at = -1e18
         self.available = False

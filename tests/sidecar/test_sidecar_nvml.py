@@ -173,3 +173,49 @@ def test_a_fork_waits_for_a_hung_nvml_call_only_so_long() -> None:
     assert out.returncode == 0, out.stderr
     # The child forked mid-call: NVML was not up in its copy (exit status 3), but it ran.
     assert out.stdout.split() == ["forked", "mid-init", "3"], out.stdout + out.stderr
+
+
+# The fork comes while another thread's read hangs inside NVML, past FORK_WAIT_SECONDS: the
+# child's own reads must not wait for the reader's lock, which that thread held at the fork.
+FORK_DURING_A_HUNG_READ = """
+import os, signal, sys, threading, time
+sys.path.insert(0, "tests")
+from support.fake_nvml import FakePynvml
+from exporter.protocol import nvml
+
+class HungRead(FakePynvml):
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        if threading.current_thread().name == "hung-reader":
+            self.entered.set()
+            time.sleep(3)
+        return super().nvmlDeviceGetMemoryInfo(handle)
+
+fake = HungRead([("GPU-1", 1 << 30, 0, {})])
+fake.entered = threading.Event()
+nvml.FORK_WAIT_SECONDS = 0.2
+reader = nvml.NvmlReader(fake, cache_seconds=0)
+reader.start()
+threading.Thread(target=reader.read, name="hung-reader", daemon=True).start()
+fake.entered.wait()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if reader.read() else 3)
+deadline = time.monotonic() + 2
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.02)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print("child hung")
+"""
+
+
+def test_a_child_forked_during_a_hung_read_reads_on_its_own() -> None:
+    out = subprocess.run([sys.executable, "-c", FORK_DURING_A_HUNG_READ], capture_output=True,
+                         text=True, cwd=REPO, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["child", "0"], out.stdout + out.stderr
