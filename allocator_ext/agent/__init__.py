@@ -158,8 +158,8 @@ def start_agent(
     if cuda_device is None:
         env_device = os.environ.get("ALLOCWATCH_CUDA_DEVICE")
         cuda_device = int(env_device) if env_device else (devices[0] if devices else -1)
-    started = reader if reader is not None and reader.started else None
-    uuid = device_uuid(resolved, started, cuda_device) if cuda_device >= 0 else ""
+    uuid = (device_uuid(resolved, reader if connect_at_start else None, cuda_device)
+            if cuda_device >= 0 else "")
     torch_version, cuda_version = resolved.versions()
     ident = build_identity(backend=resolved.backend, cuda_device=cuda_device, gpu_uuid=uuid,
                            torch_version=torch_version, cuda_version=cuda_version,

@@ -166,7 +166,6 @@ class Agent:
         next_at = time.monotonic()
         while not self._stopping.is_set():
             if self.in_use.is_set() or self._note_first_use():
-                self.start_nvml()
                 self.sample_once()
                 self._warn_if_never_connected()
             next_at += self.interval

@@ -16,7 +16,6 @@ since the previous call, without resetting the process's own peaks; and
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 from collections.abc import Mapping
@@ -230,8 +229,8 @@ class TorchSource:
         """The memory fraction in force and the device total it is a fraction of, which
         PyTorch's snapshot does not keep and a replay needs for an out-of-memory error to
         recur (allocator_ext.replay.cap); None for what this torch cannot say. PyTorch reports
-        1.0 where no fraction is set; the fraction is nudged up to the least double that gives
-        back PyTorch's limit to the byte, as a replay computes it."""
+        1.0 where no fraction is set, else its limit over the total; the fraction kept gives
+        that limit back to the byte, as a replay computes it."""
         cuda = self._torch.cuda
         limits: dict[str, Any] = {"memory_fraction": None, "device_total_bytes": None}
         try:
@@ -245,10 +244,9 @@ class TorchSource:
         except Exception:
             return limits
         if 0 < fraction < 1:
-            limit = round(fraction * total)
-            while int(fraction * total) < limit:
-                fraction = math.nextafter(fraction, 1.0)
-            limits["memory_fraction"] = fraction
+            from allocator_ext._core import fraction_for_limit
+
+            limits["memory_fraction"] = fraction_for_limit(round(fraction * total), total)
         return limits
 
     def record_history(self, device: int, enabled: bool, max_entries: int) -> None:

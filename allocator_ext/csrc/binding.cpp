@@ -114,11 +114,19 @@ std::uint32_t action_bits(const std::vector<std::string>& names) {
   return bits;
 }
 
+// The fraction of `total` that set_memory_fraction (and PyTorch's) turns back into `limit` to
+// the byte: their product truncated. The quotient can fall a byte short, so it is nudged up.
+double fraction_for_limit(std::size_t limit, std::size_t total) {
+  const double t = static_cast<double>(total);
+  double f = static_cast<double>(limit) / t;
+  while (static_cast<std::size_t>(f * t) < limit) f = std::nextafter(f, 1.0);
+  return f;
+}
+
 // The memory fraction in force (None: none, or one at least the device) and the device's total
 // (None: unknown), under the key allocwatch's recorders keep them (allocator_ext.replay.trace,
 // RECORDING_KEY): PyTorch's snapshot keeps neither, and an out-of-memory error recorded under a
-// fraction recurs in a replay only under the same cap. The fraction is the least double that
-// gives back the limit to the byte, as set_memory_fraction computes it.
+// fraction recurs in a replay only under the same cap.
 py::dict recorded_limits(CachingAllocator& a) {
   std::size_t total = 0;
   try {
@@ -128,14 +136,9 @@ py::dict recorded_limits(CachingAllocator& a) {
   const std::size_t limit = a.memory_limit();
   py::dict recording;
   recording["device_total_bytes"] = total > 0 ? py::object(py::int_(total)) : py::none();
-  py::object fraction = py::none();
-  if (limit > 0 && limit < total) {
-    const double t = static_cast<double>(total);
-    double f = static_cast<double>(limit) / t;
-    while (static_cast<std::size_t>(f * t) < limit) f = std::nextafter(f, 1.0);
-    fraction = py::float_(f);
-  }
-  recording["memory_fraction"] = fraction;
+  recording["memory_fraction"] =
+      limit > 0 && limit < total ? py::object(py::float_(fraction_for_limit(limit, total)))
+                                 : py::none();
   return recording;
 }
 
@@ -230,6 +233,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("size"),
         "The size PyTorch's default settings round a request of `size` bytes to: a multiple "
         "of 512 B, at least 512 B.");
+  m.def("fraction_for_limit", &fraction_for_limit, py::arg("limit"), py::arg("total"),
+        "The memory fraction of a device of `total` bytes that caps reserved memory at `limit` "
+        "bytes to the byte, as set_memory_fraction and PyTorch compute the cap (truncated).");
   m.def("segment_size_for", &segment_size_for, py::arg("size"),
         "The size of the segment (device allocation) made for a rounded request of `size` "
         "bytes: 2 MiB up to 1 MiB, 20 MiB below 10 MiB, else the request rounded up to 2 MiB.");

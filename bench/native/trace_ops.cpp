@@ -157,8 +157,7 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) {
       rounds = std::atoi(argv[++i]);
     } else if (argv[i][0] == '-') {
-      program = nullptr;
-      settings.clear();
+      program = nullptr;  // an option it does not know: the usage below
       break;
     } else if (program == nullptr) {
       program = argv[i];
