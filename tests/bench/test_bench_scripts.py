@@ -217,6 +217,23 @@ def test_host_profile_compares_the_same_steps_op_by_op(tmp_path: Path) -> None:
     assert [row["difference_us"] for row in result["ops"]] == sorted(
         row["difference_us"] for row in result["ops"])
     assert "self CPU time over 2 profiled steps" in out.stdout
+    # Without --fresh the timed steps are the warm-up's own again.
+    assert all(run["timed_shapes"] == run["warmup_shapes"]
+               for label in (ours, theirs) for run in result["runs"][label])
+
+
+def test_host_profile_fresh_times_shapes_the_warm_up_never_drew(tmp_path: Path) -> None:
+    out_json = tmp_path / "profile.json"
+    out = subprocess.run([sys.executable, "bench/gpu/host_profile.py", "--self-check", "--fresh",
+                          "--reps", "1", "--steps", "3", "--json", str(out_json)], cwd=REPO,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out_json.read_text())
+    runs = [run for label in result["labels"] for run in result["runs"][label]]
+    assert len(runs) == 2
+    assert runs[0]["timed_shapes"] == runs[1]["timed_shapes"]  # the same in every process
+    assert all(run["timed_shapes"] != run["warmup_shapes"] for run in runs)
+    assert all(run["mem_get_info_us"] == 0 and run["kernels"] == {} for run in runs)  # no CUDA
 
 
 def test_host_profile_refuses_zero_steps() -> None:
