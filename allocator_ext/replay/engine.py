@@ -118,6 +118,7 @@ def replay(
     # About as many points as one pass has steps, however many passes are drawn.
     recorder = tl.recorder(replayer, steps_per_point=passes) if timeline else None
     n = len(trace.events)
+    looped = passes > 1  # every pass then gets a row, and the report a long-run verdict
     rows: list[dict[str, Any]] = []
     report: dict[str, Any] = {}
     for done in range(passes):
@@ -125,16 +126,16 @@ def replay(
             if progress is not None:
                 progress(done * n + events)
 
-        before = replayer.allocator.stats() if passes > 1 else {}
+        before = replayer.allocator.stats() if looped else {}
         result = replayer.run_pass(progress=pass_progress, after_step=recorder)
         if done == 0:
             # The first pass is the recorded run's own: its report before anything is freed.
             report = replayer.report(costs)
-        if passes > 1:
+        if looped:
             rows.append(_pass_row(done + 1, replayer, before, result, costs))
         if done + 1 < passes:
             replayer.release_held()
-    if passes > 1:
+    if looped:
         report["passes"] = rows
         report["long_run"] = _long_run(rows, report)
     return ReplayResult(report, tl)
