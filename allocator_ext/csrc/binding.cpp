@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cmath>
 #include <memory>
 
@@ -341,6 +342,17 @@ PYBIND11_MODULE(_core, m) {
            py::arg("ptr"), "The rounded size of the allocated block at `ptr`; 0 if none.")
       .def("largest_free_block", &CachingAllocator::largest_free_block,
            "The largest cached free block of the large pool (PyTorch's cacheInfo), 0 if none.")
+      .def(
+          "workspace_room",
+          [](CachingAllocator& a, double fresh_for_s) {
+            return a.workspace_room(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::duration<double>(fresh_for_s)));
+          },
+          py::arg("fresh_for_s"),
+          "The most a new block could get (PyTorch's cacheInfo with no guess, which cuDNN asks "
+          "for each convolution it plans): the device's free memory, asked at most every "
+          "`fresh_for_s` seconds and adjusted by this allocator's reserved bytes in between, or "
+          "the largest cached free block if larger.")
       .def("empty_cache", &CachingAllocator::empty_cache,
            "Release every cached block that is not split; returns the bytes released.")
       .def("garbage_collect", &CachingAllocator::garbage_collect,

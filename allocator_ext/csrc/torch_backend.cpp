@@ -3,6 +3,7 @@
 // every error becomes a Failure.
 #include "torch_backend.h"
 
+#include <chrono>
 #include <exception>
 #include <stdexcept>
 
@@ -113,6 +114,13 @@ class CoreTorchBackend final : public TorchBackend {
   std::size_t largest_free_block(int device) override {
     auto a = existing(device);
     return a ? a->largest_free_block() : 0;
+  }
+
+  bool workspace_room(int device, std::int64_t fresh_for_ns, std::size_t* room) override {
+    auto a = existing(device);
+    if (!a) return false;
+    *room = a->workspace_room(std::chrono::nanoseconds(fresh_for_ns));
+    return true;
   }
 
   SegmentSpan segment_of(const void* ptr) override {

@@ -99,6 +99,9 @@ class TorchBackend {
   virtual void empty_cache(MempoolId pool, const ContextHandle& context, Failure* failure) = 0;
   virtual void set_memory_fraction(int device, double fraction, Failure* failure) = 0;
   virtual std::size_t largest_free_block(int device) = 0;
+  // CachingAllocator::workspace_room; false (and `room` untouched) when the device has no
+  // allocator yet.
+  virtual bool workspace_room(int device, std::int64_t fresh_for_ns, std::size_t* room) = 0;
   // The allocation of an allocated block at `ptr`, on whichever device has it (size 0: none).
   virtual SegmentSpan segment_of(const void* ptr) = 0;
   // The device and size of the allocated block at `ptr` (device -1: none), for the profiler.

@@ -455,7 +455,15 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
 
   // cuDNN's benchmark mode sizes its workspace with this. As PyTorch's: a zero guess starts
   // from the device's free memory, then the largest cached block raises it.
+  // With no guess given (*largestBlock == 0), "how much could a workspace get?": cuDNN asks
+  // for every convolution it plans. PyTorch answers with a driver call each time; allocwatch's
+  // core asks the driver at most every kDeviceFreeFreshFor and counts its own mapping in
+  // between (CachingAllocator::workspace_room).
   void cacheInfo(c10::DeviceIndex device, std::size_t* largestBlock) override {
+    if (*largestBlock == 0 &&
+        g_core->workspace_room(device, kDeviceFreeFreshFor.count(), largestBlock)) {
+      return;
+    }
     if (*largestBlock == 0) {
       c10::cuda::CUDAGuard guard(device);
       std::size_t total = 0;
@@ -876,6 +884,9 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   }
 
  private:
+  // How old an answer from the driver cacheInfo may give: one driver call in a step rather than
+  // one per convolution planned; other processes' use of the device shows within it.
+  static constexpr std::chrono::nanoseconds kDeviceFreeFreshFor = std::chrono::milliseconds(100);
   static constexpr char kCudaMallocHandle = 'c';
   static constexpr char kExpandableHandle = 'e';
   // An expandable block's handle: 'e', the sender's pid, a serial (file descriptor numbers are

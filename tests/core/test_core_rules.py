@@ -407,6 +407,35 @@ def test_largest_free_block_is_what_cudnn_may_use_for_its_workspace() -> None:
     assert a.largest_free_block() == 0
 
 
+def test_workspace_room_is_the_device_free_memory_or_the_largest_cached_block() -> None:
+    # PyTorch's cacheInfo given no guess: cuDNN sizes its workspace by it for every
+    # convolution it plans. Asked afresh every time (fresh_for 0) it is the device's answer.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, "native")
+    assert a.workspace_room(0.0) == GiB
+    big = a.malloc(300 * MiB)
+    assert a.workspace_room(0.0) == GiB - 300 * MiB
+    a.free(big)                                        # cached: the device has 724 MiB free,
+    dev.capacity = 400 * MiB                           # less now than the cached block
+    assert a.workspace_room(0.0) == 300 * MiB
+
+
+def test_workspace_room_asks_the_device_at_most_once_in_its_freshness_window() -> None:
+    # Within the window the device's last answer stands, less what this allocator reserved
+    # since and plus what it released; a change made by another process shows only once the
+    # window has passed.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, "native")
+    assert a.workspace_room(3600.0) == GiB             # asks the device
+    dev.capacity = 2 * GiB                             # another process freed memory
+    p = a.malloc(200 * MiB)                            # this process reserves 200 MiB
+    assert a.workspace_room(3600.0) == GiB - 200 * MiB
+    a.free(p)
+    a.empty_cache()                                    # ... and releases it
+    assert a.workspace_room(3600.0) == GiB
+    assert a.workspace_room(0.0) == 2 * GiB            # a fresh answer sees the other change
+
+
 def test_growth_takes_back_wholly_free_pages_before_asking_the_device() -> None:
     # allocwatch's defaults: the small pool grows into pages the large pool no longer uses.
     dev = ae.SimDevice(capacity=GiB)

@@ -6,6 +6,7 @@
 // fragment less. Every public method takes the allocator's lock; private ones assume it.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -106,6 +107,12 @@ class CachingAllocator {
   // The largest cached free block of the large pool (what cuDNN's benchmark mode asks, through
   // PyTorch's cacheInfo, to size its workspace); 0 when none.
   std::size_t largest_free_block() const;
+  // The most a new block could get, as PyTorch's cacheInfo answers when given no guess (cuDNN
+  // asks for every convolution it plans, to choose algorithms whose workspace fits): the
+  // larger of the device's free memory and largest_free_block(). The device is asked at most
+  // once every `fresh_for`; in between its answer is adjusted by what this allocator has
+  // reserved or released since, the only change to the device that this process makes.
+  std::size_t workspace_room(std::chrono::nanoseconds fresh_for);
 
   // --- reclaiming ---
   // Both release nothing (and return 0) while a CUDA graph is being captured anywhere in the
@@ -297,6 +304,14 @@ class CachingAllocator {
   std::map<StreamId, std::deque<std::pair<EventId, Block*>>> events_;
 
   std::size_t total_allocated_memory_ = 0;  // reserved bytes, as the fraction check sees them
+  // workspace_room's last answer from the device: its free memory, when, and this allocator's
+  // reserved bytes then.
+  struct DeviceFreeAsked {
+    bool known = false;
+    std::chrono::steady_clock::time_point at;
+    std::size_t free = 0;
+    std::int64_t reserved = 0;
+  } device_free_asked_;
   // The most reserved since the start or the last explicit reclaim (empty_cache, an operator's
   // garbage_collect): below it, expandable segments grow with new pages rather than moving
   // free ones (expandable.cpp, Note [page policy]).
