@@ -23,6 +23,9 @@
 #   convnetlockstep  bench/gpu/step_lockstep.py --model convnet, 8 rounds of 12 steps, uncapped
 #                then at 1.03 x, against expandable segments (about 3 minutes): the suite's
 #                convnet alone
+#   convnetprofile  bench/gpu/host_profile.py --fresh --model convnet: where the convnet's host time
+#                goes on fresh shapes, allocwatch against expandable segments and then expandable
+#                against itself (per op, per kernel, and one cudaMemGetInfo's cost; about 4 minutes)
 #   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
 #                expandable segments, both capped at 1.03 x the workload's peak requested bytes
 #   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
@@ -100,6 +103,13 @@ run_part() {
         --rounds 8 --steps 12 --json "$OUT/lockstep_convnet.json"
       part "convnet lockstep at 1.03x" "$PYTHON" bench/gpu/step_lockstep.py --model convnet \
         --rounds 8 --steps 12 --fraction-of-peak 1.03 --json "$OUT/lockstep_convnet_cap103.json" ;;
+    convnetprofile)
+      part "convnet host profile, fresh shapes" "$PYTHON" bench/gpu/host_profile.py --model convnet \
+        --ours allocwatch --against expandable --reps 2 --steps 12 --fresh \
+        --json "$OUT/host_profile_convnet_fresh.json"
+      part "convnet host profile, fresh shapes, expandable against itself" "$PYTHON" \
+        bench/gpu/host_profile.py --model convnet --ours expandable --against expandable --reps 2 \
+        --steps 12 --fresh --json "$OUT/host_profile_convnet_fresh_aa.json" ;;
     caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
         --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     probes)  # never a binary left from an earlier call: the run needs this build
