@@ -46,7 +46,8 @@ def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_pa
                                     "gpu/policy_under_cap.py", "sidecar/agent_cpu_cost.py",
                                     "gpu/step_lockstep.py", "replay/steady_state.py",
                                     "gpu/long_run.py", "gpu/distributed_train.py",
-                                    "gpu/host_profile.py", "replay/growth_timeline.py"])
+                                    "gpu/host_profile.py", "replay/growth_timeline.py",
+                                    "gpu/lockstep_pool.py"])
 def test_bench_scripts_explain_themselves(script: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
@@ -234,6 +235,46 @@ def test_host_profile_fresh_times_shapes_the_warm_up_never_drew(tmp_path: Path) 
     assert runs[0]["timed_shapes"] == runs[1]["timed_shapes"]  # the same in every process
     assert all(run["timed_shapes"] != run["warmup_shapes"] for run in runs)
     assert all(run["mem_get_info_us"] == 0 and run["kernels"] == {} for run in runs)  # no CUDA
+
+
+def pool_lockstep(*args: str | Path) -> subprocess.CompletedProcess:
+    """bench/gpu/lockstep_pool.py run where the raw lockstep results are kept."""
+    command = [sys.executable, str(REPO / "bench/gpu/lockstep_pool.py"), *map(str, args)]
+    return subprocess.run(command, cwd=REPO / "docs/results", capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_lockstep_pool_reproduces_the_documented_convnet_verdicts_from_the_raw_runs(
+        tmp_path: Path) -> None:
+    # docs/benchmarks.md ("Fresh shapes", H100): six uncapped runs pooled give 1.009 over 1,056
+    # steps, four capped ones 1.004 over 768; two of the runs timed expandable's process first
+    # and count inverted.
+    out_json = tmp_path / "pooled.json"
+    runs = [f"lockstep_h100_convnet_{name}.json" for name in (
+        "8r", "24r_allocwatch_first", "24r_expandable_first", "12r_defaults_a", "12r_defaults_b",
+        "cap103_8r", "cap103_24r_allocwatch_first", "cap103_24r_expandable_first")]
+    out = pool_lockstep(*runs, "lockstep_h100_suite_convnet.json", "--json", out_json)
+    assert out.returncode == 0, out.stderr
+    uncapped, capped = json.loads(out_json.read_text())["groups"]
+    assert (uncapped["fraction_of_peak"], uncapped["steps"], len(uncapped["runs"])) == (0, 1056, 6)
+    assert round(uncapped["median_step_ratio"], 3) == 1.009 and not uncapped["meets_bar"]
+    assert (capped["fraction_of_peak"], capped["steps"], len(capped["runs"])) == (1.03, 768, 4)
+    assert round(capped["median_step_ratio"], 3) == 1.004 and capped["meets_bar"]
+    inverted = next(r for r in uncapped["runs"] if "expandable_first" in r["file"])
+    assert round(inverted["median_step_ratio"], 3) == 1.005  # 0.995 as recorded, inverted
+    assert "misses the bar" in out.stdout and "meets the bar" in out.stdout
+
+
+def test_lockstep_pool_refuses_a_run_that_did_not_time_the_judged_allocator(
+        tmp_path: Path) -> None:
+    out = pool_lockstep("lockstep_h100_convnet_8r.json",
+                        "lockstep_h100_convnet_16r_aa_expandable.json")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "16r_aa_expandable.json: times expandable against expandable" in out.stderr
+    corrupt = tmp_path / "cut.json"
+    corrupt.write_text('{"ours": "allocwatch", "phases": [')
+    out = pool_lockstep(corrupt)
+    assert out.returncode == 2 and "cut.json: not a step_lockstep.py result" in out.stderr
 
 
 def test_host_profile_refuses_zero_steps() -> None:
