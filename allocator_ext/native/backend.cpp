@@ -453,12 +453,11 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   void enable(bool value) override { enabled_.store(value); }
   bool isEnabled() const override { return enabled_.load(); }
 
-  // cuDNN's benchmark mode sizes its workspace with this. As PyTorch's: a zero guess starts
-  // from the device's free memory, then the largest cached block raises it.
-  // With no guess given (*largestBlock == 0), "how much could a workspace get?": cuDNN asks
-  // for every convolution it plans. PyTorch answers with a driver call each time; allocwatch's
-  // core asks the driver at most every kDeviceFreeFreshFor and counts its own mapping in
-  // between (CachingAllocator::workspace_room).
+  // cuDNN sizes its workspaces with this, for every convolution it plans. As PyTorch's: a zero
+  // guess starts from the device's free memory, then the largest cached block raises it. PyTorch
+  // asks the driver for the free memory every time; allocwatch's core at most every
+  // kDeviceFreeFreshFor, counting its own mapping in between (CachingAllocator::workspace_room).
+  // Before the device has an allocator, the driver is asked.
   void cacheInfo(c10::DeviceIndex device, std::size_t* largestBlock) override {
     if (*largestBlock == 0 &&
         g_core->workspace_room(device, kDeviceFreeFreshFor.count(), largestBlock)) {

@@ -492,6 +492,10 @@ std::size_t CachingAllocator::block_size(void* ptr) const {
 
 std::size_t CachingAllocator::largest_free_block() const {
   std::lock_guard<std::mutex> lock(mutex_);
+  return largest_free_block_locked();
+}
+
+std::size_t CachingAllocator::largest_free_block_locked() const {
   std::size_t largest = 0;
   for (const Block* b : large_blocks_.blocks) largest = std::max(largest, b->size);
   return largest;
@@ -512,9 +516,8 @@ std::size_t CachingAllocator::workspace_room(std::chrono::nanoseconds fresh_for)
     asked = DeviceFreeAsked{true, now, device_->memory_info().free, reserved};
   }
   const std::int64_t free_now = static_cast<std::int64_t>(asked.free) - (reserved - asked.reserved);
-  std::size_t largest = free_now > 0 ? static_cast<std::size_t>(free_now) : 0;
-  for (const Block* b : large_blocks_.blocks) largest = std::max(largest, b->size);
-  return largest;
+  return std::max(free_now > 0 ? static_cast<std::size_t>(free_now) : 0,
+                  largest_free_block_locked());
 }
 
 OutOfMemoryReport CachingAllocator::out_of_memory(const AllocParams& p) {

@@ -205,6 +205,7 @@ class CachingAllocator {
 
   BlockPool& get_pool(std::size_t size, StreamId stream);
   bool get_free_block(AllocParams& p);
+  std::size_t largest_free_block_locked() const;
   bool alloc_block(AllocParams& p, bool is_retry);
   Block* alloc_found_block(AllocParams& p, bool split_remainder);
   bool should_split(const Block* block, std::size_t size) const;
