@@ -37,9 +37,12 @@ def content_tree(repo: Path = REPO) -> str | None:
         return None
     with tempfile.TemporaryDirectory() as scratch:
         index = Path(scratch) / "index"
-        # Starting from the checkout's index lets git skip rehashing unchanged files.
+        # Starting from the checkout's index lets git skip rehashing unchanged files. The copy
+        # keeps the index's own modification time: git rehashes a file whose stat data matches
+        # its entry but which changed within the second the index was written ("racy git"),
+        # which a copy dated now would hide.
         if (Path(git_dir) / "index").exists():
-            shutil.copyfile(Path(git_dir) / "index", index)
+            shutil.copy2(Path(git_dir) / "index", index)
         env = {**os.environ, "GIT_INDEX_FILE": str(index)}
         if _git(repo, "add", "-A", ".", env=env) is None:
             return None

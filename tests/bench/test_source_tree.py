@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,20 @@ def test_changed_files_are_named_by_their_tree_which_a_later_commit_matches(
     git(checkout, "add", "-A")
     git(checkout, "commit", "-q", "-m", "second")
     assert git(checkout, "rev-parse", "HEAD^{tree}")[:7] == info["tree"]
+
+
+def test_a_change_made_within_the_second_of_the_commit_counts(tmp_path: Path) -> None:
+    # The same size, the same second (stat data as in the index), seen a second later: git
+    # must still rehash the file, which it does only while the index it starts from keeps its
+    # own modification time.
+    time.sleep(1.02 - time.time() % 1)  # just after a second starts
+    git(tmp_path, "init", "-q")
+    (tmp_path / "core.cpp").write_text("int x = 1;\n")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-q", "-m", "first")
+    (tmp_path / "core.cpp").write_text("int x = 2;\n")
+    time.sleep(1.02 - time.time() % 1)  # the next second
+    assert source_tree.describe(tmp_path)["changed"] is True
 
 
 def test_ignored_files_do_not_count_as_changes(checkout: Path) -> None:
