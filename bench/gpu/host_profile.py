@@ -105,7 +105,7 @@ def mem_get_info_us(torch: Any, device: Any) -> float:
 
 
 def device_time(work: Any, steps: int, seed: int) -> dict[str, dict[str, float]]:
-    """The device's own time over `steps` steps of the warm-up's seed, per kernel or copy (its
+    """The device's own time over `steps` steps of `seed`'s shapes, per kernel or copy (its
     count and its duration in us, as the profiler's device activity records it). Unlike a
     step's wall time it does not move with the host's pace, so an allocator whose memory
     layout made kernels slower (their pages, their addresses) shows in the durations, and one
@@ -144,10 +144,16 @@ def run_child(allocator: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def mean_over_reps(runs: list[dict[str, Any]], table: str, key: str, field: str) -> float:
+    """The mean over one allocator's processes of `field` of `key` in their `table` ("ops" or
+    "kernels"); 0 in a process where `key` did not occur."""
+    return statistics.mean(r[table].get(key, {}).get(field, 0.0) for r in runs)
+
+
 def compare(runs: dict[str, list[dict[str, Any]]], ours: str, against: str) -> dict[str, Any]:
     """Per op the mean over reps of its self CPU time under each allocator; their totals."""
     def mean_us(name: str, op: str) -> float:
-        return statistics.mean(r["ops"].get(op, {}).get("self_cpu_us", 0.0) for r in runs[name])
+        return mean_over_reps(runs[name], "ops", op, "self_cpu_us")
 
     names = sorted({op for r in runs[ours] + runs[against] for op in r["ops"]})
     rows = [{"op": op, "ours_us": mean_us(ours, op), "against_us": mean_us(against, op),
@@ -166,7 +172,7 @@ def compare_kernels(runs: dict[str, list[dict[str, Any]]], ours: str,
     """Per kernel the mean over reps of its device time under each allocator, largest
     difference first: a kernel run under one allocator only is an algorithm chosen there."""
     def mean(name: str, kernel: str, field: str) -> float:
-        return statistics.mean(r["kernels"].get(kernel, {}).get(field, 0.0) for r in runs[name])
+        return mean_over_reps(runs[name], "kernels", kernel, field)
 
     names = {k for r in runs[ours] + runs[against] for k in r["kernels"]}
     rows = [{"kernel": k, "ours_us": mean(ours, k, "device_us"),
@@ -218,14 +224,12 @@ def main() -> int:
               for label in labels}
     compared["kernel_us_per_step"] = kernel
     compared["kernels"] = compare_kernels(runs, *labels)
-    if kernel[labels[1]]:
-        calls = {label: statistics.mean(r["mem_get_info_us"] for r in runs[label])
-                 for label in labels}
-        compared["mem_get_info_us"] = calls
-        print(f"one cudaMemGetInfo: {calls[labels[0]]:.1f} us against {calls[labels[1]]:.1f} us")
+    calls = {label: statistics.mean(r["mem_get_info_us"] for r in runs[label]) for label in labels}
+    compared["mem_get_info_us"] = calls
     print(f"self CPU time over {args.steps} profiled steps, {labels[0]} / {labels[1]}: "
           f"{compared['self_cpu_ratio']:.3f}")
-    if kernel[labels[1]]:
+    if kernel[labels[1]]:  # on a GPU
+        print(f"one cudaMemGetInfo: {calls[labels[0]]:.1f} us against {calls[labels[1]]:.1f} us")
         print(f"device time a step (kernels and copies), {labels[0]} / {labels[1]}: "
               f"{kernel[labels[0]] / kernel[labels[1]]:.4f} ({kernel[labels[0]]:.0f} against "
               f"{kernel[labels[1]]:.0f} us)")

@@ -65,7 +65,7 @@ def pool(paths: list[Path], judged: str) -> list[dict[str, Any]]:
             group["ratios"].extend(ratios)
     rows = []
     for key in sorted(groups):
-        group = groups.pop(key)
+        group = dict(groups[key])
         ratios = group.pop("ratios")
         median = statistics.median(ratios)
         rows.append({**group, "steps": len(ratios), "median_step_ratio": median,
