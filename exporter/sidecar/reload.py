@@ -7,6 +7,13 @@ mtime and size of the file it resolves to) and hashes its content; the content h
 swapped symlink, an in-place edit and a same-second rewrite are all seen, and a file rewritten
 with the same content is not a change.
 
+New content must read the same on two polls in a row before it counts. A file rewritten in place
+(`cat > file`, an editor that truncates, `kubectl cp`) is empty or cut short for a moment, and an
+empty document is valid (all defaults): read at that moment, it would drop every policy rule and
+then be replaced again a poll later. A change therefore takes effect one to two intervals after it
+is written. The kubelet's symlink swap is atomic and needs no settling, but the rule costs it only
+one interval.
+
 The file is read, hashed and parsed on a worker thread; only installing new settings runs on the
 event loop. An invalid file is refused, logged once per distinct content, counted
 (allocwatch_config_reloads_total{result="invalid"}), and the settings in force stay.
@@ -68,6 +75,7 @@ class ConfigWatcher:
         self.current_hash: str | None = None
         self.signature: tuple[int, int, int, int] | None = None
         self._refused_hash: str | None = None
+        self._unsettled_hash: str | None = None  # new content seen once, not yet twice
         self._unreadable = False
         self.last_successful = True
         self._lock = threading.Lock()
@@ -97,15 +105,22 @@ class ConfigWatcher:
             return err
 
     def poll(self, data: bytes | OSError | None = None) -> Change | None:
-        """Read (unless given), hash and parse; None when nothing changed."""
+        """Read (unless given), hash and parse; None when nothing changed, or when new content
+        has not yet read the same twice in a row."""
         if data is None:
             data = self._read()
         if isinstance(data, OSError):
+            self._unsettled_hash = None
             return None if self._unreadable else Change(unreadable=data)
         digest = content_hash(data)
         if digest in (self.current_hash, self._refused_hash):
             self._unreadable = False
+            self._unsettled_hash = None
             return None
+        if digest != self._unsettled_hash:  # perhaps a write in progress: wait a poll
+            self._unsettled_hash = digest
+            return None
+        self._unsettled_hash = None
         if len(data) > MAX_FILE_BYTES:
             return Change(digest, refusal=f"the file is larger than {MAX_FILE_BYTES} bytes")
         try:
@@ -142,7 +157,8 @@ class ConfigWatcher:
 
     def check(self, data: bytes | OSError | None = None) -> str | None:
         """One poll, inline: the result label when something happened, None when nothing
-        changed."""
+        changed (or the content is new this poll: it counts when the next one reads it
+        again)."""
         change = self.poll(data)
         return self.settle(change) if change is not None else None
 

@@ -1,6 +1,6 @@
 """Hot reload of the sidecar's YAML: a valid new file takes effect without a restart (rules,
 initial settings, expiry), an invalid one is refused, logged and counted while the old settings
-stay, and a ConfigMap-style symlink swap is seen."""
+stay, a file caught mid-write is never applied, and a ConfigMap-style symlink swap is seen."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from support.sidecar import FakeSource
 from support.waiting import wait_for
 
 from exporter.sidecar.app import SidecarThread
-from exporter.sidecar.config import load_config
+from exporter.sidecar.config import SidecarConfig, load_config
+from exporter.sidecar.reload import ConfigWatcher
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 
@@ -92,6 +93,26 @@ def test_valid_file_takes_effect_invalid_is_refused(tmp_path: Path,
     finally:
         agent.stop()
         running.stop()
+
+
+def test_a_file_caught_mid_write_is_never_applied(tmp_path: Path) -> None:
+    """`cat > file` truncates first: a poll can read the file empty (a valid document, all
+    defaults, no rules) or cut short. Only content that reads the same on two polls in a row
+    counts, so neither the moment's emptiness nor a half-written rule is applied or refused."""
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text(settings_text(tmp_path, STUCK_RULE))
+    applied: list[SidecarConfig] = []
+    watcher = ConfigWatcher(path, apply=lambda config: applied.append(config) or [])
+    full = settings_text(tmp_path, STUCK_RULE, expiry=5).encode()
+    cut = full[:full.index(b"rules:") + len(b"rules:")]  # policy with its rules not yet written
+    for reading in (b"", cut, full):  # each read once: a write in progress
+        assert watcher.check(reading) is None
+    assert (applied, watcher.counts()) == ([], ([], True))
+    assert watcher.check(full) == "ok"  # the same content twice: settled
+    (config,) = applied
+    assert [r.name for r in config.policy.rules] == ["stuck"]
+    assert config.agents.expiry_seconds == 5.0
+    assert watcher.check(full) is None  # and applied once
 
 
 def test_fields_that_need_a_restart_keep_their_value(tmp_path: Path) -> None:

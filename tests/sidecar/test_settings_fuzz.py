@@ -112,6 +112,7 @@ def test_a_refused_file_changes_nothing_on_reload(tmp_path: Path, data: bytes) -
     applied: list[SidecarConfig] = []
     watcher = ConfigWatcher(path, apply=lambda config: applied.append(config) or [])
     before = watcher.current_hash
+    assert watcher.check(data) is None  # new content counts once it reads the same twice
     result = watcher.check(data)
     outcome = _outcome(data)
     if isinstance(outcome, ConfigError):
