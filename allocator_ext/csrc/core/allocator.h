@@ -200,7 +200,7 @@ class CachingAllocator {
     // Where get_free_block found `block` in the pool: it stays cached until
     // alloc_found_block decides whether it can keep its place there.
     bool cached = false;
-    BlockPool::FreeSet::iterator cached_at;
+    BlockPool::FreeSet::iterator cached_at{};
   };
 
   BlockPool& get_pool(std::size_t size, StreamId stream);
