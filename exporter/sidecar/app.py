@@ -63,7 +63,7 @@ class Sidecar:
         self.watcher: ConfigWatcher | None = None
         if config_path is not None and config.reload.enabled:
             self.watcher = ConfigWatcher(config_path, self.apply_config,
-                                         config.reload.interval_seconds)
+                                         config.reload.interval_seconds, in_force=config)
         # One collector per source; the admin API's joins them once it listens.
         self.metrics_registry = CollectorRegistry(auto_describe=False)
         for collector in (AllocatorCollector(self.registry), GpuCollector(self.registry, self.nvml),

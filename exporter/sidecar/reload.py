@@ -64,11 +64,12 @@ class ConfigWatcher:
     installing the result (`settle`) runs on it. `check()` is one poll, inline (tests).
 
     `apply(config)` installs valid settings and returns the fields it could not change without a
-    restart (listeners, ports), which keep their old values.
+    restart (listeners, ports), which keep their old values. `in_force` is the settings the
+    caller read from the file earlier; a file that no longer holds them is a change.
     """
 
     def __init__(self, path: str | Path, apply: Callable[[SidecarConfig], list[str]],
-                 interval_seconds: float = 5.0):
+                 interval_seconds: float = 5.0, in_force: SidecarConfig | None = None):
         self.path = Path(path)
         self.apply = apply
         self.interval_seconds = interval_seconds
@@ -81,10 +82,21 @@ class ConfigWatcher:
         self._lock = threading.Lock()
         self.reloads_total: collections.Counter[str] = collections.Counter()
         try:
-            self.current_hash = content_hash(read_regular_file(self.path, MAX_FILE_BYTES))
+            data = read_regular_file(self.path, MAX_FILE_BYTES)
             self.signature = file_signature(self.path)
         except OSError:
-            pass
+            return
+        if in_force is None or self._parses_to(data, in_force):
+            self.current_hash = content_hash(data)
+        # Otherwise the file changed after the settings in force were read from it: no hash is
+        # current, so the first polls settle and apply (or refuse) what it holds now.
+
+    @staticmethod
+    def _parses_to(data: bytes, in_force: SidecarConfig) -> bool:
+        try:
+            return config_from_bytes(data) == in_force
+        except ConfigError:
+            return False
 
     async def run(self) -> None:
         while True:

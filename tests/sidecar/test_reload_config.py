@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.control import connect_agent, metric
+from support.files import replace_text
 from support.sidecar import FakeSource
 from support.waiting import wait_for
 
@@ -59,7 +60,7 @@ def test_valid_file_takes_effect_invalid_is_refused(tmp_path: Path,
     try:
         assert sidecar.policy.config.rules == ()
         # A new rule and a new expiry, no restart: the rule acts on the connected agent.
-        path.write_text(settings_text(tmp_path, STUCK_RULE, expiry=5))
+        replace_text(path, settings_text(tmp_path, STUCK_RULE, expiry=5))
         wait_for(lambda: [c for c in source.calls if c[0] == "reclaim"],
                  what="the reloaded rule to act")
         assert sidecar.registry.expiry_seconds == 5.0
@@ -67,7 +68,7 @@ def test_valid_file_takes_effect_invalid_is_refused(tmp_path: Path,
 
         # Invalid: refused, logged naming the field, counted once, the old settings stay.
         with caplog.at_level(logging.ERROR, logger="exporter.reload"):
-            path.write_text(settings_text(tmp_path, STUCK_RULE.replace("above", "abov"), 7))
+            replace_text(path, settings_text(tmp_path, STUCK_RULE.replace("above", "abov"), 7))
             wait_for(lambda: metric(running, "allocwatch_config_reloads_total",
                                     result="invalid") == 1.0, what="the refusal")
         (record,) = [r for r in caplog.records if "refused" in r.getMessage()]
@@ -76,17 +77,17 @@ def test_valid_file_takes_effect_invalid_is_refused(tmp_path: Path,
         assert sidecar.registry.expiry_seconds == 5.0
         assert metric(running, "allocwatch_config_last_reload_successful") == 0.0
         os.utime(path)  # the same bad content again: not counted twice
-        path.write_text(path.read_text())
+        replace_text(path, path.read_text())
         time.sleep(0.3)  # several polls
         assert metric(running, "allocwatch_config_reloads_total", result="invalid") == 1.0
 
         # Not YAML at all: refused too.
-        path.write_text("agents: [unclosed\n")
+        replace_text(path, "agents: [unclosed\n")
         wait_for(lambda: metric(running, "allocwatch_config_reloads_total",
                                 result="invalid") == 2.0, what="the YAML refusal")
 
         # Fixed: accepted, without the rule now.
-        path.write_text(settings_text(tmp_path, expiry=9))
+        replace_text(path, settings_text(tmp_path, expiry=9))
         wait_for(lambda: sidecar.registry.expiry_seconds == 9.0, what="the fixed file")
         assert sidecar.policy.config.rules == ()
         assert metric(running, "allocwatch_config_last_reload_successful") == 1.0
@@ -115,6 +116,28 @@ def test_a_file_caught_mid_write_is_never_applied(tmp_path: Path) -> None:
     assert watcher.check(full) is None  # and applied once
 
 
+def test_a_file_changed_while_the_sidecar_started_is_applied(tmp_path: Path) -> None:
+    """The sidecar reads its settings, then starts watching: a file that changed in between no
+    longer holds the settings in force, so the watcher applies it instead of taking it as
+    current."""
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text(settings_text(tmp_path))
+    in_force = load_config(path)
+    replace_text(path, settings_text(tmp_path, STUCK_RULE, expiry=5))
+    applied: list[SidecarConfig] = []
+    watcher = ConfigWatcher(path, apply=lambda config: applied.append(config) or [],
+                            in_force=in_force)
+    assert watcher.check() is None  # new to the watcher: it settles first
+    assert watcher.check() == "ok"
+    (config,) = applied
+    assert [r.name for r in config.policy.rules] == ["stuck"]
+
+    # The file that still holds the settings in force is current from the start.
+    unchanged = ConfigWatcher(path, apply=lambda config: applied.append(config) or [],
+                              in_force=load_config(path))
+    assert (unchanged.check(), unchanged.check(), len(applied)) == (None, None, 1)
+
+
 def test_fields_that_need_a_restart_keep_their_value(tmp_path: Path) -> None:
     path = tmp_path / "allocwatch.yaml"
     path.write_text(settings_text(tmp_path))
@@ -123,7 +146,7 @@ def test_fields_that_need_a_restart_keep_their_value(tmp_path: Path) -> None:
     try:
         port = sidecar.http.port if sidecar.http else None
         text = settings_text(tmp_path, expiry=3).replace("port: 0", "port: 1")
-        path.write_text(text)
+        replace_text(path, text)
         wait_for(lambda: metric(running, "allocwatch_config_reloads_total",
                                 result="partial") == 1.0, what="a partial reload")
         assert sidecar.registry.expiry_seconds == 3.0   # live: applied

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support.files import replace_text
 from support.net import free_port
 from support.waiting import wait_for
 
@@ -87,7 +88,7 @@ def test_an_alias_bomb_on_reload_is_refused_and_the_sidecar_keeps_serving(
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _get(url + "/healthz", 1) == 200, timeout=30, what="sidecar up")
-        path.write_text(good + alias_bomb().replace("agents:\n", "admin:\n").replace(
+        replace_text(path, good + alias_bomb().replace("agents:\n", "admin:\n").replace(
             "max_agents", "command_timeout_seconds"))
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:  # the event loop answers throughout
