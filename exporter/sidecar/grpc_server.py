@@ -15,6 +15,7 @@ import hmac
 import logging
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -75,16 +76,29 @@ def agent_token(config: AgentsConfig) -> bytes | None:
 
 
 def _create_token_file(path: Path, mode: int) -> None:
+    """Write the token to a private file beside `path` and link it into place: the name
+    appears with its whole content or not at all, so another sidecar of the pod never reads it
+    empty, and a crash leaves no empty file behind. The link fails where the name exists: the
+    sidecar that linked first wins, the others read its token."""
     try:
         path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as err:
+        raise ListenError(f"cannot create the agents' token file {path}: {err.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.link(staged, path)  # never follows or replaces what is at `path`
     except FileExistsError:
         return  # another sidecar of the pod made it first: read theirs
     except OSError as err:
         raise ListenError(f"cannot create the agents' token file {path}: {err.strerror}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-        os.fchmod(f.fileno(), mode)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
     log.info("agents' token file created", extra={"path": str(path), "mode": oct(mode)})
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import stat
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -53,6 +54,36 @@ def test_the_sidecar_creates_the_token_file_readable_by_the_pod_only(running,
     token = token_file.read_text().strip()
     assert len(token) >= 32
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o440  # agents.socket_mode 0660, read only
+
+
+def test_sidecars_starting_together_share_one_whole_token(tmp_path: Path) -> None:
+    """Two sidecars of a pod may start at once on one token file: each reads the token the
+    first one wrote, never an empty or half-written file, and no staged file is left."""
+    from exporter.sidecar.grpc_server import agent_token
+
+    config = sidecar_config(tmp_path, nvml=False)
+    token_file = tmp_path / "run" / "agent-token"
+    agents = dataclasses.replace(config.agents, tcp_port=0, token_file=str(token_file))
+    for attempt in range(20):
+        token_file.unlink(missing_ok=True)
+        start = threading.Barrier(8)
+        tokens: list[bytes | BaseException] = []
+
+        def one_sidecar() -> None:
+            start.wait()
+            try:
+                tokens.append(agent_token(agents))  # type: ignore[arg-type]
+            except BaseException as err:  # noqa: BLE001 - reported below
+                tokens.append(err)
+
+        threads = [threading.Thread(target=one_sidecar) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert len(set(tokens)) == 1, (attempt, tokens)
+        assert tokens[0] == token_file.read_bytes().strip() and len(tokens[0]) == 64
+        assert sorted(p.name for p in token_file.parent.iterdir()) == ["agent-token"]
 
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong-token-0123456789"),),
