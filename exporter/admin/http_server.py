@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from exporter.admin.config import AdminConfig, read_token
+from exporter.admin.config import AdminConfig
 from exporter.admin.service import (
     ENDPOINTS,
     SELECTOR_FIELDS,
@@ -40,6 +40,7 @@ from exporter.admin.service import (
     Selector,
 )
 from exporter.admin.tls import RenewingTlsContext
+from exporter.admin.token import RotatingToken
 from exporter.config import ConfigError, shown
 from exporter.sidecar.bounded_http import BoundedHttpServer, HttpError, read_body
 
@@ -114,12 +115,12 @@ class AdminHttpServer:
     def __init__(self, config: AdminConfig, agents_socket: str, service: AdminService):
         self.service = service
         self._config = config
-        self._token: bytes | None = read_token(config)
+        self._token = RotatingToken(config)
         self.requests_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self._lock = threading.Lock()
         self.unix_path = config.socket_path(agents_socket)
         self.tcp_url: str | None = None
-        if config.tcp_port is not None and self._token is None:
+        if config.tcp_port is not None and self._token.current() is None:
             # AdminConfig refuses this; never serve TCP open
             raise ConfigError("admin.tcp_port: a token is required")
         self._tls = (RenewingTlsContext(config.tls_cert_file, config.tls_key_file,
@@ -142,9 +143,10 @@ class AdminHttpServer:
         await self.http.close()
 
     def set_token(self, config: AdminConfig) -> None:
-        """A reloaded settings file (or a rotated Secret) brings a new token."""
-        token = read_token(config)
-        if token is not None or self.tcp_url is None:
+        """A reloaded settings file names a new token (a rotated Secret behind the same file
+        needs no reload: `RotatingToken` reads it again)."""
+        token = RotatingToken(config)
+        if token.current() is not None or self.tcp_url is None:
             self._token = token
 
     def addresses(self) -> list[str]:
@@ -152,7 +154,7 @@ class AdminHttpServer:
         return found + ([self.tcp_url] if self.tcp_url else [])
 
     def authorized(self, header: str | None) -> bool:
-        expected = self._token
+        expected = self._token.current()
         if expected is None:
             return False
         presented = b""

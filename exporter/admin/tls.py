@@ -5,10 +5,10 @@ handshake runs on the event loop (asyncio's TLS), bounded by the listener's idle
 from __future__ import annotations
 
 import logging
-import os
 import ssl
-import stat
 import threading
+
+from exporter.protocol.files import Stamp, content_stamp
 
 log = logging.getLogger("exporter.admin")
 
@@ -35,16 +35,11 @@ class RenewingTlsContext:
         self._stamp = self._read_stamp()
         self._context = server_tls_context(*self._files)
 
-    def _read_stamp(self) -> tuple[float, ...]:
-        """The files' modification times; () while any is missing or no regular file (the
-        reload runs in a handshake, on the event loop: a FIFO there must not hold it)."""
-        try:
-            found = [os.stat(f) for f in self._files if f]
-        except OSError:
-            return ()
-        if not all(stat.S_ISREG(st.st_mode) for st in found):
-            return ()
-        return tuple(st.st_mtime for st in found)
+    def _read_stamp(self) -> tuple[Stamp, ...]:
+        """The files' content stamps; () while any is missing or no regular file (the reload
+        runs in a handshake, on the event loop: a FIFO there must not hold it)."""
+        stamps = [content_stamp(f) for f in self._files if f]
+        return () if None in stamps else tuple(stamps)  # type: ignore[arg-type]
 
     def listening_context(self) -> ssl.SSLContext:
         """The context to listen with: each handshake switches to `context()` (from the SNI
@@ -69,5 +64,9 @@ class RenewingTlsContext:
                     log.warning("admin API: the renewed TLS files cannot be loaded yet; the "
                                 "previous certificate stays", extra={"reason": str(err)})
                 else:
-                    self._context, self._stamp = fresh, stamp
+                    # Files that changed while they were read may have been read cut short (a
+                    # chain whose leaf parses without its intermediates): the next handshake
+                    # reads them again.
+                    if self._read_stamp() == stamp:
+                        self._context, self._stamp = fresh, stamp
             return self._context

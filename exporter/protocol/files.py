@@ -30,3 +30,21 @@ def read_regular_file(path: str | Path, limit: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+Stamp = tuple[int, int, int, int, int]
+
+
+def content_stamp(path: str | Path) -> Stamp | None:
+    """What tells that a file's content may have changed, without reading it: device, inode,
+    size, and the modification and change times in nanoseconds (links followed). The change
+    time moves on every write, even one that then restores the modification time, as `cp -p`
+    does; a rename into place or a Secret's symlink swap changes the inode. None when the path
+    is missing or no regular file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
 import pickle
 import stat
 from pathlib import Path
@@ -141,6 +142,72 @@ def test_tcp_needs_the_right_token_and_never_shows_it(tmp_path: Path,
     finally:
         agent.stop()
         running.stop()
+
+
+def test_a_rotated_secret_takes_effect_at_the_next_request(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The kubelet updates a mounted Secret by pointing its `..data` symlink at a new
+    directory: the next request on TCP is checked against the new token, no reload, no
+    restart. A token file that then cannot be used leaves the token in force."""
+    secret = tmp_path / "secret"
+
+    def mount(version: str, token: str) -> None:
+        (secret / version).mkdir(parents=True)
+        (secret / version / "token").write_text(token + "\n")
+        (secret / "..data_tmp").symlink_to(version)
+        os.replace(secret / "..data_tmp", secret / "..data")  # atomic, as the kubelet does
+
+    mount("..v1", TOKEN)
+    (secret / "token").symlink_to("..data/token")
+    running = start_control_sidecar(tmp_path, admin={
+        "unix_socket": "", "tcp_port": 0, "token_file": str(secret / "token")})
+    (address,) = running.sidecar.admin.addresses()
+    rotated = TOKEN[::-1]
+    try:
+        assert call(address, "GET", "/v1/agents", None, bearer(TOKEN))[0] == 200
+        mount("..v2", rotated)
+        assert call(address, "GET", "/v1/agents", None, bearer(TOKEN))[0] == 401
+        assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
+
+        with caplog.at_level(logging.ERROR, logger="exporter.admin"):
+            mount("..v3", "short")  # too short to be a token: refused, the rotated one stays
+            assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
+            assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
+        (refusal,) = [r for r in caplog.records if "cannot be used" in r.getMessage()]
+        assert "shorter than 16 bytes" in refusal.reason  # type: ignore[attr-defined]
+        assert call(address, "GET", "/v1/agents", None, bearer("short"))[0] == 401
+    finally:
+        running.stop()
+
+
+def test_a_token_file_read_while_it_was_written_is_read_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token rewritten in place can be read cut short, yet 16 bytes or more: such a read is
+    not put in force; the next request reads the file again and takes the whole token."""
+    from exporter.admin import token as admin_token
+    from exporter.admin.config import AdminConfig
+
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    rotating = admin_token.RotatingToken(AdminConfig(token_file=str(path)))
+    rotated = TOKEN[::-1] + "0123456789"
+    cut = rotated[:20]
+    path.write_text(cut + "\n")
+    real_read = admin_token.read_token
+
+    def read_then_the_writer_finishes(config: AdminConfig) -> bytes | None:
+        token = real_read(config)
+        path.write_text(rotated + "\n")
+        return token
+
+    monkeypatch.setattr(admin_token, "read_token", read_then_the_writer_finishes)
+    assert rotating.current() == TOKEN.encode()  # the cut read is not in force
+    monkeypatch.setattr(admin_token, "read_token", real_read)
+    assert rotating.current() == rotated.encode()
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def test_token_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -64,19 +64,18 @@ def test_sidecars_starting_together_share_one_whole_token(tmp_path: Path) -> Non
     config = sidecar_config(tmp_path, nvml=False)
     token_file = tmp_path / "run" / "agent-token"
     agents = dataclasses.replace(config.agents, tcp_port=0, token_file=str(token_file))
+    def one_sidecar(start: threading.Barrier, tokens: list[bytes | BaseException]) -> None:
+        start.wait()
+        try:
+            tokens.append(agent_token(agents))  # type: ignore[arg-type]
+        except BaseException as err:  # noqa: BLE001 - reported below
+            tokens.append(err)
+
     for attempt in range(20):
         token_file.unlink(missing_ok=True)
         start = threading.Barrier(8)
         tokens: list[bytes | BaseException] = []
-
-        def one_sidecar() -> None:
-            start.wait()
-            try:
-                tokens.append(agent_token(agents))  # type: ignore[arg-type]
-            except BaseException as err:  # noqa: BLE001 - reported below
-                tokens.append(err)
-
-        threads = [threading.Thread(target=one_sidecar) for _ in range(8)]
+        threads = [threading.Thread(target=one_sidecar, args=(start, tokens)) for _ in range(8)]
         for thread in threads:
             thread.start()
         for thread in threads:
