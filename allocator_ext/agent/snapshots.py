@@ -2,17 +2,24 @@
 
 Files are gzip-compressed pickles in the layout of torch.cuda.memory._snapshot(), so PyTorch's
 memory viewer opens them (`gunzip -c F | python -m torch.cuda._memory_viz trace_plot - -o
-F.html`). Stack frames (which hold source paths) are removed unless asked for. Files are
-readable by owner and group only, whatever the process's umask: the sidecar makes the directory
-set-group-ID (exporter/admin/snapshot_dir.py), so they belong to its group whoever writes them.
+F.html`). Stack frames (which hold source paths) are removed unless asked for. A file is named
+for its host, process, rank, device and UTC time to the microsecond
+(snapshot-HOST-PID-rankR-cudaD-YYYYMMDDTHHMMSS.ffffff.pickle.gz, norank for no rank), the time
+strictly increasing within a process, so that names sort by time and no snapshot replaces
+another. Files are readable by owner and group only, whatever the process's umask: the sidecar
+makes the directory set-group-ID (exporter/admin/snapshot_dir.py), so they belong to its group
+whoever writes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import pickle
 import socket
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,15 +53,45 @@ def write_snapshot(directory: Path, snapshot: dict[str, Any], *, rank: int, devi
         raise ValueError(f"the snapshot is {len(data)} bytes compressed, above the cap of "
                          f"{max_bytes} bytes")
     directory.mkdir(mode=0o750, parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     rank_part = f"rank{rank}" if rank >= 0 else "norank"
     host = socket.gethostname()
-    name = f"snapshot-{host}-{os.getpid()}-{rank_part}-cuda{device}-{stamp}.pickle.gz"
+    name = (f"snapshot-{host}-{os.getpid()}-{rank_part}-cuda{device}-{_unique_stamp()}"
+            ".pickle.gz")
     path = directory / name
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), FILE_MODE)  # a umask of 077 must not hide it from the group
-        f.write(data)
-    os.replace(tmp, path)  # the sidecar never sees a half-written file
+    # A temporary file of its own: the sampler thread (after an OOM) and a command may write at
+    # once. Its name starts with '.' so that the sidecar never serves it.
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), FILE_MODE)  # a umask of 077 must not hide it from the group
+            f.write(data)
+        os.replace(tmp, path)  # the sidecar never sees a half-written file
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path, len(data)
+
+
+_stamp_lock = threading.Lock()
+_last_stamp_us = 0
+
+
+def _unique_stamp() -> str:
+    """UTC to the microsecond, strictly increasing within the process: names sort by time, and
+    two snapshots of one device in the same instant do not replace each other."""
+    global _last_stamp_us
+    with _stamp_lock:
+        _last_stamp_us = max(time.time_ns() // 1000, _last_stamp_us + 1)
+        stamp_us = _last_stamp_us
+    seconds, micros = divmod(stamp_us, 1_000_000)
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(seconds))}.{micros:06d}"
+
+
+def _new_stamp_lock_in_child() -> None:
+    # A thread of the parent may have held it at the fork; the child must not wait on it.
+    global _stamp_lock
+    _stamp_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_stamp_lock_in_child)

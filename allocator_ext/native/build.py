@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import os
 import re
+import secrets
 import shutil
 import struct
 import subprocess
@@ -44,6 +45,8 @@ FAILED_NAME = "failed.txt"
 LOG_NAME = "build.log"
 COMPILE_TIMEOUT_S = 600
 WAIT_FOR_OTHERS_S = 900
+_UNKNOWN_REASON = ("an earlier build of the native back end failed ({log}); "
+                   "`allocwatch native build` tries again")
 
 
 class BuildError(RuntimeError):
@@ -295,21 +298,56 @@ def ensure_built(p: Plan, root: Path | None = None, force: bool = False,
     if not force:
         if target.is_file():
             return target
-        if failed.is_file():
-            raise BuildError(failed.read_text())
+        _raise_remembered_failure(failed)
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder.parent / f"{p.key}.lock", wait_s):
         if not force:  # another process may have finished while this one waited
             if target.is_file():
                 return target
-            if failed.is_file():
-                raise BuildError(failed.read_text())
+            _raise_remembered_failure(failed)
         failed.unlink(missing_ok=True)
         try:
             return _compile(p, folder)
         except BuildError as e:
-            failed.write_text(str(e))
+            reason = str(e) or _UNKNOWN_REASON.format(log=folder / LOG_NAME)
+            try:
+                _write_atomically(failed, reason)
+            except OSError:
+                pass  # not remembered: the next process tries again; this one still says why
             raise
+
+
+def remembered_failure(failed: Path) -> str | None:
+    """Why the last build failed, if a failure is remembered in `failed`; None otherwise.
+    Unlocked callers may race a forced rebuild that removes the marker: a marker gone is no
+    marker. BuildError where the marker exists and cannot be read."""
+    try:
+        reason = failed.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise BuildError(f"an earlier build of the native back end failed, and its reason "
+                         f"cannot be read ({failed}: {e.strerror})") from None
+    return reason or _UNKNOWN_REASON.format(log=failed.parent / LOG_NAME)
+
+
+def _raise_remembered_failure(failed: Path) -> None:
+    if (reason := remembered_failure(failed)) is not None:
+        raise BuildError(reason)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers see the whole text or no file. The temporary file is created as open() would
+    (mode 0666 less the umask), so that a cache shared between users stays readable."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def library(force: bool = False) -> Path:

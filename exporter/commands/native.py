@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
             if library.is_file():
                 print(f"built for {plan.describe}: {library}")
                 return 0
-            if failed.is_file():
-                print(f"not built, an earlier build failed: {failed.read_text()}")
+            if (reason := build.remembered_failure(failed)) is not None:
+                print(f"not built, an earlier build failed: {reason}")
                 return 1
             print(f"not built yet for {plan.describe} (the first process that needs it builds "
                   f"it, or run `allocwatch native build`)")

@@ -5,12 +5,14 @@ clear reason (never a crash) where it cannot be built."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,74 @@ def test_a_failed_build_is_remembered_until_forced(tmp_path: Path) -> None:
     with pytest.raises(build.BuildError):
         build.ensure_built(plan, root=root, force=True)  # `allocwatch native build` retries
     assert (tmp_path / "compiles").read_text().count("compile") == 2
+
+
+def test_a_failure_marker_removed_as_it_is_read_is_no_marker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _fake_plan(tmp_path, "out.write_bytes(b'library')\n")
+    root = tmp_path / "cache"
+    failed = root / plan.key / build.FAILED_NAME
+    failed.parent.mkdir(parents=True)
+    failed.write_text("an earlier failure")
+    read_text = Path.read_text
+
+    def removed_by_a_forced_rebuild_first(self: Path, *args, **kwargs) -> str:
+        if self == failed:
+            self.unlink(missing_ok=True)  # `allocwatch native build` starting in another process
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", removed_by_a_forced_rebuild_first)
+    built = build.ensure_built(plan, root=root)
+    assert built.read_bytes() == b"library"
+
+
+def test_a_failure_marker_is_never_seen_empty_or_partial(tmp_path: Path) -> None:
+    failed = tmp_path / build.FAILED_NAME
+    reason = "compiling the native back end failed: " + "x" * (1 << 20)
+    build._write_atomically(failed, reason)
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            build._write_atomically(failed, reason)
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        for _ in range(200):
+            with pytest.raises(build.BuildError) as raised:
+                build._raise_remembered_failure(failed)
+            assert str(raised.value) == reason
+    finally:
+        stop.set()
+        writer.join()
+    assert [p.name for p in tmp_path.iterdir()] == [build.FAILED_NAME]
+
+
+def test_an_empty_failure_marker_still_says_why(tmp_path: Path) -> None:
+    plan = _fake_plan(tmp_path, "out.write_bytes(b'library')\n")
+    failed = tmp_path / "cache" / plan.key / build.FAILED_NAME
+    failed.parent.mkdir(parents=True)
+    failed.write_text("")  # as a process killed while writing it, before markers were atomic
+    with pytest.raises(build.BuildError, match="an earlier build .* failed .*native build"):
+        build.ensure_built(plan, root=tmp_path / "cache")
+
+
+def test_a_failure_that_cannot_be_remembered_is_still_a_build_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _fake_plan(tmp_path, """\
+        print("backend.cpp:1: error: no member named 'recordHistory'", file=sys.stderr)
+        sys.exit(1)
+        """)
+
+    def disk_full(path: Path, text: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(build, "_write_atomically", disk_full)
+    for _ in range(2):
+        with pytest.raises(build.BuildError, match="no member named 'recordHistory'"):
+            build.ensure_built(plan, root=tmp_path / "cache")
+    assert (tmp_path / "compiles").read_text().count("compile") == 2  # not remembered: retried
 
 
 def test_a_library_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
