@@ -26,6 +26,10 @@
 #   convnetprofile  bench/gpu/host_profile.py --fresh --model convnet: where the convnet's host time
 #                goes on fresh shapes, allocwatch against expandable segments and then expandable
 #                against itself (per op, per kernel, and one cudaMemGetInfo's cost; about 4 minutes)
+#   convnetbar   the convnet's step-time bar in one verdict: bench/gpu/step_lockstep.py --model
+#                convnet, 16 rounds of 12 steps, uncapped and at 1.03 x, each once with allocwatch's
+#                process first and once with expandable's, pooled by bench/gpu/lockstep_pool.py
+#                (about 5 minutes)
 #   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
 #                expandable segments, both capped at 1.03 x the workload's peak requested bytes
 #   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
@@ -110,6 +114,19 @@ run_part() {
       part "convnet host profile, fresh shapes, expandable against itself" "$PYTHON" \
         bench/gpu/host_profile.py --model convnet --ours expandable --against expandable --reps 2 \
         --steps 12 --fresh --json "$OUT/host_profile_convnet_fresh_aa.json" ;;
+    convnetbar)
+      for cap in "" 1.03; do
+        tag="${cap:+_cap${cap/./}}"
+        part "convnet lockstep${cap:+ at ${cap}x}, allocwatch first" "$PYTHON" \
+          bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12 \
+          ${cap:+--fraction-of-peak "$cap"} --json "$OUT/bar_convnet${tag}_allocwatch_first.json"
+        part "convnet lockstep${cap:+ at ${cap}x}, expandable first" "$PYTHON" \
+          bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12 --ours expandable \
+          --against allocwatch ${cap:+--fraction-of-peak "$cap"} \
+          --json "$OUT/bar_convnet${tag}_expandable_first.json"
+      done
+      part "convnet step-time bar, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+        "$OUT"/bar_convnet*_first.json --json "$OUT/bar_convnet_pooled.json" ;;
     caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
         --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     probes)  # never a binary left from an earlier call: the run needs this build
