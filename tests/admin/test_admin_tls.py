@@ -163,9 +163,10 @@ def test_past_the_connection_limit_a_stalled_handshake_gives_its_place_to_a_newc
         port = int(address.rsplit(":", 1)[1])
         stalled = []
         for _ in range(6):  # each says hello and never finishes its handshake
-            stalled.append(socket.create_connection(("127.0.0.1", port)))
+            stalled.append(socket.create_connection(("127.0.0.1", port), timeout=10))
             stalled[-1].sendall(client_hello())
-            time.sleep(0.1)
+            # The server's answer: its handshake under way (no longer silent) before the next.
+            assert stalled[-1].recv(1, socket.MSG_PEEK)
         try:
             assert [ended_by_server(s) for s in stalled] == [True] * 2 + [False] * 4
             client = AdminClient(address, TOKEN, timeout=5, tls=ClientTls(str(pki["ca"])))
@@ -198,6 +199,36 @@ def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path, pki) 
             old_ca.get("/v1/agents")
     finally:
         running.stop()
+
+
+def test_certificate_files_read_while_they_were_written_are_read_again(
+        tmp_path: Path, pki, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain rewritten in place can be read with its leaf whole and the rest to come: it
+    loads, yet is not kept. A context is kept only from files that did not change while they
+    were read; the next handshake reads them again."""
+    from exporter.admin import tls
+
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(pki["server_cert"], cert)
+    shutil.copy(pki["server_key"], key)
+    renewing = tls.RenewingTlsContext(str(cert), str(key))
+    first = renewing.context()
+    shutil.copy(pki["renewed_key"], key)
+    shutil.copy(pki["renewed_cert"], cert)  # the leaf; its issuer follows below
+    loaded: list[ssl.SSLContext] = []
+    load = tls.server_tls_context
+
+    def load_while_the_writer_finishes(*files: str) -> ssl.SSLContext:
+        loaded.append(load(*files))
+        if len(loaded) == 1:
+            with cert.open("ab") as f:
+                f.write(pki["other_ca"].read_bytes())
+        return loaded[-1]
+
+    monkeypatch.setattr(tls, "server_tls_context", load_while_the_writer_finishes)
+    assert renewing.context() is first  # read mid-write: not kept
+    assert renewing.context() is loaded[1]  # read again, whole
+    assert renewing.context() is loaded[1] and len(loaded) == 2  # unchanged since: kept
 
 
 def test_admin_tls_settings_are_checked_and_named(tmp_path: Path, pki) -> None:

@@ -22,6 +22,13 @@ pytestmark = pytest.mark.timeout(60)
 ONE_INSTANT_NS = 1_700_000_000_123_456_789
 
 
+def at_one_instant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clock stands still, and the process has written no snapshot yet (an earlier test's
+    would have moved the last stamp past this instant)."""
+    monkeypatch.setattr(snapshots.time, "time_ns", lambda: ONE_INSTANT_NS)
+    monkeypatch.setattr(snapshots, "_last_stamp_us", 0)
+
+
 def _snapshot(tag: int) -> dict:
     return {"segments": [{"tag": tag, "blocks": []}], "device_traces": []}
 
@@ -47,7 +54,7 @@ def _assert_is_its_own_file(directory: Path, path: Path, size: int, tag: int) ->
 
 def test_two_snapshots_in_the_same_instant_are_both_kept(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots.time, "time_ns", lambda: ONE_INSTANT_NS)
+    at_one_instant(monkeypatch)
     first, first_size = _write(tmp_path, 1)   # an out-of-memory snapshot, say
     second, second_size = _write(tmp_path, 2)  # then one on demand, in the same microsecond
     assert first != second
@@ -60,7 +67,7 @@ def test_two_snapshots_in_the_same_instant_are_both_kept(tmp_path: Path,
 
 def test_two_threads_writing_at_once_both_succeed(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots.time, "time_ns", lambda: ONE_INSTANT_NS)
+    at_one_instant(monkeypatch)
     # Both temporary files are written before either is renamed: the interleaving in which one
     # writer's rename used to take the other's file.
     both_written = threading.Barrier(2, timeout=10)

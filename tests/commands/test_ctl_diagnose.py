@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from support.admin import call
 from support.control import connect_agent, start_control_sidecar
 from support.sidecar import MiB
+from support.waiting import wait_for
 
 from exporter.cli import main
 from exporter.commands.ctl.diagnose import (
@@ -52,7 +54,13 @@ def test_fragmented_agent_walks_the_order_replays_and_applies(
         one_agent, capsys: pytest.CaptureFixture[str]) -> None:
     address, allocator = one_agent
     growing_blocks(allocator)
-    time.sleep(0.2)  # a report with these figures
+
+    def idle_since() -> bool:  # a report of an interval after the blocks: 8 MiB at its peak
+        (device,) = call(address, "GET", "/v1/agents")[1]["agents"][0]["devices"]
+        return device["reserved_bytes"] == 260 * MiB and device["interval_peaks"] == {
+            "window": "interval", "allocated_bytes": 8 * MiB, "reserved_bytes": 260 * MiB}
+
+    wait_for(idle_since, what="a report of an idle interval after the blocks")
     assert main(["ctl", "--admin", address, "diagnose", "--window", "0.2", "--replay",
                  "--apply"]) == 0
     out = capsys.readouterr().out

@@ -1,13 +1,13 @@
 """Building /metrics bodies: scrapes arriving while a build of their format is queued or
 running share it (N scrapers arriving together cost one build and wait for one); a scrape
-after it finished gets a fresh build; each format is built on its own. A collector that takes
-0.3 s a build stands in for many agents' series."""
+after it finished gets a fresh build; each format is built on its own. A collector whose first
+build lasts until the test lets it end stands in for many agents' series."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
-import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
@@ -20,12 +20,25 @@ class SlowCollector:
     def __init__(self) -> None:
         self.builds = 0
         self.started = threading.Event()
+        self.release = threading.Event()  # set: builds end at once
 
     def collect(self) -> Iterator[Metric]:
         self.builds += 1
         self.started.set()
-        time.sleep(0.3)
+        assert self.release.wait(10), "the test never let the build end"
         yield GaugeMetricFamily("slow_builds", "builds so far", value=self.builds)
+
+
+def waiting(task: asyncio.Task) -> bool:
+    """Whether the task has asked for its body and waits for it (or is done)."""
+    coro = task.get_coro()
+    return task.done() or (inspect.iscoroutine(coro)
+                           and inspect.getcoroutinestate(coro) == inspect.CORO_SUSPENDED)
+
+
+async def until_waiting(tasks: list[asyncio.Task]) -> None:
+    while not all(waiting(t) for t in tasks):
+        await asyncio.sleep(0)
 
 
 def test_scrapes_during_a_build_share_it_and_later_ones_get_a_fresh_build() -> None:
@@ -37,7 +50,10 @@ def test_scrapes_during_a_build_share_it_and_later_ones_get_a_fresh_build() -> N
     async def scrapes() -> None:
         first = asyncio.ensure_future(exposition.body("", ""))
         await asyncio.get_running_loop().run_in_executor(None, slow.started.wait)
-        bodies = await asyncio.gather(first, *(exposition.body("", "") for _ in range(7)))
+        later = [asyncio.ensure_future(exposition.body("", "")) for _ in range(7)]
+        await until_waiting(later)  # all seven arrived while the first build runs
+        slow.release.set()
+        bodies = await asyncio.gather(first, *later)
         assert slow.builds == 1 and len({body for body, _, _ in bodies}) == 1
         body, _, _ = await exposition.body("", "")
         assert slow.builds == 2 and b"slow_builds 2.0" in body

@@ -28,6 +28,7 @@ from support.waiting import terminate, wait_for
 
 from allocator_ext.agent import start_agent
 from exporter.sidecar.app import SidecarThread
+from exporter.sidecar.bounded_http import BoundedHttpServer
 from exporter.sidecar.config import parse_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -119,8 +120,10 @@ def test_a_crowd_of_idle_connections_starves_neither_scrapes_nor_agents(
 
 
 @contextlib.contextmanager
-def limited_sidecar(tmp_path: Path, idle_timeout: float) -> Iterator[str]:
-    """A sidecar whose metrics listener has small limits (8 connections); yields its URL."""
+def limited_sidecar(tmp_path: Path, idle_timeout: float
+                    ) -> Iterator[tuple[str, BoundedHttpServer]]:
+    """A sidecar whose metrics listener has small limits (8 connections); yields its URL and
+    that listener."""
     parsed = parse_config({"metrics": {"address": "127.0.0.1", "port": 0, "limits": {
         "max_connections": 8, "idle_timeout_seconds": idle_timeout,
         "request_timeout_seconds": 2}},
@@ -128,15 +131,23 @@ def limited_sidecar(tmp_path: Path, idle_timeout: float) -> Iterator[str]:
         "nvml": {"enabled": False}})
     running = SidecarThread(parsed).start()
     try:
-        yield running.sidecar.metrics_url
+        assert running.sidecar.http is not None
+        yield running.sidecar.metrics_url, running.sidecar.http.http
     finally:
         running.stop()
 
 
 @pytest.fixture
 def limited(tmp_path: Path) -> Iterator[str]:
-    with limited_sidecar(tmp_path, idle_timeout=1) as url:
+    with limited_sidecar(tmp_path, idle_timeout=1) as (url, _):
         yield url
+
+
+def all_handed_over(server: BoundedHttpServer, count: int) -> bool:
+    """Whether the listener holds `count` connections, every one of them aiohttp's: none
+    silent, none in the middle of its hand-over."""
+    acceptor = server._acceptor  # no public view of these lines: the tests look in
+    return server.connections() == count and not acceptor.waiting and not acceptor.handing
 
 
 def get_over(sock: socket.socket, path: str = "/metrics") -> tuple[int, str]:
@@ -166,36 +177,51 @@ def test_a_silent_or_trickling_client_is_closed_at_the_idle_deadline(limited: st
     assert (status, body) == (200, b"ok\n")
 
 
-def test_silent_connections_are_counted_and_closed_at_their_idle_deadline(limited: str
+def test_silent_connections_are_counted_and_closed_at_their_idle_deadline(tmp_path: Path
                                                                           ) -> None:
-    port = int(limited.rsplit(":", 1)[1])
-    for _ in range(20):  # ended before a byte, as a TCP probe is: nothing to serve or hold
-        socket.create_connection(("127.0.0.1", port)).close()
-    time.sleep(0.3)
-    evicted = values(limited, "allocwatch_http_connections_closed_total", server="metrics")
-    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
-    try:
-        time.sleep(0.2)
-        # The six silent ones and this scrape's connection.
-        assert values(limited, "allocwatch_http_connections", server="metrics") == [7.0]
-        assert [closed_now(sock) for sock in silent] == [False] * 6
-        time.sleep(1.2)
-        assert [closed_now(sock) for sock in silent] == [True] * 6
-    finally:
-        for sock in silent:
-            sock.close()
-    assert values(limited, "allocwatch_http_connections", server="metrics") == [1.0]
-    # The deadline closed them, not the limit.
-    assert values(limited, "allocwatch_http_connections_closed_total", server="metrics"
-                  ) == evicted
+    idle_timeout = 3  # time enough to count them on a loaded machine before it
+    with limited_sidecar(tmp_path, idle_timeout) as (limited, server):
+        port = int(limited.rsplit(":", 1)[1])
+        for _ in range(20):  # ended before a byte, as a TCP probe is: nothing to serve or hold
+            socket.create_connection(("127.0.0.1", port)).close()
+        # This scrape's connection is accepted after the probes': any place they took from
+        # each other is counted in it.
+        evicted = values(limited, "allocwatch_http_connections_closed_total", server="metrics")
+        wait_for(lambda: server.connections() == 0, what="the probes' ends seen")
+        connected = time.monotonic()  # before any accept: no deadline falls earlier
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+        try:
+            # The six silent ones and this scrape's connection.
+            wait_for(lambda: values(limited, "allocwatch_http_connections",
+                                    server="metrics") == [7.0], what="the silent ones counted")
+            assert [closed_now(sock) for sock in silent] == [False] * 6
+            closed_at: dict[int, float] = {}
+
+            def all_closed() -> bool:
+                for i, sock in enumerate(silent):
+                    if i not in closed_at and closed_now(sock):
+                        closed_at[i] = time.monotonic()  # after the close: never early
+                return len(closed_at) == len(silent)
+
+            wait_for(all_closed, timeout=10, interval=0.02, what="the idle deadline")
+            assert min(closed_at.values()) - connected >= idle_timeout
+        finally:
+            for sock in silent:
+                sock.close()
+        wait_for(lambda: server.connections() == 0, what="the silent ones gone")
+        assert values(limited, "allocwatch_http_connections", server="metrics") == [1.0]
+        # The deadline closed them, not the limit.
+        assert values(limited, "allocwatch_http_connections_closed_total", server="metrics"
+                      ) == evicted
 
 
 @dataclasses.dataclass(frozen=True)
 class Listener:
-    address: str      # http://host:port or unix:///path
-    server: str       # its label in allocwatch_http_connections{server}
-    path: str         # a GET it answers without a token
-    metrics_url: str  # where its counters are read
+    address: str             # http://host:port or unix:///path
+    server: str              # its label in allocwatch_http_connections{server}
+    path: str                # a GET it answers without a token
+    metrics_url: str         # where its counters are read
+    http: BoundedHttpServer  # the listener itself, whose connections are watched
 
 
 @pytest.fixture(params=["metrics over TCP", "admin API over its Unix socket"])
@@ -211,10 +237,12 @@ def small_listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[L
     url = running.sidecar.metrics_url
     try:
         if request.param.startswith("metrics"):
-            yield Listener(url, "metrics", "/healthz", url)
+            assert running.sidecar.http is not None
+            yield Listener(url, "metrics", "/healthz", url, running.sidecar.http.http)
         else:
+            assert running.sidecar.admin is not None
             (address,) = running.sidecar.admin.addresses()
-            yield Listener(address, "admin", "/v1/agents", url)
+            yield Listener(address, "admin", "/v1/agents", url, running.sidecar.admin.http)
     finally:
         running.stop()
 
@@ -228,16 +256,20 @@ def test_past_the_connection_limit_silent_connections_go_first_oldest_first(
         # Older than every silent one, spoken but its request unfinished: aiohttp has it.
         trickling = stack.enter_context(raw_socket(listener.address))
         trickling.sendall(f"GET {listener.path} HTTP/1.1\r\n".encode())
-        time.sleep(0.2)
+        wait_for(lambda: all_handed_over(listener.http, 2), what="the trickling one handed over")
         silent = [stack.enter_context(raw_socket(listener.address)) for _ in range(12)]
-        time.sleep(0.3)
-        # 14 connections for 8 places: the 6 oldest silent ones went, those that spoke stay.
+        # 14 connections for 8 places: 6 must go (once all 14 are accepted); which ones follows.
+        wait_for(lambda: sum(closed_now(sock) for sock in [kept_alive, trickling, *silent]) >= 6,
+                 what="six connections closed")
+        # The 6 oldest silent ones went, those that spoke stay.
         assert [closed_now(sock) for sock in silent] == [True] * 6 + [False] * 6
         assert not closed_now(trickling)
         # The silent ones count.
         assert values(listener.metrics_url, "allocwatch_http_connections",
                       server=listener.server) == [8.0]
-        time.sleep(0.5)  # that scrape's connection closed
+        # That scrape's connection closed (on the metrics listener): only ours are left.
+        wait_for(lambda: listener.http.connections() == 2 + sum(
+            not closed_now(sock) for sock in silent), what="the scrape's connection gone")
         assert exchange(listener.address,
                         f"GET {listener.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())[0] == 200
         # A client on a new connection took the place of the oldest silent one left: on the
@@ -251,7 +283,8 @@ def test_past_the_connection_limit_silent_connections_go_first_oldest_first(
         assert get_over(kept_alive, listener.path)[0] == 200
         for sock in silent:
             sock.close()
-        time.sleep(0.2)  # their ends seen: no place is taken from anyone below
+        # Their ends (and the exchange's) seen: no place is taken from anyone below.
+        wait_for(lambda: listener.http.connections() == 2, what="the silent ones' ends seen")
         assert values(listener.metrics_url, "allocwatch_http_connections_closed_total",
                       server=listener.server, reason="idle_evicted") == [7.0]
 
@@ -260,26 +293,22 @@ def test_past_the_connection_limit_the_idle_connections_of_clients_that_spoke_go
         tmp_path: Path) -> None:
     """With no silent connection to close: the one that never began a request, then the one
     idle longest."""
-    with limited_sidecar(tmp_path, idle_timeout=5) as limited, contextlib.ExitStack() as stack:
+    with limited_sidecar(tmp_path, idle_timeout=5) as (limited, server), \
+            contextlib.ExitStack() as stack:
         served = [stack.enter_context(raw_socket(limited)) for _ in range(7)]
         for sock in served:
             assert get_over(sock, "/healthz")[0] == 200
         assert get_over(served[0], "/healthz")[0] == 200  # now idle the shortest
         trickling = stack.enter_context(raw_socket(limited))
         trickling.sendall(b"GET /metrics HTTP/1.1\r\n")
-        time.sleep(0.2)
-        newcomers = []
+        wait_for(lambda: all_handed_over(server, 8), what="the trickling one handed over")
+        # Each newcomer served before the next connects: its request began, so it is neither
+        # silent nor one that never began a request when the next needs a place.
         for _ in range(2):
-            newcomers.append(stack.enter_context(raw_socket(limited)))
-            newcomers[-1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            time.sleep(0.1)
-        time.sleep(0.2)
+            newcomer = stack.enter_context(raw_socket(limited))
+            assert get_over(newcomer, "/healthz")[0] == 200
         assert closed_now(trickling)
         assert [closed_now(sock) for sock in served] == [False, True] + [False] * 5
-        for sock in newcomers:
-            response = http.client.HTTPResponse(sock, method="GET")
-            response.begin()
-            assert response.status == 200
         status, text = get_over(served[0])
         assert sample(text, "allocwatch_http_connections_closed_total", server="metrics",
                       reason="idle_evicted") == 2.0
@@ -289,12 +318,12 @@ def test_a_client_silent_before_trickling_is_closed_at_the_idle_deadline_from_it
         tmp_path: Path) -> None:
     """Its silence and its trickle share one deadline: the hand-over to aiohttp on its
     first byte does not start another."""
-    with limited_sidecar(tmp_path, idle_timeout=2) as url, raw_socket(url) as client:
+    with limited_sidecar(tmp_path, idle_timeout=4) as (url, _), raw_socket(url) as client:
         started = time.monotonic()
-        time.sleep(1.5)
+        time.sleep(3)
         request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: y\r\n" * 20
         assert closed_within(client, 5, send=request) is not None
-        assert time.monotonic() - started < 2.9  # a second deadline would close it at 3.5
+        assert time.monotonic() - started < 6.5  # a second deadline would close it at 7 or later
 
 
 @pytest.mark.parametrize("request_bytes", [

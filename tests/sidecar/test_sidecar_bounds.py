@@ -72,23 +72,33 @@ def test_more_devices_than_one_process_has_end_the_stream(served) -> None:
                                     rank="5")) == 16, what="16 devices")
 
 
-def test_departed_agents_are_kept_within_a_bound_the_oldest_dropped_first(served) -> None:
-    running, url, target = served
+@pytest.mark.timeout(120)
+def test_departed_agents_are_kept_within_a_bound_the_oldest_dropped_first(
+        tmp_path: Path) -> None:
+    kept = 16  # a small bound: few streams to pass it (each cycle is a stream of its own)
+    config = sidecar_config(tmp_path, nvml=False, expiry=3600)  # none expires meanwhile
+    config = dataclasses.replace(config, agents=dataclasses.replace(
+        config.agents, max_departed_agents=kept))
+    running = SidecarThread(config).start()
+    url, target = running.sidecar.metrics_url, running.sidecar.agent_targets[0]
     registry = running.sidecar.registry
-    kept = running.sidecar.config.agents.max_departed_agents
     cycles = kept + 44
-    for rank in range(cycles):  # connect, report, leave
-        with Stream(target) as stream:
-            assert stream.send(hello(rank=rank)).answer().HasField("welcome")
-            stream.send(report(1, [device(gpu_uuid=f"GPU-{rank}")]))
-            wait_for(lambda rank=rank: any(a.identity.rank == rank and a.last_report is not None
-                                           for a in registry.agents()),
-                     what=f"rank {rank}'s report")
-        wait_for(lambda: not any(a.connected for a in registry.agents()), what="departure")
-    departed = sorted(a.identity.rank for a in registry.agents())
-    assert departed == list(range(cycles - kept, cycles))  # the newest stay
-    assert values(url, "allocwatch_departed_agents_dropped_total") == [44.0]
-    assert len(values(url, "torch_cuda_allocator_reserved_bytes")) == kept
+    try:
+        for rank in range(cycles):  # connect, report, leave
+            with Stream(target) as stream:
+                assert stream.send(hello(rank=rank)).answer().HasField("welcome")
+                stream.send(report(1, [device(gpu_uuid=f"GPU-{rank}")]))
+                wait_for(lambda rank=rank: any(a.identity.rank == rank
+                                               and a.last_report is not None
+                                               for a in registry.agents()),
+                         what=f"rank {rank}'s report")
+            wait_for(lambda: not any(a.connected for a in registry.agents()), what="departure")
+        departed = sorted(a.identity.rank for a in registry.agents())
+        assert departed == list(range(cycles - kept, cycles))  # the newest stay
+        assert values(url, "allocwatch_departed_agents_dropped_total") == [44.0]
+        assert len(values(url, "torch_cuda_allocator_reserved_bytes")) == kept
+    finally:
+        running.stop()
 
 
 def test_past_the_series_bound_departed_agents_go_first_then_new_agents_are_refused(

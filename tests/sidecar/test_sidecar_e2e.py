@@ -165,8 +165,8 @@ def test_several_agents_each_with_own_series_and_departed_one_expires(sidecar) -
                    samples(url).items() if n == "torch_cuda_allocator_reserved_bytes"}
         assert devices == {"0": "GPU-0", "1": "GPU-1", "2": "GPU-2"}
 
+        departed = time.monotonic()  # before stop(): the sidecar sees the departure later
         agents[1].stop()
-        departed = time.monotonic()
         wait_for(lambda: values(url, "allocwatch_agents_connected") == [2.0], what="departure")
         # The series stay until the expiry time (1 s here), then go; the others stay.
         wait_for(lambda: "1" not in by_rank(), timeout=10, what="expiry")
