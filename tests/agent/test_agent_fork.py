@@ -73,7 +73,7 @@ def test_forked_children_abandon_their_copy_and_leave_the_parents_stream(tmp_pat
             # The child's agent is the parent's object, abandoned: unconnected, and stopping it
             # waits for nothing (the parent's agent would drain for half of stop's timeout).
             assert child["same_object"] and not child["connected"], child
-            assert child["stop_seconds"] < 0.25, child
+            assert child["stop_seconds"] < 0.4, child  # a drain would take 0.5 s
         # The parent's stream never noticed: no reconnect, no error, and it reported on.
         assert result["connected"] and result["reconnects"] == 0, result
         assert result["last_error"] is None, result

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -205,7 +204,12 @@ def capped_agent(tmp_path: Path, request: pytest.FixtureRequest):
     agent = connect_agent(running, tmp_path, {0: allocator}, rank=0)
     (address,) = running.sidecar.admin.addresses()
     run_capped_steps(allocator)
-    time.sleep(0.2)  # a report with these figures
+    stats = allocator.stats()
+    assert stats["num_ooms"] > 0
+    after_the_run = agent.sequence + 1  # a report sampled once the run was over
+    wait_for(lambda: any(a.last_report is not None and a.last_report.sequence >= after_the_run
+                         for a in running.sidecar.registry.agents()),
+             what="a report with these figures")
     yield address, allocator.stats()
     agent.stop()
     running.stop()
@@ -304,7 +308,11 @@ def test_diagnose_refuses_to_replay_a_snapshot_with_no_events(
     (address,) = running.sidecar.admin.addresses()
     try:
         allocator.free(allocator.malloc(64 * MiB))
-        time.sleep(0.2)
+        after_the_free = agent.sequence + 1
+        wait_for(lambda: any(a.last_report is not None
+                             and a.last_report.sequence >= after_the_free
+                             for a in running.sidecar.registry.agents()),
+                 what="a report of the allocation")
         assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
     finally:
         agent.stop()
