@@ -45,7 +45,7 @@ class AdminConfig(Section):
     tcp_port: Port | None = None
     tcp_address: str = "127.0.0.1"
     # A reload brings a new token without a restart; so does a rotated Secret behind the same
-    # file (exporter.admin.token reads it again when it changes).
+    # file (exporter.tokens reads it again when it changes).
     token_file: str = setting("", reload=True)
     token_env: str = setting("", reload=True)
     # HTTPS on the TCP port: the token then never crosses the network in clear. With

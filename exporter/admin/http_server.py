@@ -40,9 +40,9 @@ from exporter.admin.service import (
     Selector,
 )
 from exporter.admin.tls import RenewingTlsContext
-from exporter.admin.token import RotatingToken
 from exporter.config import ConfigError, shown
 from exporter.sidecar.bounded_http import BoundedHttpServer, HttpError, read_body
+from exporter.tokens import RotatingToken
 
 log = logging.getLogger("exporter.admin")
 
@@ -115,7 +115,7 @@ class AdminHttpServer:
     def __init__(self, config: AdminConfig, agents_socket: str, service: AdminService):
         self.service = service
         self._config = config
-        self._token = RotatingToken(config)
+        self._token = RotatingToken(config, "admin")
         self.requests_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self._lock = threading.Lock()
         self.unix_path = config.socket_path(agents_socket)
@@ -145,7 +145,7 @@ class AdminHttpServer:
     def set_token(self, config: AdminConfig) -> None:
         """A reloaded settings file names a new token (a rotated Secret behind the same file
         needs no reload: `RotatingToken` reads it again)."""
-        token = RotatingToken(config)
+        token = RotatingToken(config, "admin")
         if token.current() is not None or self.tcp_url is None:
             self._token = token
 

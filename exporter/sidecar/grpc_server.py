@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from exporter.config import ConfigError, read_token
+from exporter.config import ConfigError
 from exporter.protocol.handshake import format_version, incompatibility, local_version
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
@@ -36,6 +36,7 @@ from exporter.sidecar.registry import (
     Registry,
 )
 from exporter.sidecar.screening import message_problem, screened_report, screened_result
+from exporter.tokens import RotatingToken
 
 log = logging.getLogger("exporter.grpc")
 
@@ -61,16 +62,16 @@ def _over_tcp(peer: str) -> bool:
     return peer.startswith(("ipv4:", "ipv6:"))
 
 
-def agent_token(config: AgentsConfig) -> bytes | None:
-    """The token agents on TCP must present, or None (no TCP listener, or mutual TLS alone).
-    A token file that does not exist is created with a fresh token, readable by those the
-    socket's mode admits and writable by nobody."""
+def agent_token(config: AgentsConfig) -> RotatingToken | None:
+    """The token agents on TCP must present (read again when its file changes), or None (no
+    TCP listener, or mutual TLS alone). A token file that does not exist is created with a
+    fresh token, readable by those the socket's mode admits and writable by nobody."""
     if config.tcp_port is None or not (config.token_file or config.token_env):
         return None
     if config.token_file and not os.path.lexists(config.token_file):
         _create_token_file(Path(config.token_file), config.socket_mode & 0o444)
     try:
-        return read_token(config, "agents")
+        return RotatingToken(config, "agents")
     except ConfigError as err:  # replaced or emptied since the settings were checked
         raise ListenError(str(err)) from None
 
@@ -103,7 +104,8 @@ def _create_token_file(path: Path, mode: int) -> None:
 
 
 class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, registry: Registry, config: AgentsConfig, token: bytes | None = None):
+    def __init__(self, registry: Registry, config: AgentsConfig,
+                 token: RotatingToken | None = None):
         self._registry = registry
         self._config = config
         self._token = token
@@ -111,13 +113,14 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     def _authenticated(self, context: aio.ServicerContext) -> bool:
         """Whether a stream may go on: any on the Unix socket (its mode guards it); on TCP,
         one presenting the token where one is required (compared in constant time)."""
-        if self._token is None or not _over_tcp(context.peer() or ""):
+        expected = self._token.current() if self._token is not None else None
+        if expected is None or not _over_tcp(context.peer() or ""):
             return True
         header = dict(context.invocation_metadata() or ()).get("authorization", "")
         presented = b""
         if isinstance(header, str) and header[:7].lower() == "bearer ":
             presented = header[7:].strip().encode("utf-8", "replace")
-        return hmac.compare_digest(presented, self._token)
+        return hmac.compare_digest(presented, expected)
 
     async def _refuse(self, context: aio.ServicerContext, code: grpc.StatusCode, reason: str,
                       message: str, peer: str, counted: bool = False) -> None:

@@ -169,7 +169,7 @@ def test_a_rotated_secret_takes_effect_at_the_next_request(
         assert call(address, "GET", "/v1/agents", None, bearer(TOKEN))[0] == 401
         assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
 
-        with caplog.at_level(logging.ERROR, logger="exporter.admin"):
+        with caplog.at_level(logging.ERROR, logger="exporter.tokens"):
             mount("..v3", "short")  # too short to be a token: refused, the rotated one stays
             assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
             assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
@@ -184,25 +184,25 @@ def test_a_token_file_read_while_it_was_written_is_read_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A token rewritten in place can be read cut short, yet 16 bytes or more: such a read is
     not put in force; the next request reads the file again and takes the whole token."""
-    from exporter.admin import token as admin_token
+    from exporter import tokens
     from exporter.admin.config import AdminConfig
 
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
-    rotating = admin_token.RotatingToken(AdminConfig(token_file=str(path)))
+    rotating = tokens.RotatingToken(AdminConfig(token_file=str(path)), "admin")
     rotated = TOKEN[::-1] + "0123456789"
     cut = rotated[:20]
     path.write_text(cut + "\n")
-    real_read = admin_token.read_token
+    real_read = tokens.read_token
 
-    def read_then_the_writer_finishes(config: AdminConfig) -> bytes | None:
-        token = real_read(config)
+    def read_then_the_writer_finishes(config: AdminConfig, path_name: str) -> bytes | None:
+        token = real_read(config, path_name)
         path.write_text(rotated + "\n")
         return token
 
-    monkeypatch.setattr(admin_token, "read_token", read_then_the_writer_finishes)
+    monkeypatch.setattr(tokens, "read_token", read_then_the_writer_finishes)
     assert rotating.current() == TOKEN.encode()  # the cut read is not in force
-    monkeypatch.setattr(admin_token, "read_token", real_read)
+    monkeypatch.setattr(tokens, "read_token", real_read)
     assert rotating.current() == rotated.encode()
 
 

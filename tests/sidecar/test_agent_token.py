@@ -67,7 +67,8 @@ def test_sidecars_starting_together_share_one_whole_token(tmp_path: Path) -> Non
     def one_sidecar(start: threading.Barrier, tokens: list[bytes | BaseException]) -> None:
         start.wait()
         try:
-            tokens.append(agent_token(agents))  # type: ignore[arg-type]
+            token = agent_token(agents)  # type: ignore[arg-type]
+            tokens.append(token.current() if token is not None else b"")
         except BaseException as err:  # noqa: BLE001 - reported below
             tokens.append(err)
 
@@ -83,6 +84,41 @@ def test_sidecars_starting_together_share_one_whole_token(tmp_path: Path) -> Non
         assert len(set(tokens)) == 1, (attempt, tokens)
         assert tokens[0] == token_file.read_bytes().strip() and len(tokens[0]) == 64
         assert sorted(p.name for p in token_file.parent.iterdir()) == ["agent-token"]
+
+
+def test_a_rotated_token_secret_admits_the_new_token_on_the_next_stream(
+        tmp_path: Path) -> None:
+    """The agent reads its token file at every connection; the sidecar reads the token again
+    when its file changes (the kubelet's symlink swap), so an agent that reconnects after a
+    Secret rotation is let in with the new token, and the old one no longer is."""
+    secret = tmp_path / "secret"
+
+    def mount(version: str, token: str) -> None:
+        (secret / version).mkdir(parents=True)
+        (secret / version / "token").write_text(token + "\n")
+        (secret / "..data_tmp").symlink_to(version)
+        os.replace(secret / "..data_tmp", secret / "..data")  # atomic, as the kubelet does
+
+    old, new = "a" * 32, "b" * 32
+    mount("..v1", old)
+    (secret / "token").symlink_to("..data/token")
+    running = tcp_sidecar(tmp_path, token_file=str(secret / "token"))
+
+    def admitted(token: str, rank: int) -> bool:
+        with Stream(_tcp(running), metadata=(("authorization", f"Bearer {token}"),)) as stream:
+            try:
+                return stream.send(hello(rank=rank)).answer().HasField("welcome")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+                return False
+
+    try:
+        assert admitted(old, 1)
+        mount("..v2", new)
+        assert not admitted(old, 2)
+        assert admitted(new, 3)
+    finally:
+        running.stop()
 
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong-token-0123456789"),),

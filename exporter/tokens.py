@@ -1,0 +1,58 @@
+"""The bearer tokens the sidecar checks (the admin API's, the agents' on TCP), read again when
+their file changes: a rotated Kubernetes Secret (the kubelet swaps the mounted file's symlink)
+takes effect at the next request or stream, no restart. The agent reads its token file at
+every connection, so both sides follow a rotation.
+
+Each check stats the file (a few microseconds, once per admin request or agent stream) and
+reads it only when its content stamp moved. A token that cannot be read, or is too short,
+leaves the one in force, logged once per change of the file; a file that changed while it was
+read (perhaps caught mid-write, a cut token of 16 bytes or more) is read again at the next
+check."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from exporter.config import ConfigError, read_token
+from exporter.protocol.files import Stamp, content_stamp
+
+log = logging.getLogger("exporter.tokens")
+
+
+class RotatingToken:
+    """The token a settings section names (`token_file`, else `token_env`; `path` is the
+    section's name in messages, "admin" or "agents"). `current()` is the token in force: None
+    where none is configured."""
+
+    def __init__(self, section: Any, path: str):
+        self._config = section
+        self._path = path
+        self._lock = threading.Lock()
+        self._stamp = self._file_stamp()
+        self._token = read_token(section, path)  # ConfigError at start: the sidecar refuses
+
+    def _file_stamp(self) -> Stamp | None:
+        return content_stamp(self._config.token_file) if self._config.token_file else None
+
+    def current(self) -> bytes | None:
+        if not self._config.token_file:  # none, or from the environment: fixed for the process
+            return self._token
+        with self._lock:
+            stamp = self._file_stamp()
+            if stamp == self._stamp:
+                return self._token
+            try:
+                token = read_token(self._config, self._path)
+            except ConfigError as err:
+                self._stamp = stamp  # logged once for this content; a new write reads again
+                log.error("the changed token file cannot be used; the token in force stays",
+                          extra={"section": self._path, "reason": str(err)})
+                return self._token
+            if self._file_stamp() == stamp:
+                if token != self._token:
+                    log.info("token file changed; the new token is in force",
+                             extra={"section": self._path, "path": self._config.token_file})
+                self._token, self._stamp = token, stamp
+            return self._token
