@@ -125,6 +125,8 @@ class Section:
 
 
 def _convert(value: Any, hint: Any, field: dataclasses.Field, path: str) -> Any:
+    if isinstance(value, str) and "\0" in value:  # no path, name or settings string holds one
+        raise ConfigError(f"{path}: a NUL character (\\0) cannot be part of a setting")
     parse = field.metadata.get("parse")
     if parse is not None:
         return parse(value, path)

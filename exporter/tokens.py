@@ -7,11 +7,19 @@ Each check stats the file (a few microseconds, once per admin request or agent s
 reads it only when its content stamp moved. A token that cannot be read, or is too short,
 leaves the one in force, logged once per change of the file; a file that changed while it was
 read (perhaps caught mid-write, a cut token of 16 bytes or more) is read again at the next
-check."""
+check.
+
+A changed file is trusted as the file at start was, and no further: it must belong to root,
+to the sidecar's user or to the owner of the file at start, and be writable by no one the file
+at start was not writable by. Otherwise anyone who may write in its directory, though not the
+file, could swap in a token of their own while the sidecar runs."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import stat
 import threading
 from typing import Any
 
@@ -32,6 +40,27 @@ class RotatingToken:
         self._lock = threading.Lock()
         self._stamp = self._file_stamp()
         self._token = read_token(section, path)  # ConfigError at start: the sidecar refuses
+        self._owners = {0, os.geteuid()}
+        self._writable_by = 0o022  # group and others, where the file at start allowed them
+        if section.token_file:
+            with contextlib.suppress(OSError):
+                at_start = os.stat(section.token_file)
+                self._owners.add(at_start.st_uid)
+                self._writable_by = 0o022 & ~at_start.st_mode
+
+    def _untrusted(self) -> str | None:
+        """Why the changed file is not trusted as the file at start was; None if it is."""
+        try:
+            st = os.stat(self._config.token_file)
+        except OSError:
+            return None  # read_token names what is wrong with it
+        if st.st_uid not in self._owners:
+            return (f"{self._path}.token_file: owned by uid {st.st_uid}, neither root, the "
+                    "sidecar's user nor the owner of the file at start")
+        if st.st_mode & self._writable_by:
+            return (f"{self._path}.token_file: writable by more users (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o}) than the file at start")
+        return None
 
     def _file_stamp(self) -> Stamp | None:
         return content_stamp(self._config.token_file) if self._config.token_file else None
@@ -44,6 +73,8 @@ class RotatingToken:
             if stamp == self._stamp:
                 return self._token
             try:
+                if (untrusted := self._untrusted()) is not None:
+                    raise ConfigError(untrusted)
                 token = read_token(self._config, self._path)
             except ConfigError as err:
                 self._stamp = stamp  # logged once for this content; a new write reads again

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import os
@@ -76,19 +77,26 @@ def agent_token(config: AgentsConfig) -> RotatingToken | None:
         raise ListenError(str(err)) from None
 
 
+# What link() answers on filesystems without hard links (vfat, many FUSE volumes, some SMB).
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+
+
 def _create_token_file(path: Path, mode: int) -> None:
     """Write the token to a private file beside `path` and link it into place: the name
     appears with its whole content or not at all, so another sidecar of the pod never reads it
-    empty, and a crash leaves no empty file behind. The link fails where the name exists: the
-    sidecar that linked first wins, the others read its token."""
+    empty, and a crash leaves at most a private staged file, never an empty token file. The
+    link fails where the name exists: the sidecar that linked first wins, the others read its
+    token. Where the filesystem has no hard links, the token is written into a file created
+    exclusively instead (a sidecar starting at that very moment may then read it empty)."""
+    token = secrets.token_hex(32) + "\n"
     try:
         path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
-        fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        fd, staged = tempfile.mkstemp(dir=path.parent, prefix=".token.")
     except OSError as err:
         raise ListenError(f"cannot create the agents' token file {path}: {err.strerror}") from None
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
+            f.write(token)
             f.flush()
             os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
@@ -96,11 +104,31 @@ def _create_token_file(path: Path, mode: int) -> None:
     except FileExistsError:
         return  # another sidecar of the pod made it first: read theirs
     except OSError as err:
-        raise ListenError(f"cannot create the agents' token file {path}: {err.strerror}") from None
+        if err.errno not in _NO_HARD_LINKS:
+            raise ListenError(
+                f"cannot create the agents' token file {path}: {err.strerror}") from None
+        log.info("no hard links on the token file's filesystem: created in place",
+                 extra={"path": str(path), "reason": err.strerror})
+        if not _create_token_file_in_place(path, mode, token):
+            return
     finally:
         with contextlib.suppress(OSError):
             os.unlink(staged)
     log.info("agents' token file created", extra={"path": str(path), "mode": oct(mode)})
+
+
+def _create_token_file_in_place(path: Path, mode: int, token: str) -> bool:
+    """Whether this sidecar created the file (False: another made it first; read theirs)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return False
+    except OSError as err:
+        raise ListenError(f"cannot create the agents' token file {path}: {err.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+        os.fchmod(f.fileno(), mode)
+    return True
 
 
 class AgentService(agent_pb2_grpc.AgentServiceServicer):

@@ -206,6 +206,50 @@ def test_a_token_file_read_while_it_was_written_is_read_again(
     assert rotating.current() == rotated.encode()
 
 
+def _swap_in(path: Path, token: str, mode: int, owner: int | None = None) -> None:
+    """Another file put in place of the token file (a rename: what a user who may write in
+    the directory, though not the file, can do)."""
+    staged = path.with_name("staged")
+    staged.write_text(token + "\n")
+    os.chmod(staged, mode)
+    if owner is not None:
+        os.chown(staged, owner, -1)
+    os.replace(staged, path)
+
+
+def test_a_swapped_token_file_writable_by_more_users_is_not_trusted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from exporter.admin.config import AdminConfig
+    from exporter.tokens import RotatingToken
+
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    os.chmod(path, 0o400)
+    rotating = RotatingToken(AdminConfig(token_file=str(path)), "admin")
+    planted = TOKEN[::-1]
+    with caplog.at_level(logging.ERROR, logger="exporter.tokens"):
+        _swap_in(path, planted, 0o666)
+        assert rotating.current() == TOKEN.encode()
+    (refusal,) = [r for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert "writable by more users (mode 0666)" in refusal.reason  # type: ignore[attr-defined]
+    _swap_in(path, planted, 0o440)  # as a Secret's file is: taken
+    assert rotating.current() == planted.encode()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file another owner")
+def test_a_swapped_token_file_of_another_owner_is_not_trusted(tmp_path: Path) -> None:
+    from exporter.admin.config import AdminConfig
+    from exporter.tokens import RotatingToken
+
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    rotating = RotatingToken(AdminConfig(token_file=str(path)), "admin")
+    _swap_in(path, TOKEN[::-1], 0o400, owner=54321)  # neither root, us, nor the first owner
+    assert rotating.current() == TOKEN.encode()
+    _swap_in(path, TOKEN[::-1], 0o400, owner=0)
+    assert rotating.current() == TOKEN[::-1].encode()
+
+
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 

@@ -7,6 +7,7 @@ ALLOCWATCH_TOKEN), and the token shows in no log line, metric or page."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import stat
@@ -84,6 +85,28 @@ def test_sidecars_starting_together_share_one_whole_token(tmp_path: Path) -> Non
         assert len(set(tokens)) == 1, (attempt, tokens)
         assert tokens[0] == token_file.read_bytes().strip() and len(tokens[0]) == 64
         assert sorted(p.name for p in token_file.parent.iterdir()) == ["agent-token"]
+
+
+@pytest.mark.parametrize("no_links", [errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS])
+def test_a_filesystem_without_hard_links_still_gets_a_token_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_links: int) -> None:
+    """vfat, many FUSE volumes and some SMB shares refuse link(): there the token file is
+    created in place, with the same mode, and no staged file stays. (link() is made to fail:
+    this machine's filesystems all have hard links.)"""
+    from exporter.sidecar import grpc_server
+
+    def refuse(src: object, dst: object) -> None:
+        raise OSError(no_links, os.strerror(no_links))
+
+    monkeypatch.setattr(grpc_server.os, "link", refuse)
+    config = sidecar_config(tmp_path, nvml=False)
+    token_file = tmp_path / "run" / "agent-token"
+    agents = dataclasses.replace(config.agents, tcp_port=0, token_file=str(token_file))
+    token = grpc_server.agent_token(agents)
+    assert token is not None and token.current() == token_file.read_bytes().strip()
+    assert len(token_file.read_bytes().strip()) == 64
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o440
+    assert sorted(p.name for p in token_file.parent.iterdir()) == ["agent-token"]
 
 
 def test_a_rotated_token_secret_admits_the_new_token_on_the_next_stream(

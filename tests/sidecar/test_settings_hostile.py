@@ -9,6 +9,7 @@ expands it fails there (and the test with it) without taking the machine's memor
 from __future__ import annotations
 
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -150,6 +151,22 @@ def test_a_duplicate_key_is_refused_naming_it(tmp_path: Path, text: str, key: st
     path = tmp_path / "dup.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=f"duplicate key '{key}'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text, key", [
+    ('admin: {tcp_port: 9000, token_file: "/run/token\\0x"}', "admin.token_file"),
+    ('agents: {unix_socket: "/run/allocwatch/agent.sock\\0"}', "agents.unix_socket"),
+    ('policy: {initial_settings: "garbage_collection_threshold:0.6\\0"}',
+     "policy.initial_settings"),
+])
+def test_a_nul_character_in_a_setting_is_refused_naming_it(tmp_path: Path, text: str,
+                                                           key: str) -> None:
+    """YAML's "\\0" is a NUL character, which no path or settings string holds: refused by
+    name at load, not a ValueError from open() or bind() later."""
+    path = tmp_path / "nul.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=f"{re.escape(key)}: a NUL character"):
         load_config(path)
 
 
