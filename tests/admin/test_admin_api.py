@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from support.admin import call
 from support.control import connect_agent, metric, start_control_sidecar
+from support.files import MountedVolume
 from support.sidecar import FakeSource, MiB, scrape
 
 from exporter.config import ConfigError
@@ -149,28 +150,21 @@ def test_a_rotated_secret_takes_effect_at_the_next_request(
     """The kubelet updates a mounted Secret by pointing its `..data` symlink at a new
     directory: the next request on TCP is checked against the new token, no reload, no
     restart. A token file that then cannot be used leaves the token in force."""
-    secret = tmp_path / "secret"
+    secret = MountedVolume(tmp_path / "secret", "token")
 
-    def mount(version: str, token: str) -> None:
-        (secret / version).mkdir(parents=True)
-        (secret / version / "token").write_text(token + "\n")
-        (secret / "..data_tmp").symlink_to(version)
-        os.replace(secret / "..data_tmp", secret / "..data")  # atomic, as the kubelet does
-
-    mount("..v1", TOKEN)
-    (secret / "token").symlink_to("..data/token")
+    secret.publish(TOKEN + "\n")
     running = start_control_sidecar(tmp_path, admin={
-        "unix_socket": "", "tcp_port": 0, "token_file": str(secret / "token")})
+        "unix_socket": "", "tcp_port": 0, "token_file": str(secret.path)})
     (address,) = running.sidecar.admin.addresses()
     rotated = TOKEN[::-1]
     try:
         assert call(address, "GET", "/v1/agents", None, bearer(TOKEN))[0] == 200
-        mount("..v2", rotated)
+        secret.publish(rotated + "\n")
         assert call(address, "GET", "/v1/agents", None, bearer(TOKEN))[0] == 401
         assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
 
         with caplog.at_level(logging.ERROR, logger="exporter.tokens"):
-            mount("..v3", "short")  # too short to be a token: refused, the rotated one stays
+            secret.publish("short\n")  # too short to be a token: refused, the rotated one stays
             assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
             assert call(address, "GET", "/v1/agents", None, bearer(rotated))[0] == 200
         (refusal,) = [r for r in caplog.records if "cannot be used" in r.getMessage()]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.files import MountedVolume
 from support.sidecar import FakeSource, scrape, sidecar_config, values
 from support.streams import Stream, hello
 from support.waiting import wait_for
@@ -114,18 +115,11 @@ def test_a_rotated_token_secret_admits_the_new_token_on_the_next_stream(
     """The agent reads its token file at every connection; the sidecar reads the token again
     when its file changes (the kubelet's symlink swap), so an agent that reconnects after a
     Secret rotation is let in with the new token, and the old one no longer is."""
-    secret = tmp_path / "secret"
-
-    def mount(version: str, token: str) -> None:
-        (secret / version).mkdir(parents=True)
-        (secret / version / "token").write_text(token + "\n")
-        (secret / "..data_tmp").symlink_to(version)
-        os.replace(secret / "..data_tmp", secret / "..data")  # atomic, as the kubelet does
+    secret = MountedVolume(tmp_path / "secret", "token")
 
     old, new = "a" * 32, "b" * 32
-    mount("..v1", old)
-    (secret / "token").symlink_to("..data/token")
-    running = tcp_sidecar(tmp_path, token_file=str(secret / "token"))
+    secret.publish(old + "\n")
+    running = tcp_sidecar(tmp_path, token_file=str(secret.path))
 
     def admitted(token: str, rank: int) -> bool:
         with Stream(_tcp(running), metadata=(("authorization", f"Bearer {token}"),)) as stream:
@@ -137,7 +131,7 @@ def test_a_rotated_token_secret_admits_the_new_token_on_the_next_stream(
 
     try:
         assert admitted(old, 1)
-        mount("..v2", new)
+        secret.publish(new + "\n")
         assert not admitted(old, 2)
         assert admitted(new, 3)
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.control import connect_agent, metric
-from support.files import replace_text
+from support.files import MountedVolume, replace_text
 from support.sidecar import FakeSource
 from support.waiting import wait_for
 
@@ -158,23 +158,17 @@ def test_fields_that_need_a_restart_keep_their_value(tmp_path: Path) -> None:
 
 def test_configmap_symlink_swap_and_new_initial_settings(tmp_path: Path) -> None:
     """Kubernetes updates a ConfigMap volume by pointing `..data` at a new directory."""
-    volume = tmp_path / "config"
-    (volume / "..v1").mkdir(parents=True)
-    (volume / "..v1" / "allocwatch.yaml").write_text(settings_text(tmp_path))
-    (volume / "..data").symlink_to("..v1")
-    (volume / "allocwatch.yaml").symlink_to("..data/allocwatch.yaml")
-    running = start(volume / "allocwatch.yaml")
+    volume = MountedVolume(tmp_path / "config", "allocwatch.yaml")
+    volume.publish(settings_text(tmp_path))
+    running = start(volume.path)
     allocator = ae.Allocator(ae.SimDevice(capacity=0), "native")
     agent = connect_agent(running, tmp_path, {0: allocator})
     try:
-        (volume / "..v2").mkdir()
-        (volume / "..v2" / "allocwatch.yaml").write_text(settings_text(tmp_path, """
+        volume.publish(settings_text(tmp_path, """
 policy:
   interval: 0.05
   initial_settings: "garbage_collection_threshold:0.65"
 """))
-        (volume / "..data_tmp").symlink_to("..v2")
-        os.replace(volume / "..data_tmp", volume / "..data")  # atomic, as the kubelet does
         # The new initial settings reach the agent that is already connected.
         wait_for(lambda: allocator.config()["garbage_collection_threshold"] == 0.65,
                  what="the swapped file's initial settings")

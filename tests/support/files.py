@@ -14,3 +14,24 @@ def replace_text(path: Path, text: str) -> None:
     staged = path.with_name(f".{path.name}.staged")
     staged.write_text(text)
     os.replace(staged, path)
+
+
+class MountedVolume:
+    """A Secret or ConfigMap volume as the kubelet lays it out: each version in a directory of
+    its own, `..data` a symlink to the current one, `NAME` a symlink through `..data`.
+    `publish(text)` makes a new version current with one atomic rename, as the kubelet does."""
+
+    def __init__(self, root: Path, name: str):
+        self.root, self.name = root, name
+        self.path = root / name
+        self._versions = 0
+
+    def publish(self, text: str) -> None:
+        self._versions += 1
+        version = f"..v{self._versions}"
+        (self.root / version).mkdir(parents=True)
+        (self.root / version / self.name).write_text(text)
+        (self.root / "..data_tmp").symlink_to(version)
+        os.replace(self.root / "..data_tmp", self.root / "..data")
+        if not self.path.is_symlink():
+            self.path.symlink_to(f"..data/{self.name}")
