@@ -17,6 +17,7 @@ file, could swap in a token of their own while the sidecar runs."""
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import stat
@@ -87,3 +88,15 @@ class RotatingToken:
                              extra={"section": self._path, "path": self._config.token_file})
                 self._token, self._stamp = token, stamp
             return self._token
+
+    def admits(self, authorization: object) -> bool:
+        """Whether an `Authorization` value presents the token in force (`Bearer TOKEN`,
+        compared in constant time: the comparison does not stop at the first differing byte);
+        False where none is configured."""
+        expected = self.current()
+        if expected is None:
+            return False
+        presented = b""
+        if isinstance(authorization, str) and authorization[:7].lower() == "bearer ":
+            presented = authorization[7:].strip().encode("utf-8", "replace")
+        return hmac.compare_digest(presented, expected)

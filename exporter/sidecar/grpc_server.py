@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hmac
 import logging
 import os
 import secrets
@@ -141,14 +140,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     def _authenticated(self, context: aio.ServicerContext) -> bool:
         """Whether a stream may go on: any on the Unix socket (its mode guards it); on TCP,
         one presenting the token where one is required (compared in constant time)."""
-        expected = self._token.current() if self._token is not None else None
-        if expected is None or not _over_tcp(context.peer() or ""):
+        if self._token is None or not _over_tcp(context.peer() or ""):
             return True
-        header = dict(context.invocation_metadata() or ()).get("authorization", "")
-        presented = b""
-        if isinstance(header, str) and header[:7].lower() == "bearer ":
-            presented = header[7:].strip().encode("utf-8", "replace")
-        return hmac.compare_digest(presented, expected)
+        return self._token.admits(dict(context.invocation_metadata() or ()).get("authorization"))
 
     async def _refuse(self, context: aio.ServicerContext, code: grpc.StatusCode, reason: str,
                       message: str, peer: str, counted: bool = False) -> None:
