@@ -13,18 +13,17 @@ whoever writes them.
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import os
 import pickle
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from allocator_ext.agent.history import with_starting_state
+from exporter.protocol.files import write_whole
 
 DEFAULT_MAX_BYTES = 256 << 20
 FILE_MODE = 0o640
@@ -58,18 +57,9 @@ def write_snapshot(directory: Path, snapshot: dict[str, Any], *, rank: int, devi
     name = (f"snapshot-{host}-{os.getpid()}-{rank_part}-cuda{device}-{_unique_stamp()}"
             ".pickle.gz")
     path = directory / name
-    # A temporary file of its own: the sampler thread (after an OOM) and a command may write at
-    # once. Its name starts with '.' so that the sidecar never serves it.
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), FILE_MODE)  # a umask of 077 must not hide it from the group
-            f.write(data)
-        os.replace(tmp, path)  # the sidecar never sees a half-written file
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    # The sidecar never sees a half-written file, and the sampler thread (after an OOM) and a
+    # command may write at once; a umask of 077 must not hide the file from the group.
+    write_whole(path, data, mode=FILE_MODE)
     return path, len(data)
 
 

@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import os
 import re
-import secrets
 import shutil
 import struct
 import subprocess
@@ -31,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from exporter.protocol.files import write_whole
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "backend.cpp"
@@ -311,7 +312,7 @@ def ensure_built(p: Plan, root: Path | None = None, force: bool = False,
         except BuildError as e:
             reason = str(e) or _UNKNOWN_REASON.format(log=folder / LOG_NAME)
             try:
-                _write_atomically(failed, reason)
+                write_whole(failed, reason.encode())
             except OSError:
                 pass  # not remembered: the next process tries again; this one still says why
             raise
@@ -334,20 +335,6 @@ def remembered_failure(failed: Path) -> str | None:
 def _raise_remembered_failure(failed: Path) -> None:
     if (reason := remembered_failure(failed)) is not None:
         raise BuildError(reason)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Readers see the whole text or no file. The temporary file is created as open() would
-    (mode 0666 less the umask), so that a cache shared between users stays readable."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
 
 
 def library(force: bool = False) -> Path:

@@ -1,11 +1,16 @@
-"""Reading a small file named in the settings or the environment (a settings file, a token),
-for the sidecar and the agent alike: such a path may name a FIFO, which would hold the reader
-forever, or a device like /dev/zero, which never ends."""
+"""Files the sidecar and the agent alike read or write.
+
+Reading a small file named in the settings or the environment (a settings file, a token): such
+a path may name a FIFO, which would hold the reader forever, or a device like /dev/zero, which
+never ends. Writing a file that others read meanwhile (a snapshot, a build's failure marker):
+they must see the whole file or none."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -48,3 +53,23 @@ def content_stamp(path: str | Path) -> Stamp | None:
     if not stat.S_ISREG(st.st_mode):
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def write_whole(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Write `data` to `path` so that a reader sees the whole new file, the old one, or none:
+    a staged file of this writer's own beside it (a dot name, which no listing serves; two
+    writers never share one), renamed into place, and removed if the write fails. `mode` is set
+    whatever the umask; without it the file is created as open() would (0666 less the umask)."""
+    staged = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                 0o666 if mode is None else 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+            f.write(data)
+        os.replace(staged, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from allocator_ext.native import build
+from exporter.protocol.files import write_whole
 
 torch = pytest.importorskip("torch")
 
@@ -136,12 +137,12 @@ def test_a_failure_marker_removed_as_it_is_read_is_no_marker(
 def test_a_failure_marker_is_never_seen_empty_or_partial(tmp_path: Path) -> None:
     failed = tmp_path / build.FAILED_NAME
     reason = "compiling the native back end failed: " + "x" * (1 << 20)
-    build._write_atomically(failed, reason)
+    write_whole(failed, reason.encode())
     stop = threading.Event()
 
     def rewrite() -> None:
         while not stop.is_set():
-            build._write_atomically(failed, reason)
+            write_whole(failed, reason.encode())
 
     writer = threading.Thread(target=rewrite)
     writer.start()
@@ -172,10 +173,10 @@ def test_a_failure_that_cannot_be_remembered_is_still_a_build_error(
         sys.exit(1)
         """)
 
-    def disk_full(path: Path, text: str) -> None:
+    def disk_full(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(build, "_write_atomically", disk_full)
+    monkeypatch.setattr(build, "write_whole", disk_full)
     for _ in range(2):
         with pytest.raises(build.BuildError, match="no member named 'recordHistory'"):
             build.ensure_built(plan, root=tmp_path / "cache")
