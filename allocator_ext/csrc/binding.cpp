@@ -349,10 +349,10 @@ PYBIND11_MODULE(_core, m) {
                 std::chrono::duration<double>(fresh_for_s)));
           },
           py::arg("fresh_for_s"),
-          "The most a new block could get (PyTorch's cacheInfo with no guess, which cuDNN asks "
-          "for each convolution it plans): the device's free memory, asked at most every "
-          "`fresh_for_s` seconds and adjusted by this allocator's reserved bytes in between, or "
-          "the largest cached free block if larger.")
+          "The most a new block could get (PyTorch's cacheInfo with no guess, which cuDNN's "
+          "benchmark mode asks for each convolution it plans): the device's free memory, asked "
+          "at most every `fresh_for_s` seconds and adjusted by this allocator's reserved bytes in "
+          "between, or the largest cached free block if larger.")
       .def("empty_cache", &CachingAllocator::empty_cache,
            "Release every cached block that is not split; returns the bytes released.")
       .def("garbage_collect", &CachingAllocator::garbage_collect,

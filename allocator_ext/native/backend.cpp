@@ -453,10 +453,11 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   void enable(bool value) override { enabled_.store(value); }
   bool isEnabled() const override { return enabled_.load(); }
 
-  // cuDNN sizes its workspaces with this, for every convolution it plans. As PyTorch's: a zero
-  // guess starts from the device's free memory, then the largest cached block raises it. PyTorch
-  // asks the driver for the free memory every time; allocwatch's core at most every
-  // kDeviceFreeFreshFor, counting its own mapping in between (CachingAllocator::workspace_room).
+  // cuDNN's benchmark mode sizes its workspaces with this, for every convolution it plans. As
+  // PyTorch's: a zero guess starts from the device's free memory, then the largest cached block
+  // raises it. PyTorch asks the driver for the free memory every time; allocwatch's core at most
+  // every kDeviceFreeFreshFor, counting its own mapping in between
+  // (CachingAllocator::workspace_room).
   // Before the device has an allocator, the driver is asked.
   void cacheInfo(c10::DeviceIndex device, std::size_t* largestBlock) override {
     if (*largestBlock == 0 &&

@@ -503,12 +503,12 @@ std::size_t CachingAllocator::largest_free_block_locked() const {
 
 std::size_t CachingAllocator::workspace_room(std::chrono::nanoseconds fresh_for) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // cuDNN plans every convolution of a new shape, a few hundred in a step of a convnet whose
-  // image sizes vary, and PyTorch's answer is a driver call each time. Between two calls the
-  // device's free memory moves by this process's own mapping and unmapping, which is counted
-  // here, and by other processes sharing the device, which an answer at most `fresh_for` old
-  // misses: a workspace that then does not fit fails and cuDNN asks for less, as it does when
-  // the device fills between PyTorch's call and its allocation.
+  // cuDNN's benchmark mode plans every convolution of a new shape, a few hundred in a step of a
+  // convnet whose image sizes vary, and PyTorch's answer is a driver call each time. Between
+  // two calls the device's free memory moves by this process's own mapping and unmapping,
+  // which is counted here, and by other processes sharing the device, which an answer at most
+  // `fresh_for` old misses: a workspace that then does not fit fails and cuDNN asks for less, as
+  // it does when the device fills between PyTorch's call and its allocation.
   const std::int64_t reserved = stats_.reserved_bytes.by_pool[kAggregate].current;
   const auto now = std::chrono::steady_clock::now();
   DeviceFreeAsked& asked = device_free_asked_;
