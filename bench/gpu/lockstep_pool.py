@@ -12,27 +12,45 @@ every ratio pooled is judged / other. A file that did not time the judged alloca
 that is not a lockstep result, is refused by name, and nothing is reported.
 
 Reported per group: the runs, the steps, each run's median and the pooled median per-step
-ratio, with the verdict against the bar.
+ratio, with the verdict against the bar; how far the pooled median can be trusted, as its 95 %
+interval over the rounds resampled (a round's steps share a seed and a spell of the host, so
+the round, not the step, is the unit drawn; the draws are seeded, so a rerun gives the same
+interval), and whether the verdict holds at both ends of it (`settled`); and the median over
+the steps whose shape is new to the run against those of a shape it timed before (with
+shapes drawn afresh most are new; what a step costs the host then is mostly planning for the
+new shape: cuDNN's plans for each convolution, the MoE's routing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 BAR = 1.00  # the median per-step ratio a setting must not exceed, at two decimals
+RESAMPLES = 2000  # draws of the rounds for the interval of the pooled median
+INTERVAL_SEED = 0
 
 
 class PoolError(ValueError):
     """A file that cannot be pooled, named with why."""
 
 
-def judged_ratios(path: Path, judged: str) -> list[tuple[str, float, list[float]]]:
-    """(workload, fraction of peak, ratios judged / other) for each phase of the run in `path`."""
+class Round:
+    """One timed round's ratios (judged / other) and, per step, whether its shape was new to the
+    run (None where the run did not record shapes)."""
+
+    def __init__(self, ratios: list[float], new_shape: list[bool] | None) -> None:
+        self.ratios = ratios
+        self.new_shape = new_shape
+
+
+def judged_rounds(path: Path, judged: str) -> list[tuple[str, float, list[Round]]]:
+    """(workload, fraction of peak, rounds judged / other) for each phase of the run in `path`."""
     try:
         result = json.loads(path.read_text())
         ours, against, model = result["ours"], result["against"], result["model"]
@@ -45,32 +63,79 @@ def judged_ratios(path: Path, judged: str) -> list[tuple[str, float, list[float]
                         f"allocator")
     out = []
     for phase in phases:
-        ratios = [r for rnd in phase.get("rounds", []) for r in rnd["step_ratios"]]
-        if judged == against:
-            ratios = [1.0 / r for r in ratios]
-        out.append((model, float(phase.get("fraction_of_peak") or 0.0), ratios))
+        seen: set[str] = set()
+        rounds = []
+        for rnd in phase.get("rounds", []):
+            ratios = list(rnd["step_ratios"])
+            if judged == against:
+                ratios = [1.0 / r for r in ratios]
+            shapes = rnd.get("shapes")
+            new_shape = None
+            if shapes is not None and len(shapes) == len(ratios):
+                keys = [json.dumps(shape) for shape in shapes]
+                new_shape = [key not in seen for key in keys]
+                seen.update(keys)
+            rounds.append(Round(ratios, new_shape))
+        out.append((model, float(phase.get("fraction_of_peak") or 0.0), rounds))
     return out
+
+
+def median_interval(rounds: list[Round], seed: int = INTERVAL_SEED) -> tuple[float, float]:
+    """The 95 % interval of the median per-step ratio over `rounds` drawn with replacement."""
+    draw = random.Random(seed)
+    medians = sorted(
+        statistics.median([r for rnd in draw.choices(rounds, k=len(rounds)) for r in rnd.ratios])
+        for _ in range(RESAMPLES))
+    return medians[int(0.025 * RESAMPLES)], medians[int(0.975 * RESAMPLES) - 1]
+
+
+def by_shape(rounds: list[Round]) -> dict[str, Any] | None:
+    """Median ratio and count of the steps of a shape new to the run, and of the others."""
+    if any(rnd.new_shape is None for rnd in rounds):
+        return None
+    split: dict[bool, list[float]] = {True: [], False: []}
+    for rnd in rounds:
+        for ratio, new in zip(rnd.ratios, rnd.new_shape or [], strict=True):
+            split[new].append(ratio)
+    return {"new": {"steps": len(split[True]), "median_step_ratio":
+                    statistics.median(split[True]) if split[True] else None},
+            "repeated": {"steps": len(split[False]), "median_step_ratio":
+                         statistics.median(split[False]) if split[False] else None}}
+
+
+def meets(median: float) -> bool:
+    return round(median, 2) <= BAR
 
 
 def pool(paths: list[Path], judged: str) -> list[dict[str, Any]]:
     groups: dict[tuple[str, float], dict[str, Any]] = {}
     for path in paths:
-        for model, fraction, ratios in judged_ratios(path, judged):
+        for model, fraction, rounds in judged_rounds(path, judged):
+            ratios = [r for rnd in rounds for r in rnd.ratios]
             if not ratios:
                 continue
             group = groups.setdefault((model, fraction), {"workload": model, "fraction_of_peak":
-                                                          fraction, "runs": [], "ratios": []})
+                                                          fraction, "runs": [], "rounds": []})
             group["runs"].append({"file": str(path), "steps": len(ratios),
                                   "median_step_ratio": statistics.median(ratios)})
-            group["ratios"].extend(ratios)
+            group["rounds"].extend(rnd for rnd in rounds if rnd.ratios)
     rows = []
     for key in sorted(groups):
         group = dict(groups[key])
-        ratios = group.pop("ratios")
+        rounds = group.pop("rounds")
+        ratios = [r for rnd in rounds for r in rnd.ratios]
         median = statistics.median(ratios)
-        rows.append({**group, "steps": len(ratios), "median_step_ratio": median,
-                     "meets_bar": round(median, 2) <= BAR})
+        low, high = median_interval(rounds)
+        rows.append({**group, "rounds": len(rounds), "steps": len(ratios),
+                     "median_step_ratio": median, "meets_bar": meets(median),
+                     "interval_95": [low, high], "settled": meets(low) == meets(high),
+                     "by_shape": by_shape(rounds)})
     return rows
+
+
+def _median_of(part: dict[str, Any]) -> str:
+    median = part["median_step_ratio"]
+    return f"{part['steps']} steps" + (f", median {median:.3f}" if median is not None else "")
 
 
 def main() -> int:
@@ -89,9 +154,16 @@ def main() -> int:
     for row in rows:
         cap = f"at {row['fraction_of_peak']:g} x" if row["fraction_of_peak"] else "uncapped"
         verdict = "meets" if row["meets_bar"] else "misses"
+        low, high = row["interval_95"]
         print(f"{row['workload']}, {cap}: median per-step ratio {row['median_step_ratio']:.3f} "
               f"over {row['steps']} steps of {len(row['runs'])} runs ({verdict} the bar of "
               f"{BAR:.2f})")
+        print(f"    95 % interval over the {row['rounds']} rounds resampled: {low:.3f}-{high:.3f}"
+              + ("" if row["settled"] else " (the verdict differs at its ends: not settled)"))
+        if row["by_shape"]:
+            new, repeated = row["by_shape"]["new"], row["by_shape"]["repeated"]
+            print("    steps of a shape new to the run: " + _median_of(new)
+                  + "; of a shape timed before: " + _median_of(repeated))
         for run in row["runs"]:
             print(f"    {run['median_step_ratio']:.3f}  {run['steps']:4d} steps  {run['file']}")
     if args.json:

@@ -265,6 +265,55 @@ def test_lockstep_pool_reproduces_the_documented_convnet_verdicts_from_the_raw_r
     assert "misses the bar" in out.stdout and "meets the bar" in out.stdout
 
 
+def test_lockstep_pool_gives_the_verdict_its_interval_and_splits_new_shapes_from_repeated(
+        tmp_path: Path) -> None:
+    # docs/benchmarks.md ("Fresh shapes", commit 6765972, H200): the convnet's five uncapped runs
+    # pool to 1.004, whose interval over the 72 rounds resampled crosses 1.005: the verdict is
+    # not settled. Its gap sits on the steps of a shape new to the run.
+    out_json = tmp_path / "pooled.json"
+    runs = [f"bar_h200_convnet_{call}_{order}.json" for call in ("a", "b")
+            for order in ("allocwatch_first", "expandable_first", "cap103_allocwatch_first",
+                          "cap103_expandable_first")]
+    out = pool_lockstep(*runs, "lockstep_h200_suite_convnet.json", "--json", out_json)
+    assert out.returncode == 0, out.stderr
+    uncapped, capped = json.loads(out_json.read_text())["groups"]
+    assert (uncapped["rounds"], uncapped["steps"]) == (72, 864)
+    assert round(uncapped["median_step_ratio"], 3) == 1.004 and uncapped["meets_bar"]
+    low, high = uncapped["interval_95"]
+    assert low <= uncapped["median_step_ratio"] <= high
+    assert round(low, 2) == 1.00 and round(high, 2) == 1.01 and not uncapped["settled"]
+    assert capped["meets_bar"] and capped["settled"]
+    shapes = uncapped["by_shape"]
+    assert (shapes["new"]["steps"], shapes["repeated"]["steps"]) == (768, 96)
+    assert shapes["new"]["median_step_ratio"] > 1.005 > shapes["repeated"]["median_step_ratio"]
+    assert "not settled" in out.stdout and "steps of a shape new to the run: 768" in out.stdout
+    # The interval is drawn from a fixed seed: the same files give the same interval.
+    again = pool_lockstep(*runs, "lockstep_h200_suite_convnet.json")
+    assert again.stdout == out.stdout
+
+
+def test_lockstep_pool_interval_is_the_median_itself_where_resampling_cannot_move_it(
+        tmp_path: Path) -> None:
+    # Every round has the median 1.0, so no draw of them moves it; a run without recorded
+    # shapes has no split.
+    def run(name: str, ratios: list[float]) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"ours": "allocwatch", "against": "expandable",
+                                    "model": "convnet", "phases": [{
+                                        "fraction_of_peak": 0.0,
+                                        "rounds": [{"step_ratios": ratios} for _ in range(8)]}]}))
+        return path
+
+    out_json = tmp_path / "pooled.json"
+    out = pool_lockstep(run("a.json", [0.99, 1.0, 1.01]), run("b.json", [1.0, 1.0, 1.0]),
+                        "--json", out_json)
+    assert out.returncode == 0, out.stderr
+    (group,) = json.loads(out_json.read_text())["groups"]
+    assert group["median_step_ratio"] == 1.0 and group["interval_95"] == [1.0, 1.0]
+    assert group["settled"] and group["by_shape"] is None
+    assert "new to the run" not in out.stdout
+
+
 def test_lockstep_pool_refuses_a_run_that_did_not_time_the_judged_allocator(
         tmp_path: Path) -> None:
     out = pool_lockstep("lockstep_h100_convnet_8r.json",
