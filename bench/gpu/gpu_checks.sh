@@ -30,6 +30,11 @@
 #                convnet, 16 rounds of 12 steps, uncapped and at 1.03 x, each once with allocwatch's
 #                process first and once with expandable's, pooled by bench/gpu/lockstep_pool.py
 #                (about 5 minutes)
+#   convnetsplit where the convnet's gap goes, 16 rounds of 12 steps each, in both process orders:
+#                our core under PyTorch's page rules (ALLOCWATCH_ALLOC_CONF=native) against PyTorch's
+#                allocator, the same layout on both sides; then the native back end against the
+#                pluggable path, the same core; each pair pooled by bench/gpu/lockstep_pool.py
+#                (about 4 minutes)
 #   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
 #                expandable segments, both capped at 1.03 x the workload's peak requested bytes
 #   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
@@ -127,6 +132,24 @@ run_part() {
       done
       part "convnet step-time bar, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
         "$OUT"/bar_convnet*_first.json --json "$OUT/bar_convnet_pooled.json" ;;
+    convnetsplit)
+      local lockstep=(bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12)
+      part "convnet, our core under PyTorch's rules against PyTorch's allocator, ours first" \
+        env ALLOCWATCH_ALLOC_CONF=native "$PYTHON" "${lockstep[@]}" --ours allocwatch \
+        --against pytorch --json "$OUT/split_rules_allocwatch_first.json"
+      part "convnet, the same, PyTorch's first" env ALLOCWATCH_ALLOC_CONF=native "$PYTHON" \
+        "${lockstep[@]}" --ours pytorch --against allocwatch \
+        --json "$OUT/split_rules_pytorch_first.json"
+      part "convnet, the native back end against the pluggable path, native first" "$PYTHON" \
+        "${lockstep[@]}" --ours allocwatch --against allocwatch-pluggable \
+        --json "$OUT/split_backends_native_first.json"
+      part "convnet, the same, pluggable first" "$PYTHON" "${lockstep[@]}" \
+        --ours allocwatch-pluggable --against allocwatch \
+        --json "$OUT/split_backends_pluggable_first.json"
+      part "convnet, PyTorch's rules on both sides, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+        "$OUT"/split_rules_*_first.json --json "$OUT/split_rules_pooled.json"
+      part "convnet, native against pluggable, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+        "$OUT"/split_backends_*_first.json --json "$OUT/split_backends_pooled.json" ;;
     caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
         --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     probes)  # never a binary left from an earlier call: the run needs this build

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -324,6 +325,19 @@ def test_lockstep_pool_refuses_a_run_that_did_not_time_the_judged_allocator(
     corrupt.write_text('{"ours": "allocwatch", "phases": [')
     out = pool_lockstep(corrupt)
     assert out.returncode == 2 and "cut.json: not a step_lockstep.py result" in out.stderr
+
+
+def test_gpu_checks_documents_every_part_it_runs_and_runs_every_part_it_documents() -> None:
+    # The header is the GPU session's menu: a part missing from it is never asked for, a part
+    # only in it fails on the device, where a call costs minutes.
+    script = (REPO / "bench/gpu/gpu_checks.sh").read_text()
+    documented = set(re.findall(r"^#   ([a-z0-9-]+)\s", script.split("\nset -u")[0], re.M))
+    body = script[script.index("run_part() {"):script.index("main() {")]
+    runs = set(re.findall(r"^    ([a-z0-9-]+)\)", body, re.M))
+    assert documented == runs and {"convnetbar", "convnetsplit", "lockstep"} <= runs
+    out = subprocess.run(["bash", "-n", "bench/gpu/gpu_checks.sh"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
 
 
 def test_host_profile_refuses_zero_steps() -> None:
