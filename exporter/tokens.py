@@ -9,6 +9,11 @@ leaves the one in force, logged once per change of the file; a file that changed
 read (perhaps caught mid-write, a cut token of 16 bytes or more) is read again at the next
 check.
 
+The servers check from their event loop, which also answers every scrape: the file is stat'ed
+and read in a thread of its own, and a check that has not finished within
+FILE_CHECK_TIMEOUT_S (a hung network mount) leaves the token in force to answer, at once for
+as long as that check still hangs. Logged once per hang.
+
 A changed file is trusted as the file at start was, and no further: it must belong to root,
 to the sidecar's user or to the owner of the file at start, and be writable by no one the file
 at start was not writable by. Otherwise anyone who may write in its directory, though not the
@@ -16,18 +21,25 @@ file, could swap in a token of their own while the sidecar runs."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import logging
 import os
 import stat
 import threading
+import time
 from typing import Any
 
 from exporter.config import ConfigError, read_token
 from exporter.protocol.files import Stamp, content_stamp
 
 log = logging.getLogger("exporter.tokens")
+
+# How long a check from the event loop waits for the token file before the token in force
+# answers (FILE_CHECK_TIMEOUT_S in the module's docstring).
+FILE_CHECK_TIMEOUT_S = 0.5
 
 
 class RotatingToken:
@@ -48,6 +60,12 @@ class RotatingToken:
                 at_start = os.stat(section.token_file)
                 self._owners.add(at_start.st_uid)
                 self._writable_by = 0o022 & ~at_start.st_mode
+        # The check in flight and when it started: a lock of their own, since the checking
+        # thread holds `_lock` for as long as the file takes to answer.
+        self._check_lock = threading.Lock()
+        self._check: concurrent.futures.Future[bytes | None] | None = None
+        self._check_started = 0.0  # time.monotonic()
+        self._hang_logged = False
 
     def _untrusted(self) -> str | None:
         """Why the changed file is not trusted as the file at start was; None if it is."""
@@ -89,11 +107,48 @@ class RotatingToken:
                 self._token, self._stamp = token, stamp
             return self._token
 
-    def admits(self, authorization: object) -> bool:
+    async def current_from_loop(self) -> bytes | None:
+        """current() for an event loop: the file is read in a thread of its own; a check still
+        running after FILE_CHECK_TIMEOUT_S leaves the token in force to answer."""
+        if not self._config.token_file:
+            return self._token
+        with self._check_lock:
+            if self._check is None or self._check.done():
+                self._check, self._check_started = self._start_check(), time.monotonic()
+            check, started = self._check, self._check_started
+        waited = time.monotonic() - started
+        if waited < FILE_CHECK_TIMEOUT_S:
+            with contextlib.suppress(asyncio.TimeoutError):
+                # shield: a request that stops waiting leaves the check running for the next
+                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(check)),
+                                              FILE_CHECK_TIMEOUT_S - waited)
+        if not self._hang_logged:
+            self._hang_logged = True
+            log.error("the token file has not answered; the token in force stays until it does",
+                      extra={"section": self._path, "path": self._config.token_file,
+                             "waited_seconds": FILE_CHECK_TIMEOUT_S})
+        return self._token
+
+    def _start_check(self) -> concurrent.futures.Future[bytes | None]:
+        check: concurrent.futures.Future[bytes | None] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                check.set_result(self.current())
+                self._hang_logged = False
+            except BaseException as err:  # handed to the request waiting on it
+                check.set_exception(err)
+
+        # A daemon thread, not a pool's: one hung in a stat must not hold the sidecar's exit.
+        threading.Thread(target=run, name=f"allocwatch-{self._path}-token-file",
+                         daemon=True).start()
+        return check
+
+    async def admits(self, authorization: object) -> bool:
         """Whether an `Authorization` value presents the token in force (`Bearer TOKEN`,
         compared in constant time: the comparison does not stop at the first differing byte);
-        False where none is configured."""
-        expected = self.current()
+        False where none is configured. From an event loop, which the file never holds up."""
+        expected = await self.current_from_loop()
         if expected is None:
             return False
         presented = b""

@@ -152,8 +152,8 @@ class AdminHttpServer:
         found = [f"unix://{self.unix_path}"] if self.unix_path else []
         return found + ([self.tcp_url] if self.tcp_url else [])
 
-    def authorized(self, header: str | None) -> bool:
-        return self._token.admits(header)
+    async def authorized(self, header: str | None) -> bool:
+        return await self._token.admits(header)
 
     def count(self, endpoint: str, code: int) -> None:
         with self._lock:
@@ -174,7 +174,7 @@ class AdminHttpServer:
         try:
             # The Unix socket's file mode is its access control; TCP needs the token.
             if not (BoundedHttpServer.over_unix_socket(request)
-                    or self.authorized(request.headers.get("Authorization"))):
+                    or await self.authorized(request.headers.get("Authorization"))):
                 raise AdminError(401, "missing or wrong bearer token")
             body = (await read_body(request, self._config.limits.max_body_bytes)
                     if needs_body(method, path) else b"")

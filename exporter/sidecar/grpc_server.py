@@ -137,12 +137,13 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self._config = config
         self._token = token
 
-    def _authenticated(self, context: aio.ServicerContext) -> bool:
+    async def _authenticated(self, context: aio.ServicerContext) -> bool:
         """Whether a stream may go on: any on the Unix socket (its mode guards it); on TCP,
         one presenting the token where one is required (compared in constant time)."""
         if self._token is None or not _over_tcp(context.peer() or ""):
             return True
-        return self._token.admits(dict(context.invocation_metadata() or ()).get("authorization"))
+        return await self._token.admits(
+            dict(context.invocation_metadata() or ()).get("authorization"))
 
     async def _refuse(self, context: aio.ServicerContext, code: grpc.StatusCode, reason: str,
                       message: str, peer: str, counted: bool = False) -> None:
@@ -156,7 +157,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
 
     async def Connect(self, request_iterator, context: aio.ServicerContext):  # noqa: N802
         peer = context.peer() or "unknown"
-        if not self._authenticated(context):
+        if not await self._authenticated(context):
             self._registry.count_refused("unauthenticated")
             await self._refuse(
                 context, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",

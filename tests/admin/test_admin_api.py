@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from support.admin import call
 from support.control import connect_agent, metric, start_control_sidecar
 from support.files import MountedVolume
 from support.sidecar import FakeSource, MiB, scrape
+from support.waiting import wait_for
 
 from exporter.config import ConfigError
 from exporter.sidecar.config import parse_config
@@ -171,6 +173,57 @@ def test_a_rotated_secret_takes_effect_at_the_next_request(
         assert "shorter than 16 bytes" in refusal.reason  # type: ignore[attr-defined]
         assert call(address, "GET", "/v1/agents", None, bearer("short"))[0] == 401
     finally:
+        running.stop()
+
+
+def test_a_token_file_that_stops_answering_holds_up_neither_requests_nor_scrapes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A token file on a network mount whose server stops answering (a hung NFS mount) must
+    not stall the sidecar's event loop, which answers the scrapes too: a request waits at most
+    FILE_CHECK_TIMEOUT_S and goes on with the token in force, later ones go on at once while
+    the file still hangs, and once it answers, a rotated token is read again. No mount can
+    be made to hang here (no NFS server, no FUSE): the token file's stat blocks instead,
+    until the test lets it go."""
+    from exporter import tokens
+
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    running = start_control_sidecar(tmp_path, admin={
+        "unix_socket": "", "tcp_port": 0, "token_file": str(path)})
+    (address,) = running.sidecar.admin.addresses()
+    release, stats = threading.Event(), []
+    real_stamp = tokens.content_stamp
+
+    def hanging_stamp(name: str | Path) -> tokens.Stamp | None:
+        if Path(name) == path:
+            stats.append(threading.current_thread().name)
+            release.wait(30)
+        return real_stamp(name)
+
+    monkeypatch.setattr(tokens, "content_stamp", hanging_stamp)
+    first: list[int] = []
+    waiting = threading.Thread(
+        target=lambda: first.append(call(address, "GET", "/v1/agents", None, bearer(TOKEN))[0]))
+    try:
+        with caplog.at_level(logging.ERROR, logger="exporter.tokens"):
+            waiting.start()
+            wait_for(lambda: stats, what="the token file's check to start")
+            # The check hangs in a thread of its own: the loop serves a scrape meanwhile.
+            assert "allocwatch_admin_requests_total" in scrape(running.sidecar.metrics_url)[0]
+            waiting.join(10)
+            assert first == [200]  # after FILE_CHECK_TIMEOUT_S, with the token in force
+            assert call(address, "GET", "/v1/agents", None, bearer(TOKEN))[0] == 200
+            assert call(address, "GET", "/v1/agents", None, bearer(TOKEN[::-1]))[0] == 401
+            assert len(stats) == 1  # no new check while the first still hangs
+        hangs = [r for r in caplog.records if "has not answered" in r.getMessage()]
+        assert len(hangs) == 1
+        assert stats[0].startswith("allocwatch-admin-token-file")
+        path.write_text(TOKEN[::-1] + "\n")
+        release.set()
+        wait_for(lambda: call(address, "GET", "/v1/agents", None, bearer(TOKEN[::-1]))[0] == 200,
+                 what="the rotated token to be read once the file answers")
+    finally:
+        release.set()
         running.stop()
 
 
