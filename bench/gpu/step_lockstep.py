@@ -42,7 +42,9 @@ step time, these say so. Per step also the time until the host had queued the wh
 its median share of the step shows whether the workload is bound by the host (where the
 allocator's own calls count) or by the device, and the median of ours over the other's
 queuing time whether our host side is slower. Also each allocator's peak reserved / peak
-requested.
+requested, and its allocation retries and out-of-memory errors since its process started
+(those its code caught and went on from count too: cuDNN then tries a smaller workspace or
+another plan, at a cost on the host).
 
 --ours picks the allocator judged (default allocwatch's); --ours and --against the same
 allocator check the harness itself, whose ratio should then be 1.00 within the spread.
@@ -304,6 +306,9 @@ def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int)
             for t, s in zip(trainers, stats, strict=True)}
         phase["num_alloc_retries"] = {t.name: s["num_alloc_retries"]
                                       for t, s in zip(trainers, stats, strict=True)}
+        # Since the process started: out-of-memory errors its code caught and went on from
+        # count here too (cuDNN tries a smaller workspace, or another plan).
+        phase["num_ooms"] = {t.name: s["num_ooms"] for t, s in zip(trainers, stats, strict=True)}
         warm = stats[0]["warmup_shapes"]
         phase["timed_shapes_fresh"] = all(r["shapes"] != warm for r in phase["rounds"])
     except RoundFailed as e:
