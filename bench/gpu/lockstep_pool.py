@@ -6,7 +6,8 @@ One lockstep run of 8 rounds spreads by about a percent either way, as much as t
 sought, so the verdict on the step-time bar (median per-step ratio <= 1.00 at two decimals)
 is taken over every run of a setting together. Each FILE is a --json output of
 step_lockstep.py (a --suite's lockstep_<workload>.json included); its steps are grouped by
-workload and memory cap (uncapped, or the fraction of peak requested). A run that timed the
+workload, memory cap (uncapped, or the fraction of peak requested) and the allocator compared
+with, so that runs against different allocators never pool together. A run that timed the
 judged allocator as --against (its process first) counts with its ratios inverted, so that
 every ratio pooled is judged / other. A file that did not time the judged allocator, or one
 that is not a lockstep result, is refused by name, and nothing is reported.
@@ -49,8 +50,9 @@ class Round:
         self.new_shape = new_shape
 
 
-def judged_rounds(path: Path, judged: str) -> list[tuple[str, float, list[Round]]]:
-    """(workload, fraction of peak, rounds judged / other) for each phase of the run in `path`."""
+def judged_rounds(path: Path, judged: str) -> list[tuple[str, float, str, list[Round]]]:
+    """(workload, fraction of peak, the other allocator, rounds judged / other) for each phase
+    of the run in `path`."""
     try:
         result = json.loads(path.read_text())
         ours, against, model = result["ours"], result["against"], result["model"]
@@ -76,7 +78,8 @@ def judged_rounds(path: Path, judged: str) -> list[tuple[str, float, list[Round]
                 new_shape = [key not in seen for key in keys]
                 seen.update(keys)
             rounds.append(Round(ratios, new_shape))
-        out.append((model, float(phase.get("fraction_of_peak") or 0.0), rounds))
+        other = against if judged == ours else ours
+        out.append((model, float(phase.get("fraction_of_peak") or 0.0), other, rounds))
     return out
 
 
@@ -108,14 +111,16 @@ def meets(median: float) -> bool:
 
 
 def pool(paths: list[Path], judged: str) -> list[dict[str, Any]]:
-    groups: dict[tuple[str, float], dict[str, Any]] = {}
+    # Runs against different allocators are different comparisons: never pooled together.
+    groups: dict[tuple[str, float, str], dict[str, Any]] = {}
     for path in paths:
-        for model, fraction, rounds in judged_rounds(path, judged):
+        for model, fraction, other, rounds in judged_rounds(path, judged):
             ratios = [r for rnd in rounds for r in rnd.ratios]
             if not ratios:
                 continue
-            group = groups.setdefault((model, fraction), {"workload": model, "fraction_of_peak":
-                                                          fraction, "runs": [], "rounds": []})
+            group = groups.setdefault((model, fraction, other), {
+                "workload": model, "fraction_of_peak": fraction, "against": other, "runs": [],
+                "rounds": []})
             group["runs"].append({"file": str(path), "steps": len(ratios),
                                   "median_step_ratio": statistics.median(ratios)})
             group["rounds"].extend(rnd for rnd in rounds if rnd.ratios)
@@ -155,7 +160,8 @@ def main() -> int:
         cap = f"at {row['fraction_of_peak']:g} x" if row["fraction_of_peak"] else "uncapped"
         verdict = "meets" if row["meets_bar"] else "misses"
         low, high = row["interval_95"]
-        print(f"{row['workload']}, {cap}: median per-step ratio {row['median_step_ratio']:.3f} "
+        print(f"{row['workload']}, {cap}, against {row['against']}: median per-step ratio "
+              f"{row['median_step_ratio']:.3f} "
               f"over {row['steps']} steps of {len(row['runs'])} runs ({verdict} the bar of "
               f"{BAR:.2f})")
         print(f"    95 % interval over the {row['rounds']} rounds resampled: {low:.3f}-{high:.3f}"

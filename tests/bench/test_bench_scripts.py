@@ -296,6 +296,22 @@ def test_lockstep_pool_gives_the_verdict_its_interval_and_splits_new_shapes_from
     assert again.stdout == out.stdout
 
 
+def test_lockstep_pool_never_pools_comparisons_with_different_allocators(tmp_path: Path) -> None:
+    # docs/benchmarks.md ("Fresh shapes", H100): against expandable segments, against PyTorch's
+    # allocator under the same page rules, against the pluggable path: three verdicts.
+    out_json = tmp_path / "pooled.json"
+    out = pool_lockstep("bar_h100_convnet_allocwatch_first.json",
+                        "lockstep_h100_convnet_16r_torch_rules_vs_pytorch_a.json",
+                        "lockstep_h100_convnet_16r_torch_rules_vs_pytorch_b.json",
+                        "lockstep_h100_convnet_16r_pluggable_vs_native.json", "--json", out_json)
+    assert out.returncode == 0, out.stderr
+    groups = {g["against"]: g for g in json.loads(out_json.read_text())["groups"]}
+    assert sorted(groups) == ["allocwatch-pluggable", "expandable", "pytorch"]
+    assert [len(groups[a]["runs"]) for a in sorted(groups)] == [1, 1, 2]
+    assert round(groups["pytorch"]["median_step_ratio"], 3) == 1.010
+    assert "convnet, uncapped, against pytorch: median per-step ratio 1.010" in out.stdout
+
+
 def test_lockstep_pool_interval_is_the_median_itself_where_resampling_cannot_move_it(
         tmp_path: Path) -> None:
     # Every round has the median 1.0, so no draw of them moves it; a run without recorded
