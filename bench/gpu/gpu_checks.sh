@@ -35,6 +35,12 @@
 #                allocator, the same layout on both sides; then the native back end against the
 #                pluggable path, the same core; each pair pooled by bench/gpu/lockstep_pool.py
 #                (about 4 minutes)
+#   convnetcontrols  the convnet's gap against its controls, 16 rounds of 12 steps each, every pair
+#                twice (once in each process order): allocwatch against expandable segments;
+#                expandable segments with allocwatch's libraries loaded but not installed against
+#                expandable segments (what the libraries' presence costs); and each allocator
+#                against itself (how far two processes of one allocator differ); the first two
+#                pooled by bench/gpu/lockstep_pool.py (about 6 minutes)
 #   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
 #                expandable segments, both capped at 1.03 x the workload's peak requested bytes
 #   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
@@ -150,6 +156,22 @@ run_part() {
         "$OUT"/split_rules_*_first.json --json "$OUT/split_rules_pooled.json"
       part "convnet, native against pluggable, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
         "$OUT"/split_backends_*_first.json --json "$OUT/split_backends_pooled.json" ;;
+    convnetcontrols)
+      local lockstep=(bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12) pair
+      for round in 1 2; do
+        for pair in allocwatch:expandable expandable-loaded:expandable expandable:expandable \
+                    allocwatch:allocwatch; do
+          local a="${pair%%:*}" b="${pair##*:}"
+          [ "$round" = 2 ] && { a="${pair##*:}"; b="${pair%%:*}"; }
+          part "convnet, $a against $b" "$PYTHON" "${lockstep[@]}" --ours "$a" --against "$b" \
+            --json "$OUT/control_${pair/:/_vs_}_$round.json"
+        done
+      done
+      part "convnet, allocwatch against expandable, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+        "$OUT"/control_allocwatch_vs_expandable_*.json --json "$OUT/control_bar_pooled.json"
+      part "convnet, the libraries loaded, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+        --judged expandable-loaded "$OUT"/control_expandable-loaded_vs_expandable_*.json \
+        --json "$OUT/control_loaded_pooled.json" ;;
     caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
         --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     probes)  # never a binary left from an earlier call: the run needs this build

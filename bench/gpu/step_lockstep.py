@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import selectors
 import statistics
 import subprocess
@@ -81,6 +82,16 @@ SUITE_FRACTION = 1.03
 WARMUP_SEED = 1
 ROUND_SEED = 1000  # round r draws from seed ROUND_SEED + r: never the warm-up's
 CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
+# What the process's threads took from the host during a step (getrusage, all threads): CPU
+# time in user space and in the kernel (the driver's ioctls, page faults), page faults, and
+# how often a thread was switched out, of its own accord or preempted.
+USAGE = ("user_s", "system_s", "minor_faults", "voluntary_switches", "involuntary_switches")
+
+
+def usage() -> dict[str, float]:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return dict(zip(USAGE, (u.ru_utime, u.ru_stime, u.ru_minflt, u.ru_nvcsw, u.ru_nivcsw),
+                    strict=True))
 
 
 # ------------------------------------------------------------------------------- the child
@@ -149,10 +160,13 @@ def child(model_name: str, steps: int, cores: str, self_check: bool,
             elif command == "step":
                 batch = work.draw()
                 before = counters.stats()
+                used_before = usage()
                 seconds, enqueued = workloads.timed_step_and_enqueue(work, batch)
+                used_after = usage()
                 after = counters.stats()
                 answer({"s": seconds, "enqueue_s": enqueued, "shape": workloads.batch_shape(batch),
-                        "calls": {k: after.get(k, 0) - before.get(k, 0) for k in CALLS}})
+                        "calls": {k: after.get(k, 0) - before.get(k, 0) for k in CALLS},
+                        "usage": {k: round(used_after[k] - used_before[k], 6) for k in USAGE}})
             elif command == "stats":
                 s = counters.stats()
                 answer({"peak_reserved": s.get("reserved_bytes.all.peak", 0),
@@ -254,6 +268,7 @@ def timed_round(r: int, trainers: list[Trainer], steps: int, reset_peak: bool) -
             "enqueue_times_s": {n: [round(s["enqueue_s"], 6) for s in v]
                                 for n, v in got.items()},
             "step_device_calls": {n: [s["calls"] for s in v] for n, v in got.items()},
+            "step_usage": {n: [s["usage"] for s in v] for n, v in got.items()},
             "shapes": [s["shape"] for s in mine]}
 
 
@@ -277,8 +292,12 @@ def summarize(rounds: list[dict], ours: str) -> dict:
                                               strict=True)) for n in names}
     enqueue_ratios = [a / max(b, 1e-9) for r in rounds for a, b in
                       zip(*(r["enqueue_times_s"][n] for n in names), strict=True)]
+    # Each side's median host usage a step: more CPU time for the same step, or more of it in
+    # the kernel, or more faults or preemptions, says where a slower process loses its time.
+    step_usage = {n: {k: statistics.median(u[k] for r in rounds for u in r["step_usage"][n])
+                      for k in USAGE} for n in names if "step_usage" in rounds[0]}
     return {"mean_ratio": mean, "stderr": se, "median_step_ratio": statistics.median(ratios),
-            "median_enqueue_share": enqueue_share,
+            "median_enqueue_share": enqueue_share, "median_step_usage": step_usage,
             "median_enqueue_ratio": statistics.median(enqueue_ratios),
             "steps_compared": len(ratios), "device_calls_while_timed": calls,
             "steps_with_device_calls": len(moved),
@@ -355,6 +374,10 @@ def run_workload(model: str, ours: str, against: str, fractions: list[float], ro
                       f"requested " + ", ".join(f"{a} {v:.3f}" for a, v in
                                                phase["reserved_over_requested"].items()),
                       flush=True)
+                for name, used in phase["median_step_usage"].items():
+                    print(f"  {name}, median a step: user {1e3 * used['user_s']:.2f} ms, system "
+                          f"{1e3 * used['system_s']:.2f} ms, {used['minor_faults']:g} page "
+                          f"faults, {used['involuntary_switches']:g} preemptions", flush=True)
             if phase["failures"]:
                 break
     finally:

@@ -22,6 +22,11 @@ ALLOCATORS = {
     # The same core through PyTorch's CUDAPluggableAllocator, install()'s fallback.
     "allocwatch-pluggable": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
                              "ALLOCWATCH_NATIVE": "0"},
+    # A control: PyTorch's expandable segments serve, with allocwatch's core and native back end
+    # loaded into the process but not installed. Against "expandable" it shows what the libraries'
+    # presence costs, apart from what the allocator does.
+    "expandable-loaded": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                          "ALLOCWATCH_BENCH_LOAD_ONLY": "1"},
 }
 
 
@@ -31,7 +36,17 @@ def setup_in_child() -> Any:
     import torch
 
     installed = False
-    if os.environ.get("ALLOCWATCH_BENCH_INSTALL") == "1":
+    if os.environ.get("ALLOCWATCH_BENCH_LOAD_ONLY") == "1":
+        import ctypes
+
+        from allocator_ext import _core
+        from allocator_ext.native import library
+
+        # Loaded as install() loads them (the back end opens the core into the global scope),
+        # and never installed.
+        ctypes.CDLL(_core.__file__, mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(library()))
+    elif os.environ.get("ALLOCWATCH_BENCH_INSTALL") == "1":
         import allocator_ext
 
         assert allocator_ext.install(), "allocwatch did not install"
