@@ -1213,7 +1213,9 @@ __attribute__((visibility("default"))) int allocwatch_native_install(const char*
                                                                       std::size_t capacity) {
   try {
     if (g_allocator != nullptr) return 0;
-    void* library = dlopen(core_library, RTLD_NOW | RTLD_GLOBAL);
+    // Local: the factory is looked up in this handle, and nothing else in the process may bind
+    // to the core's symbols.
+    void* library = dlopen(core_library, RTLD_NOW | RTLD_LOCAL);
     TORCH_CHECK(library != nullptr, "cannot load ", core_library, ": ", dlerror());
     using Factory = shim::TorchBackend* (*)(int, std::size_t);
     auto factory = reinterpret_cast<Factory>(dlsym(library, "allocwatch_torch_backend"));

@@ -41,6 +41,9 @@
 #                expandable segments (what the libraries' presence costs); and each allocator
 #                against itself (how far two processes of one allocator differ); the first two
 #                pooled by bench/gpu/lockstep_pool.py (about 6 minutes)
+#   convnetloaded  convnetcontrols' second pair alone: expandable segments with allocwatch's
+#                libraries loaded but not installed, against expandable segments, in both process
+#                orders, pooled (about 2 minutes)
 #   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
 #                expandable segments, both capped at 1.03 x the workload's peak requested bytes
 #   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
@@ -172,6 +175,14 @@ run_part() {
       part "convnet, the libraries loaded, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
         --judged expandable-loaded "$OUT"/control_expandable-loaded_vs_expandable_*.json \
         --json "$OUT/control_loaded_pooled.json" ;;
+    convnetloaded)
+      local lockstep=(bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12)
+      part "convnet, expandable-loaded against expandable" "$PYTHON" "${lockstep[@]}" \
+        --ours expandable-loaded --against expandable --json "$OUT/loaded_1.json"
+      part "convnet, expandable against expandable-loaded" "$PYTHON" "${lockstep[@]}" \
+        --ours expandable --against expandable-loaded --json "$OUT/loaded_2.json"
+      part "convnet, the libraries loaded, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+        --judged expandable-loaded "$OUT"/loaded_[12].json --json "$OUT/loaded_pooled.json" ;;
     caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
         --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     probes)  # never a binary left from an earlier call: the run needs this build
