@@ -41,10 +41,12 @@ where allocwatch made device calls against those where it made none: where page 
 step time, these say so. Per step also the time until the host had queued the whole step:
 its median share of the step shows whether the workload is bound by the host (where the
 allocator's own calls count) or by the device, and the median of ours over the other's
-queuing time whether our host side is slower. Also each allocator's peak reserved / peak
-requested, and its allocation retries and out-of-memory errors since its process started
-(those its code caught and went on from count too: cuDNN then tries a smaller workspace or
-another plan, at a cost on the host).
+queuing time whether our host side is slower; per step and side also what the process took
+from the host (getrusage: CPU time in user space and in the kernel, page faults, context
+switches), whose medians say where a slower process loses its time. Also each allocator's
+peak reserved / peak requested, and its allocation retries and out-of-memory errors since its
+process started (those its code caught and went on from count too: cuDNN then tries a smaller
+workspace or another plan, at a cost on the host).
 
 --ours picks the allocator judged (default allocwatch's); --ours and --against the same
 allocator check the harness itself, whose ratio should then be 1.00 within the spread.

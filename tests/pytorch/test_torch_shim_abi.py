@@ -8,9 +8,12 @@ fresh process: the allocators serving PyTorch live as long as the process."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from allocator_ext.torch_integration import _EXPORTS as PLUGGABLE_HOOKS
 
@@ -48,6 +51,24 @@ def test_every_function_the_pluggable_path_names_is_exported() -> None:
                     *PLUGGABLE_HOOKS.values()})
     out = run(f"print(sorted(n for n in {names!r} if not hasattr(lib, n)))")
     assert out.strip() == "[]"
+
+
+def test_the_extension_exports_its_entry_points_and_nothing_else() -> None:
+    # Anything else exported (the core's functions, std:: instantiations) is somewhere the
+    # process's other libraries can bind their own calls to once the module is in the global
+    # scope, which cost a convnet 1 % of its step time (docs/benchmarks.md, "Fresh shapes").
+    import allocator_ext._core as core
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed, so the dynamic symbols cannot be listed")
+    listed = subprocess.run([nm, "-D", "--defined-only", core.__file__], capture_output=True,
+                            text=True, check=True).stdout.split("\n")
+    exported = {line.split()[-1] for line in listed if line.strip()}
+    assert "PyInit__core" in exported and "allocwatch_torch_backend" in exported
+    assert set(PLUGGABLE_HOOKS.values()) <= exported
+    others = sorted(n for n in exported if n != "PyInit__core" and not n.startswith("allocwatch_"))
+    assert others == [], f"{len(others)} symbols exported besides the entry points: {others[:5]}"
 
 
 def test_statistics_follow_allocations_per_device() -> None:
