@@ -296,6 +296,36 @@ def test_lockstep_pool_gives_the_verdict_its_interval_and_splits_new_shapes_from
     assert again.stdout == out.stdout
 
 
+def test_lockstep_pool_reproduces_the_convnet_verdict_and_the_control_after_the_export_fix(
+        tmp_path: Path) -> None:
+    # docs/benchmarks.md ("Fresh shapes", commit 4b594ee, H100): seven convnet runs pool to 0.993
+    # uncapped and 0.995 at 1.03 x, settled, every run below 1.00 on its own; the control with
+    # allocwatch's libraries loaded but unused went from 1.011 (a miss, settled) to 0.999.
+    out_json = tmp_path / "pooled.json"
+    runs = [f"h100_after_{call}_bar_convnet_{order}.json" for call in ("a", "b", "c")
+            for order in ("allocwatch_first", "expandable_first", "cap103_allocwatch_first",
+                          "cap103_expandable_first")]
+    out = pool_lockstep(*runs, "h100_after_lockstep_convnet.json", "--json", out_json)
+    assert out.returncode == 0, out.stderr
+    uncapped, capped = json.loads(out_json.read_text())["groups"]
+    assert (uncapped["rounds"], uncapped["steps"], len(uncapped["runs"])) == (104, 1248, 7)
+    assert round(uncapped["median_step_ratio"], 3) == 0.993 and uncapped["settled"]
+    assert round(capped["median_step_ratio"], 3) == 0.995 and capped["settled"]
+    assert all(run["median_step_ratio"] < 1.0 for run in uncapped["runs"] + capped["runs"])
+
+    def loaded(*files: str) -> dict:
+        done = pool_lockstep("--judged", "expandable-loaded", *files, "--json", out_json)
+        assert done.returncode == 0, done.stderr
+        [group] = json.loads(out_json.read_text())["groups"]
+        return group
+
+    before = loaded("h100_before_control_expandable-loaded_vs_expandable_1.json",
+                    "h100_before_control_expandable-loaded_vs_expandable_2.json")
+    after = loaded("h100_after_control_loaded_1.json", "h100_after_control_loaded_2.json")
+    assert round(before["median_step_ratio"], 3) == 1.011 and before["interval_95"][0] > 1.005
+    assert round(after["median_step_ratio"], 3) == 0.999 and after["settled"]
+
+
 def test_lockstep_pool_never_pools_comparisons_with_different_allocators(tmp_path: Path) -> None:
     # docs/benchmarks.md ("Fresh shapes", H100): against expandable segments, against PyTorch's
     # allocator under the same page rules, against the pluggable path: three verdicts.
