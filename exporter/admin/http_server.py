@@ -110,11 +110,18 @@ def parse_request(method: str, target: str, body: bytes = b"") -> AdminCall:
     raise AdminError(404, f"no endpoint {shown(method)} {shown(path)}")
 
 
+def _read_token(config: AdminConfig) -> tuple[RotatingToken, bytes | None]:
+    """The token a settings file names, read (on a worker thread: see set_token)."""
+    token = RotatingToken(config, "admin")
+    return token, token.current()
+
+
 class AdminHttpServer:
     def __init__(self, config: AdminConfig, agents_socket: str, service: AdminService):
         self.service = service
         self._config = config
         self._token = RotatingToken(config, "admin")
+        self._token_reloads = 0
         self.requests_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self._lock = threading.Lock()
         self.unix_path = config.socket_path(agents_socket)
@@ -141,11 +148,21 @@ class AdminHttpServer:
     async def stop(self) -> None:
         await self.http.close()
 
-    def set_token(self, config: AdminConfig) -> None:
+    async def set_token(self, config: AdminConfig) -> None:
         """A reloaded settings file names a new token (a rotated Secret behind the same file
-        needs no reload: `RotatingToken` reads it again)."""
-        token = RotatingToken(config, "admin")
-        if token.current() is not None or self.tcp_url is None:
+        needs no reload: `RotatingToken` reads it again). Its file is read on a worker thread,
+        never on the event loop, which answers the scrapes too: a file on a mount that stopped
+        answering holds up nothing but its own reading. Until it is read, and where it cannot
+        be used, the token in force stays; of two reloads read out of order, the later wins."""
+        self._token_reloads += 1
+        reload = self._token_reloads
+        try:
+            token, current = await asyncio.to_thread(_read_token, config)
+        except ConfigError as err:
+            log.error("the reloaded admin token cannot be read; the old one stays",
+                      extra={"reason": str(err)})
+            return
+        if reload == self._token_reloads and (current is not None or self.tcp_url is None):
             self._token = token
 
     def addresses(self) -> list[str]:

@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,7 +20,7 @@ from exporter.admin.collector import AdminCollector
 from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
 from exporter.admin.snapshot_dir import prepare_snapshot_dir, snapshot_dir_for
-from exporter.config import ConfigError, apply_reload
+from exporter.config import apply_reload
 from exporter.policy.collector import PolicyCollector
 from exporter.policy.engine import PolicyEngine
 from exporter.policy.runner import PolicyRunner
@@ -158,11 +159,8 @@ class Sidecar:
         old = self.config
         effective, restart = apply_reload(old, new)
         if self.admin is not None and effective.admin != old.admin:
-            try:
-                self.admin.set_token(effective.admin)
-            except ConfigError as err:
-                log.error("the reloaded admin token cannot be read; the old one stays",
-                          extra={"reason": str(err)})
+            # Read off the event loop; the reload goes on meanwhile.
+            self._spawn(self.admin.set_token(effective.admin))
         self.registry.expiry_seconds = effective.agents.expiry_seconds
         self.registry.max_agents = effective.agents.max_agents
         self.registry.max_departed = effective.agents.max_departed_agents
@@ -173,6 +171,20 @@ class Sidecar:
         self.policy_runner.reconfigure(effective.policy)
         self.config = effective
         return restart
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Runs `work` on the event loop beside the caller, cancelled with the others at stop;
+        an error it did not expect is logged, never lost."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.append(task)
+
+        def finished(done: asyncio.Task) -> None:
+            if done in self._tasks:
+                self._tasks.remove(done)
+            if not done.cancelled() and done.exception() is not None:
+                log.error("a sidecar task failed", exc_info=done.exception())
+
+        task.add_done_callback(finished)
 
     def _healthy(self) -> bool:
         # The event loop is alive when its housekeeping task ran recently.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.control import connect_agent, metric
 from support.files import MountedVolume, replace_text
-from support.sidecar import FakeSource
+from support.sidecar import FakeSource, scrape
 from support.waiting import wait_for
 
 from exporter.sidecar.app import SidecarThread
@@ -188,4 +188,62 @@ def test_a_missing_file_keeps_the_settings(tmp_path: Path) -> None:
                                 result="unreadable") == 1.0, what="the missing file noticed")
         assert [r.name for r in running.sidecar.policy.config.rules] == ["stuck"]
     finally:
+        running.stop()
+
+
+TOKEN = "4f1c0a9e7b2d4c6a8e0f1b3d5c7a9e2f"
+
+
+def admin_settings(tmp_path: Path, token_file: Path) -> str:
+    return settings_text(tmp_path, f"""
+admin: {{unix_socket: "", tcp_port: 0, token_file: {token_file}}}
+""")
+
+
+def test_a_reload_naming_a_new_admin_token_file_reads_it_off_the_event_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload that points admin.token_file at a new file: the new token takes over, the old
+    one is refused. The new file is read on a worker thread: while its reading hangs (a network
+    mount that stopped answering; here its stat blocks until the test lets it go), the sidecar
+    answers scrapes and requests with the token in force."""
+    import threading
+
+    from support.admin import call
+
+    from exporter import tokens
+
+    old_file, new_file = tmp_path / "old-token", tmp_path / "new-token"
+    old_file.write_text(TOKEN + "\n")
+    new_file.write_text(TOKEN[::-1] + "\n")
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text(admin_settings(tmp_path, old_file))
+    running = start(path)
+    (address,) = running.sidecar.admin.addresses()
+    release, reads = threading.Event(), []
+    real_stamp = tokens.content_stamp
+
+    def hanging_stamp(name: str | Path) -> tokens.Stamp | None:
+        if Path(name) == new_file:
+            reads.append(threading.current_thread().name)
+            release.wait(30)
+        return real_stamp(name)
+
+    def status(token: str) -> int:
+        return call(address, "GET", "/v1/agents", None, {"Authorization": f"Bearer {token}"})[0]
+
+    monkeypatch.setattr(tokens, "content_stamp", hanging_stamp)
+    try:
+        assert status(TOKEN) == 200
+        replace_text(path, admin_settings(tmp_path, new_file))
+        wait_for(lambda: reads, what="the new token file's reading to start")
+        wait_for(lambda: metric(running, "allocwatch_config_reloads_total", result="ok") == 1.0,
+                 what="the reload to be counted while the token file hangs")
+        assert status(TOKEN) == 200 and status(TOKEN[::-1]) == 401  # the token in force
+        assert "allocwatch_config_reloads_total" in scrape(running.sidecar.metrics_url)[0]
+        assert "allocwatch-sidecar" not in reads  # a worker thread, not the event loop's
+        release.set()
+        wait_for(lambda: status(TOKEN[::-1]) == 200, what="the new token to take over")
+        assert status(TOKEN) == 401
+    finally:
+        release.set()
         running.stop()
