@@ -16,7 +16,11 @@ Reported per group: the runs, the steps, each run's median and the pooled median
 ratio, with the verdict against the bar; how far the pooled median can be trusted, as its 95 %
 interval over the rounds resampled (a round's steps share a seed and a spell of the host, so
 the round, not the step, is the unit drawn; the draws are seeded, so a rerun gives the same
-interval), and whether the verdict holds at both ends of it (`settled`); and the median over
+interval), and whether the verdict holds at both ends of it (`settled`). Two processes of one
+allocator differ too, by about as much as the rounds of one run (the harness against itself
+gives 0.994-1.002 run by run), so where a setting has several runs there is a second, wider
+interval that draws the runs (each a pair of processes) before their rounds, and whether the
+verdict holds at both of its ends (`settled_across_processes`); and the median over
 the steps whose shape is new to the run against those of a shape it timed before (with
 shapes drawn afresh most are new; what a step costs the host then is mostly planning for the
 new shape: cuDNN's plans for each convolution, the MoE's routing).
@@ -92,6 +96,21 @@ def median_interval(rounds: list[Round], seed: int = INTERVAL_SEED) -> tuple[flo
     return medians[int(0.025 * RESAMPLES)], medians[int(0.975 * RESAMPLES) - 1]
 
 
+def median_interval_across_processes(runs: list[list[Round]],
+                                     seed: int = INTERVAL_SEED) -> tuple[float, float]:
+    """The 95 % interval of the median per-step ratio with the runs drawn with replacement,
+    then each drawn run's rounds: the spread between pairs of processes counts, as well as
+    the spread between rounds."""
+    draw = random.Random(seed)
+    medians = []
+    for _ in range(RESAMPLES):
+        ratios = [r for run in draw.choices(runs, k=len(runs))
+                  for rnd in draw.choices(run, k=len(run)) for r in rnd.ratios]
+        medians.append(statistics.median(ratios))
+    medians.sort()
+    return medians[int(0.025 * RESAMPLES)], medians[int(0.975 * RESAMPLES) - 1]
+
+
 def by_shape(rounds: list[Round]) -> dict[str, Any] | None:
     """Median ratio and count of the steps of a shape new to the run, and of the others."""
     if any(rnd.new_shape is None for rnd in rounds):
@@ -120,20 +139,26 @@ def pool(paths: list[Path], judged: str) -> list[dict[str, Any]]:
                 continue
             group = groups.setdefault((model, fraction, other), {
                 "workload": model, "fraction_of_peak": fraction, "against": other, "runs": [],
-                "rounds": []})
+                "rounds": [], "rounds_by_run": []})
             group["runs"].append({"file": str(path), "steps": len(ratios),
                                   "median_step_ratio": statistics.median(ratios)})
             group["rounds"].extend(rnd for rnd in rounds if rnd.ratios)
+            group["rounds_by_run"].append([rnd for rnd in rounds if rnd.ratios])
     rows = []
     for key in sorted(groups):
         group = dict(groups[key])
         rounds = group.pop("rounds")
+        by_run = group.pop("rounds_by_run")
         ratios = [r for rnd in rounds for r in rnd.ratios]
         median = statistics.median(ratios)
         low, high = median_interval(rounds)
+        across = median_interval_across_processes(by_run) if len(by_run) > 1 else None
         rows.append({**group, "rounds": len(rounds), "steps": len(ratios),
                      "median_step_ratio": median, "meets_bar": meets(median),
                      "interval_95": [low, high], "settled": meets(low) == meets(high),
+                     "interval_95_across_processes": list(across) if across else None,
+                     "settled_across_processes":
+                         meets(across[0]) == meets(across[1]) if across else None,
                      "by_shape": by_shape(rounds)})
     return rows
 
@@ -166,6 +191,11 @@ def main() -> int:
               f"{BAR:.2f})")
         print(f"    95 % interval over the {row['rounds']} rounds resampled: {low:.3f}-{high:.3f}"
               + ("" if row["settled"] else " (the verdict differs at its ends: not settled)"))
+        if row["interval_95_across_processes"]:
+            low, high = row["interval_95_across_processes"]
+            print(f"    with the {len(row['runs'])} runs' processes resampled too: "
+                  f"{low:.3f}-{high:.3f}" + ("" if row["settled_across_processes"]
+                                             else " (not settled)"))
         if row["by_shape"]:
             new, repeated = row["by_shape"]["new"], row["by_shape"]["repeated"]
             print("    steps of a shape new to the run: " + _median_of(new)

@@ -286,6 +286,7 @@ def test_lockstep_pool_gives_the_verdict_its_interval_and_splits_new_shapes_from
     low, high = uncapped["interval_95"]
     assert low <= uncapped["median_step_ratio"] <= high
     assert round(low, 2) == 1.00 and round(high, 2) == 1.01 and not uncapped["settled"]
+    assert not uncapped["settled_across_processes"]
     assert capped["meets_bar"] and capped["settled"]
     shapes = uncapped["by_shape"]
     assert (shapes["new"]["steps"], shapes["repeated"]["steps"]) == (768, 96)
@@ -311,6 +312,11 @@ def test_lockstep_pool_reproduces_the_convnet_verdict_and_the_control_after_the_
     assert (uncapped["rounds"], uncapped["steps"], len(uncapped["runs"])) == (104, 1248, 7)
     assert round(uncapped["median_step_ratio"], 3) == 0.993 and uncapped["settled"]
     assert round(capped["median_step_ratio"], 3) == 0.995 and capped["settled"]
+    # With the pairs of processes drawn too, the interval widens and the verdict still holds.
+    for group in (uncapped, capped):
+        low, high = group["interval_95_across_processes"]
+        assert low <= group["interval_95"][0] and group["interval_95"][1] <= high < 1.0
+        assert group["settled_across_processes"]
     assert all(run["median_step_ratio"] < 1.0 for run in uncapped["runs"] + capped["runs"])
 
     def loaded(*files: str) -> dict:
@@ -360,8 +366,14 @@ def test_lockstep_pool_interval_is_the_median_itself_where_resampling_cannot_mov
     assert out.returncode == 0, out.stderr
     (group,) = json.loads(out_json.read_text())["groups"]
     assert group["median_step_ratio"] == 1.0 and group["interval_95"] == [1.0, 1.0]
-    assert group["settled"] and group["by_shape"] is None
+    assert group["interval_95_across_processes"] == [1.0, 1.0]
+    assert group["settled"] and group["settled_across_processes"] and group["by_shape"] is None
     assert "new to the run" not in out.stdout
+    # One run: there are no processes to draw among.
+    out = pool_lockstep(run("a.json", [0.99, 1.0, 1.01]), "--json", out_json)
+    (group,) = json.loads(out_json.read_text())["groups"]
+    assert group["interval_95_across_processes"] is None
+    assert group["settled_across_processes"] is None and "resampled too" not in out.stdout
 
 
 def test_lockstep_pool_refuses_a_run_that_did_not_time_the_judged_allocator(
