@@ -71,6 +71,7 @@ import selectors
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,13 @@ def child(model_name: str, steps: int, cores: str, self_check: bool,
 
 
 # ------------------------------------------------------------------------------ the parent
+
+def write_json(path: Path, value: Any) -> None:
+    """Whole or not at all: a run killed while writing leaves the previous version."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=1))
+    os.replace(partial, path)
+
 
 # Longest wait for one answer: the warm-up comes first (model set-up and, for the native back
 # end, its first build); a step of these models takes well under a second.
@@ -307,8 +315,10 @@ def summarize(rounds: list[dict], ours: str) -> dict:
             "median_step_ratio_without_device_calls": statistics.median(still) if still else None}
 
 
-def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int) -> dict:
-    """Timed rounds uncapped (fraction 0) or, after a capped warm-up, under the cap."""
+def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int,
+              save: Callable[[dict], None] = lambda phase: None) -> dict:
+    """Timed rounds uncapped (fraction 0) or, after a capped warm-up, under the cap; `save` gets
+    the phase so far after every round."""
     phase: dict[str, Any] = {"fraction_of_peak": fraction, "rounds": [], "failures": []}
     try:
         if fraction:
@@ -317,6 +327,7 @@ def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int)
                                         for t, c in zip(trainers, caps, strict=True)}
         for r in range(rounds):
             phase["rounds"].append(timed_round(r, trainers, steps, reset_peak=r == 0))
+            save(phase)
             rr = phase["rounds"][-1]
             calls = {n: sum(sum(c.values()) for c in v) for n, v in rr["step_device_calls"].items()}
             print(f"  round {r}: {trainers[0].name} / {trainers[1].name} total step time "
@@ -363,10 +374,16 @@ def run_workload(model: str, ours: str, against: str, fractions: list[float], ro
         for fraction in fractions:
             print(f"{model}, " + (f"capped at {fraction} x peak requested" if fraction
                                   else "uncapped") + ":", flush=True)
-            phase = run_phase(trainers, fraction, rounds, steps)
+            # Saved after every round and again with the phase's summary, so that a run stopped
+            # or failing later (a device call's time limit) loses no round it timed.
+            def save(phase: dict) -> None:
+                if out:
+                    write_json(out, {**result, "phases": [*result["phases"], phase]})
+
+            phase = run_phase(trainers, fraction, rounds, steps, save)
             result["phases"].append(phase)
-            if out:  # after every phase, so that a later failure loses nothing measured
-                out.write_text(json.dumps(result, indent=1))
+            if out:
+                write_json(out, result)
             if phase.get("mean_ratio") is not None:
                 print(f"{model} {'capped' if fraction else 'uncapped'}: {ours} vs {against} "
                       f"step time {100 * phase['mean_ratio'] - 100:+.2f} %; median per-step "

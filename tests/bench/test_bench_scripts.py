@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from support.paths import REPO
+from support.waiting import wait_for
 
 from allocator_ext.replay import load_trace
 from allocator_ext.replay.engine import replay
@@ -188,6 +190,32 @@ def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: P
         assert all(set(c) == {"num_device_alloc", "num_device_free", "num_sync_all_streams"}
                    for calls in r["step_device_calls"].values() for c in calls)
     assert phase["median_step_ratio"] > 0
+
+
+def test_step_lockstep_a_run_stopped_midway_keeps_every_round_it_timed(tmp_path: Path) -> None:
+    # A device call's time limit stops a run with SIGTERM: the rounds timed so far are in the
+    # file, whole, and pool; each step carries what its process took from the host.
+    pytest.importorskip("torch")
+    out_file = tmp_path / "lockstep.json"
+    run = subprocess.Popen([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
+                            "--model", "convnet", "--rounds", "100000", "--steps", "2", "--json",
+                            str(out_file)], cwd=REPO, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: out_file.exists() and len(json.loads(out_file.read_text())
+                                                   ["phases"][0]["rounds"]) >= 2,
+                 timeout=300, what="two rounds saved")
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait(30)
+    (phase,) = json.loads(out_file.read_text())["phases"]
+    assert 2 <= len(phase["rounds"]) < 100000 and "median_step_ratio" not in phase
+    for r in phase["rounds"]:
+        for used in (u for steps in r["step_usage"].values() for u in steps):
+            assert set(used) == {"user_s", "system_s", "minor_faults", "voluntary_switches",
+                                 "involuntary_switches"} and used["user_s"] >= 0
+    pooled = pool_lockstep(out_file, "--judged", "pytorch")
+    assert pooled.returncode == 0 and f"over {2 * len(phase['rounds'])} steps" in pooled.stdout
 
 
 def test_step_lockstep_with_fixed_shapes_times_one_shape_every_step(tmp_path: Path) -> None:
