@@ -423,7 +423,9 @@ def main() -> int:
                    help="cap each process at F x the peak requested bytes it has met (e.g. 1.03)")
     p.add_argument("--fixed-shapes", action="store_true",
                    help="every step at the workload's largest shapes (the steps repeat)")
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--json", metavar="FILE",
+                   help="the result, written after every round (a run stopped midway keeps "
+                        "the rounds it timed)")
     p.add_argument("--suite", metavar="DIR",
                    help="every workload, uncapped then at 1.03 x: DIR/lockstep_<workload>.json")
     p.add_argument("--self-check", action="store_true",
