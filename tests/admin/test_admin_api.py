@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support.admin import call
 from support.control import connect_agent, metric, start_control_sidecar
-from support.files import MountedVolume
+from support.files import MountedVolume, hang_token_file
 from support.sidecar import FakeSource, MiB, scrape
 from support.waiting import wait_for
 
@@ -184,23 +184,13 @@ def test_a_token_file_that_stops_answering_holds_up_neither_requests_nor_scrapes
     the file still hangs, and once it answers, a rotated token is read again. No mount can
     be made to hang here (no NFS server, no FUSE): the token file's stat blocks instead,
     until the test lets it go."""
-    from exporter import tokens
 
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
     running = start_control_sidecar(tmp_path, admin={
         "unix_socket": "", "tcp_port": 0, "token_file": str(path)})
     (address,) = running.sidecar.admin.addresses()
-    release, stats = threading.Event(), []
-    real_stamp = tokens.content_stamp
-
-    def hanging_stamp(name: str | Path) -> tokens.Stamp | None:
-        if Path(name) == path:
-            stats.append(threading.current_thread().name)
-            release.wait(30)
-        return real_stamp(name)
-
-    monkeypatch.setattr(tokens, "content_stamp", hanging_stamp)
+    release, stats = hang_token_file(monkeypatch, path)
     first: list[int] = []
     waiting = threading.Thread(
         target=lambda: first.append(call(address, "GET", "/v1/agents", None, bearer(TOKEN))[0]))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.control import connect_agent, metric
-from support.files import MountedVolume, replace_text
+from support.files import MountedVolume, hang_token_file, replace_text
 from support.sidecar import FakeSource, scrape
 from support.waiting import wait_for
 
@@ -206,11 +206,7 @@ def test_a_reload_naming_a_new_admin_token_file_reads_it_off_the_event_loop(
     one is refused. The new file is read on a worker thread: while its reading hangs (a network
     mount that stopped answering; here its stat blocks until the test lets it go), the sidecar
     answers scrapes and requests with the token in force."""
-    import threading
-
     from support.admin import call
-
-    from exporter import tokens
 
     old_file, new_file = tmp_path / "old-token", tmp_path / "new-token"
     old_file.write_text(TOKEN + "\n")
@@ -219,19 +215,11 @@ def test_a_reload_naming_a_new_admin_token_file_reads_it_off_the_event_loop(
     path.write_text(admin_settings(tmp_path, old_file))
     running = start(path)
     (address,) = running.sidecar.admin.addresses()
-    release, reads = threading.Event(), []
-    real_stamp = tokens.content_stamp
-
-    def hanging_stamp(name: str | Path) -> tokens.Stamp | None:
-        if Path(name) == new_file:
-            reads.append(threading.current_thread().name)
-            release.wait(30)
-        return real_stamp(name)
+    release, reads = hang_token_file(monkeypatch, new_file)
 
     def status(token: str) -> int:
         return call(address, "GET", "/v1/agents", None, {"Authorization": f"Bearer {token}"})[0]
 
-    monkeypatch.setattr(tokens, "content_stamp", hanging_stamp)
     try:
         assert status(TOKEN) == 200
         replace_text(path, admin_settings(tmp_path, new_file))

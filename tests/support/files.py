@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 
 def replace_text(path: Path, text: str) -> None:
@@ -35,3 +37,23 @@ class MountedVolume:
         os.replace(self.root / "..data_tmp", self.root / "..data")
         if not self.path.is_symlink():
             self.path.symlink_to(f"..data/{self.name}")
+
+
+def hang_token_file(monkeypatch: Any, path: Path) -> tuple[threading.Event, list[str]]:
+    """Makes the token checks' look at `path` (exporter.tokens.content_stamp) block until the
+    returned event is set, as a token file on a network mount that stopped answering does: no
+    mount can be made to hang here (no NFS server, no FUSE). The list gathers the names of the
+    threads held up."""
+    from exporter import tokens
+
+    release, held = threading.Event(), []
+    real_stamp = tokens.content_stamp
+
+    def hanging_stamp(name: str | Path) -> tokens.Stamp | None:
+        if Path(name) == path:
+            held.append(threading.current_thread().name)
+            release.wait(30)
+        return real_stamp(name)
+
+    monkeypatch.setattr(tokens, "content_stamp", hanging_stamp)
+    return release, held
