@@ -30,16 +30,35 @@ import os
 import stat
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from exporter.config import ConfigError, read_token
 from exporter.protocol.files import Stamp, content_stamp
 
+T = TypeVar("T")
 log = logging.getLogger("exporter.tokens")
 
 # How long a check from the event loop waits for the token file before the token in force
 # answers (FILE_CHECK_TIMEOUT_S in the module's docstring).
 FILE_CHECK_TIMEOUT_S = 0.5
+
+
+def in_daemon_thread(work: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
+    """`work()` on a thread of its own, its result or error in the future returned (for an
+    event loop: `await asyncio.wrap_future(...)`). A daemon thread, not a pool's such as
+    asyncio.to_thread's: one hung reading a token file (a network mount that stopped answering)
+    must not hold up the sidecar's exit, which waits for the pool's threads."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as err:  # handed to whoever waits on it
+            done.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
 
 
 class RotatingToken:
@@ -130,19 +149,12 @@ class RotatingToken:
         return self._token
 
     def _start_check(self) -> concurrent.futures.Future[bytes | None]:
-        check: concurrent.futures.Future[bytes | None] = concurrent.futures.Future()
+        def check() -> bytes | None:
+            token = self.current()
+            self._hang_logged = False
+            return token
 
-        def run() -> None:
-            try:
-                check.set_result(self.current())
-                self._hang_logged = False
-            except BaseException as err:  # handed to the request waiting on it
-                check.set_exception(err)
-
-        # A daemon thread, not a pool's: one hung in a stat must not hold the sidecar's exit.
-        threading.Thread(target=run, name=f"allocwatch-{self._path}-token-file",
-                         daemon=True).start()
-        return check
+        return in_daemon_thread(check, f"allocwatch-{self._path}-token-file")
 
     async def admits(self, authorization: object) -> bool:
         """Whether an `Authorization` value presents the token in force (`Bearer TOKEN`,

@@ -41,7 +41,7 @@ from exporter.admin.service import (
 from exporter.admin.tls import RenewingTlsContext
 from exporter.config import ConfigError, shown
 from exporter.sidecar.bounded_http import BoundedHttpServer, HttpError, read_body
-from exporter.tokens import RotatingToken
+from exporter.tokens import RotatingToken, in_daemon_thread
 
 log = logging.getLogger("exporter.admin")
 
@@ -150,14 +150,15 @@ class AdminHttpServer:
 
     async def set_token(self, config: AdminConfig) -> None:
         """A reloaded settings file names a new token (a rotated Secret behind the same file
-        needs no reload: `RotatingToken` reads it again). Its file is read on a worker thread,
+        needs no reload: `RotatingToken` reads it again). Its file is read in a daemon thread,
         never on the event loop, which answers the scrapes too: a file on a mount that stopped
-        answering holds up nothing but its own reading. Until it is read, and where it cannot
+        answering holds up nothing but its own reading, not even the sidecar's exit. Until it is read, and where it cannot
         be used, the token in force stays; of two reloads read out of order, the later wins."""
         self._token_reloads += 1
         reload = self._token_reloads
         try:
-            token, current = await asyncio.to_thread(_read_token, config)
+            token, current = await asyncio.wrap_future(
+                in_daemon_thread(lambda: _read_token(config), "allocwatch-admin-token-reload"))
         except ConfigError as err:
             log.error("the reloaded admin token cannot be read; the old one stays",
                       extra={"reason": str(err)})

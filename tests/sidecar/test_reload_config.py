@@ -235,3 +235,57 @@ def test_a_reload_naming_a_new_admin_token_file_reads_it_off_the_event_loop(
     finally:
         release.set()
         running.stop()
+
+
+EXIT_WHILE_TOKEN_FILE_HANGS = """
+import asyncio, sys, threading
+from pathlib import Path
+from exporter import tokens
+from exporter.sidecar.app import Sidecar
+from exporter.sidecar.config import load_config
+
+config, new_file = Path(sys.argv[1]), Path(sys.argv[2])
+real_stamp, reading = tokens.content_stamp, threading.Event()
+
+def never_answers(name):  # a network mount that stopped answering, for good
+    if Path(name) == new_file:
+        reading.set()
+        threading.Event().wait()
+    return real_stamp(name)
+
+tokens.content_stamp = never_answers
+
+async def main():
+    sidecar = Sidecar(load_config(config), config_path=config)
+    await sidecar.start()
+    config.write_text(sys.stdin.read())  # the reload that names the new token file
+    while not reading.is_set():
+        await asyncio.sleep(0.05)
+    await sidecar.stop()
+
+asyncio.run(main())
+print("exited", flush=True)
+"""
+
+
+def test_a_sidecar_exits_while_a_reloaded_token_file_hangs(tmp_path: Path) -> None:
+    """SIGTERM's path: the sidecar stops and asyncio.run returns, though the reload's reading of
+    a new token file never ends. Read on a pool's thread (asyncio.to_thread), it held up the
+    exit for good: asyncio.run waits for the pool."""
+    import subprocess
+    import sys
+
+    from support.paths import REPO
+
+    old_file, new_file = tmp_path / "old-token", tmp_path / "new-token"
+    old_file.write_text(TOKEN + "\n")
+    new_file.write_text(TOKEN[::-1] + "\n")
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text(admin_settings(tmp_path, old_file))
+    try:
+        out = subprocess.run([sys.executable, "-c", EXIT_WHILE_TOKEN_FILE_HANGS, str(path),
+                              str(new_file)], input=admin_settings(tmp_path, new_file),
+                             cwd=REPO, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the sidecar did not exit within 30 s while the token file hung")
+    assert out.returncode == 0 and out.stdout.strip() == "exited", out.stderr[-2000:]
