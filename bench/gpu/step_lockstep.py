@@ -87,7 +87,9 @@ ROUND_SEED = 1000  # round r draws from seed ROUND_SEED + r: never the warm-up's
 CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 # What the process's threads took from the host during a step (getrusage, all threads): CPU
 # time in user space and in the kernel (the driver's ioctls, page faults), page faults, and
-# how often a thread was switched out, of its own accord or preempted.
+# how often a thread was switched out, of its own accord or preempted. Their sum of CPU time is
+# exact; Linux splits it between user and kernel by sampling at the timer tick, so the split
+# of one step is coarse.
 USAGE = ("user_s", "system_s", "minor_faults", "voluntary_switches", "involuntary_switches")
 
 

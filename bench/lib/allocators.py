@@ -42,8 +42,9 @@ def setup_in_child() -> Any:
         from allocator_ext import _core
         from allocator_ext.native import library
 
-        # Loaded as install() loads them (the back end opens the core into the global scope),
-        # and never installed.
+        # Loaded and never installed. The core goes into the process's global scope, as the
+        # back end once opened it (it now opens it locally): the stricter case, where anything
+        # the core still exported would be bindable by the libraries loaded after it.
         ctypes.CDLL(_core.__file__, mode=ctypes.RTLD_GLOBAL)
         ctypes.CDLL(str(library()))
     elif os.environ.get("ALLOCWATCH_BENCH_INSTALL") == "1":

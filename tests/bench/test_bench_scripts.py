@@ -3,6 +3,7 @@ minutes on a broken script (the measurements themselves need the H200)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -192,22 +193,30 @@ def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: P
     assert phase["median_step_ratio"] > 0
 
 
+@pytest.mark.timeout(180)
 def test_step_lockstep_a_run_stopped_midway_keeps_every_round_it_timed(tmp_path: Path) -> None:
     # A device call's time limit stops a run with SIGTERM: the rounds timed so far are in the
-    # file, whole, and pool; each step carries what its process took from the host.
+    # file, whole, and pool; each step carries what its process took from the host. (Rounds
+    # without end, so that the stop always comes midway; the finally stops them.)
     pytest.importorskip("torch")
-    out_file = tmp_path / "lockstep.json"
-    run = subprocess.Popen([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
-                            "--model", "convnet", "--rounds", "100000", "--steps", "2", "--json",
-                            str(out_file)], cwd=REPO, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_for(lambda: out_file.exists() and len(json.loads(out_file.read_text())
-                                                   ["phases"][0]["rounds"]) >= 2,
-                 timeout=300, what="two rounds saved")
-    finally:
-        os.killpg(run.pid, signal.SIGTERM)
-        run.wait(30)
+    out_file, log = tmp_path / "lockstep.json", tmp_path / "lockstep.log"
+
+    def saved_rounds() -> int:
+        assert run.poll() is None, f"the run ended (exit {run.poll()}): {log.read_text()[-2000:]}"
+        return len(json.loads(out_file.read_text())["phases"][0]["rounds"]) \
+            if out_file.exists() else 0
+
+    with log.open("w") as stderr:
+        run = subprocess.Popen([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
+                                "--model", "convnet", "--rounds", "100000", "--steps", "2",
+                                "--json", str(out_file)], cwd=REPO, stdout=subprocess.DEVNULL,
+                               stderr=stderr, start_new_session=True)
+        try:
+            wait_for(lambda: saved_rounds() >= 2, timeout=120, what="two rounds saved")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.pid, signal.SIGTERM)
+            run.wait(30)
     (phase,) = json.loads(out_file.read_text())["phases"]
     assert 2 <= len(phase["rounds"]) < 100000 and "median_step_ratio" not in phase
     for r in phase["rounds"]:
