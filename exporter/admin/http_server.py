@@ -152,8 +152,9 @@ class AdminHttpServer:
         """A reloaded settings file names a new token (a rotated Secret behind the same file
         needs no reload: `RotatingToken` reads it again). Its file is read in a daemon thread,
         never on the event loop, which answers the scrapes too: a file on a mount that stopped
-        answering holds up nothing but its own reading, not even the sidecar's exit. Until it is read, and where it cannot
-        be used, the token in force stays; of two reloads read out of order, the later wins."""
+        answering holds up nothing but its own reading, not even the sidecar's exit. Until it
+        is read, and where it cannot be used, the token in force stays; of two reloads read
+        out of order, the later wins."""
         self._token_reloads += 1
         reload = self._token_reloads
         try:
