@@ -217,6 +217,52 @@ def test_a_token_file_that_stops_answering_holds_up_neither_requests_nor_scrapes
         running.stop()
 
 
+def test_a_new_token_that_cannot_be_used_or_comes_late_leaves_the_right_token_in_force(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """What a settings reload hands the admin server (set_token): a token file without a usable
+    token leaves the token in force, logged; of two new token files, the one named later wins
+    even when the earlier one's reading ends after it."""
+    import asyncio
+
+    from exporter.admin.config import AdminConfig
+
+    first = tmp_path / "token"
+    first.write_text(TOKEN + "\n")
+    running = start_control_sidecar(tmp_path, admin={
+        "unix_socket": "", "tcp_port": 0, "token_file": str(first)})
+    admin = running.sidecar.admin
+    (address,) = admin.addresses()
+
+    def status(token: str) -> int:
+        return call(address, "GET", "/v1/agents", None, bearer(token))[0]
+
+    def named(path: Path) -> AdminConfig:
+        return AdminConfig(unix_socket="", tcp_port=0, token_file=str(path))
+
+    short, slow, late = tmp_path / "short", tmp_path / "slow", tmp_path / "late"
+    short.write_text("short\n")
+    slow.write_text("s" * 32 + "\n")
+    late.write_text("l" * 32 + "\n")
+    release, reads = hang_token_file(monkeypatch, slow)
+    try:
+        with caplog.at_level(logging.ERROR, logger="exporter.admin"):
+            running.call(admin.set_token(named(short)))
+        (refusal,) = [r for r in caplog.records if "cannot be read" in r.getMessage()]
+        assert "shorter than 16 bytes" in refusal.reason  # type: ignore[attr-defined]
+        assert status(TOKEN) == 200 and status("short") == 401
+
+        earlier = asyncio.run_coroutine_threadsafe(admin.set_token(named(slow)), running.loop)
+        wait_for(lambda: reads, what="the earlier token file's reading to start")
+        running.call(admin.set_token(named(late)))
+        assert status("l" * 32) == 200 and status(TOKEN) == 401
+        release.set()
+        earlier.result(10)  # its reading ended after the later one's: it changes nothing
+        assert status("l" * 32) == 200 and status("s" * 32) == 401
+    finally:
+        release.set()
+        running.stop()
+
+
 def test_a_token_file_read_while_it_was_written_is_read_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A token rewritten in place can be read cut short, yet 16 bytes or more: such a read is
