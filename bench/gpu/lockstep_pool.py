@@ -33,6 +33,7 @@ import json
 import random
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,28 +88,26 @@ def judged_rounds(path: Path, judged: str) -> list[tuple[str, float, str, list[R
     return out
 
 
-def median_interval(rounds: list[Round], seed: int = INTERVAL_SEED) -> tuple[float, float]:
-    """The 95 % interval of the median per-step ratio over `rounds` drawn with replacement."""
+def _interval(resample: Callable[[random.Random], list[float]],
+              seed: int = INTERVAL_SEED) -> tuple[float, float]:
+    """The 95 % interval of the median of the ratios `resample` draws, over RESAMPLES draws."""
     draw = random.Random(seed)
-    medians = sorted(
-        statistics.median([r for rnd in draw.choices(rounds, k=len(rounds)) for r in rnd.ratios])
-        for _ in range(RESAMPLES))
+    medians = sorted(statistics.median(resample(draw)) for _ in range(RESAMPLES))
     return medians[int(0.025 * RESAMPLES)], medians[int(0.975 * RESAMPLES) - 1]
 
 
-def median_interval_across_processes(runs: list[list[Round]],
-                                     seed: int = INTERVAL_SEED) -> tuple[float, float]:
+def median_interval(rounds: list[Round]) -> tuple[float, float]:
+    """The 95 % interval of the median per-step ratio over `rounds` drawn with replacement."""
+    return _interval(lambda draw: [r for rnd in draw.choices(rounds, k=len(rounds))
+                                   for r in rnd.ratios])
+
+
+def median_interval_across_processes(runs: list[list[Round]]) -> tuple[float, float]:
     """The 95 % interval of the median per-step ratio with the runs drawn with replacement,
     then each drawn run's rounds: the spread between pairs of processes counts, as well as
     the spread between rounds."""
-    draw = random.Random(seed)
-    medians = []
-    for _ in range(RESAMPLES):
-        ratios = [r for run in draw.choices(runs, k=len(runs))
-                  for rnd in draw.choices(run, k=len(run)) for r in rnd.ratios]
-        medians.append(statistics.median(ratios))
-    medians.sort()
-    return medians[int(0.025 * RESAMPLES)], medians[int(0.975 * RESAMPLES) - 1]
+    return _interval(lambda draw: [r for run in draw.choices(runs, k=len(runs))
+                                   for rnd in draw.choices(run, k=len(run)) for r in rnd.ratios])
 
 
 def by_shape(rounds: list[Round]) -> dict[str, Any] | None:
@@ -139,16 +138,15 @@ def pool(paths: list[Path], judged: str) -> list[dict[str, Any]]:
                 continue
             group = groups.setdefault((model, fraction, other), {
                 "workload": model, "fraction_of_peak": fraction, "against": other, "runs": [],
-                "rounds": [], "rounds_by_run": []})
+                "rounds_by_run": []})
             group["runs"].append({"file": str(path), "steps": len(ratios),
                                   "median_step_ratio": statistics.median(ratios)})
-            group["rounds"].extend(rnd for rnd in rounds if rnd.ratios)
             group["rounds_by_run"].append([rnd for rnd in rounds if rnd.ratios])
     rows = []
     for key in sorted(groups):
         group = dict(groups[key])
-        rounds = group.pop("rounds")
         by_run = group.pop("rounds_by_run")
+        rounds = [rnd for run in by_run for rnd in run]
         ratios = [r for rnd in rounds for r in rnd.ratios]
         median = statistics.median(ratios)
         low, high = median_interval(rounds)

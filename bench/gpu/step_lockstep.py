@@ -79,6 +79,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for b
 from bench.lib import source_tree  # noqa: E402
 from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child  # noqa: E402
 from bench.lib.stats import mean_and_stderr  # noqa: E402
+from exporter.protocol.files import write_whole  # noqa: E402
 
 TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
 SUITE_FRACTION = 1.03
@@ -184,13 +185,6 @@ def child(model_name: str, steps: int, cores: str, self_check: bool,
 
 
 # ------------------------------------------------------------------------------ the parent
-
-def write_json(path: Path, value: Any) -> None:
-    """Whole or not at all: a run killed while writing leaves the previous version."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=1))
-    os.replace(partial, path)
-
 
 # Longest wait for one answer: the warm-up comes first (model set-up and, for the native back
 # end, its first build); a step of these models takes well under a second.
@@ -307,7 +301,7 @@ def summarize(rounds: list[dict], ours: str) -> dict:
     # Each side's median host usage a step: more CPU time for the same step, or more of it in
     # the kernel, or more faults or preemptions, says where a slower process loses its time.
     step_usage = {n: {k: statistics.median(u[k] for r in rounds for u in r["step_usage"][n])
-                      for k in USAGE} for n in names if "step_usage" in rounds[0]}
+                      for k in USAGE} for n in names}
     return {"mean_ratio": mean, "stderr": se, "median_step_ratio": statistics.median(ratios),
             "median_enqueue_share": enqueue_share, "median_step_usage": step_usage,
             "median_enqueue_ratio": statistics.median(enqueue_ratios),
@@ -378,14 +372,16 @@ def run_workload(model: str, ours: str, against: str, fractions: list[float], ro
                                   else "uncapped") + ":", flush=True)
             # Saved after every round and again with the phase's summary, so that a run stopped
             # or failing later (a device call's time limit) loses no round it timed.
+            # (whole or not at all: a run killed while writing leaves the previous version).
             def save(phase: dict) -> None:
                 if out:
-                    write_json(out, {**result, "phases": [*result["phases"], phase]})
+                    write_whole(out, json.dumps({**result, "phases": [*result["phases"], phase]},
+                                                indent=1).encode())
 
             phase = run_phase(trainers, fraction, rounds, steps, save)
             result["phases"].append(phase)
             if out:
-                write_json(out, result)
+                write_whole(out, json.dumps(result, indent=1).encode())
             if phase.get("mean_ratio") is not None:
                 print(f"{model} {'capped' if fraction else 'uncapped'}: {ours} vs {against} "
                       f"step time {100 * phase['mean_ratio'] - 100:+.2f} %; median per-step "
