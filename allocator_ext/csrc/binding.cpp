@@ -11,7 +11,7 @@
 #include <cmath>
 #include <memory>
 
-#include "backends/sim_device.h"
+#include "devices/sim_device.h"
 #include "core/allocator.h"
 #include "core/config.h"
 #include "core/history.h"

@@ -21,8 +21,8 @@
 #include <utility>
 #include <vector>
 
-#include "backends/cuda_device.h"
-#include "backends/sim_device.h"
+#include "devices/cuda_device.h"
+#include "devices/sim_device.h"
 #include "core/allocator.h"
 #include "torch_shim.h"
 

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/cuda_device.h"
+#include "devices/cuda_device.h"
 #include "cost_fit.h"
 
 namespace {

@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/sim_device.h"
+#include "devices/sim_device.h"
 #include "core/allocator.h"
 
 using namespace allocwatch;

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "backends/sim_device.h"
+#include "devices/sim_device.h"
 #include "core/allocator.h"
 
 using namespace allocwatch;

@@ -11,7 +11,7 @@
 
 #include <memory>
 
-#include "backends/cuda_device.h"
+#include "devices/cuda_device.h"
 #include "core/allocator.h"
 
 namespace {

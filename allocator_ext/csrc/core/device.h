@@ -1,8 +1,8 @@
 // The device interface: everything the allocator core asks of a GPU.
 //
 // The core never talks to CUDA directly. It goes through this small interface so that the
-// same rules run on a real GPU (backends/cuda_device.*, the driver loaded at run time) and on
-// the simulated device (backends/sim_device.*) used by tests and trace replay.
+// same rules run on a real GPU (devices/cuda_device.*, the driver loaded at run time) and on
+// the simulated device (devices/sim_device.*) used by tests and trace replay.
 //
 // Calls that can run out of device memory return false instead of throwing: the core has an
 // out-of-memory path (free cached blocks, retry) and must decide what to do. Any other failure

@@ -5,7 +5,7 @@
 // restoring the previous one afterwards is what c10::cuda::CUDAGuard does for the runtime.
 #pragma once
 
-#include "backends/cuda_driver.h"
+#include "devices/cuda_driver.h"
 
 namespace allocwatch {
 namespace cuda {

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "backends/cuda_driver_api.h"
+#include "devices/cuda_driver_api.h"
 
 namespace allocwatch {
 namespace cuda {

@@ -6,7 +6,7 @@
 #include <mutex>
 #include <vector>
 
-#include "backends/cuda_driver.h"
+#include "devices/cuda_driver.h"
 
 namespace allocwatch {
 namespace cuda {

@@ -1,6 +1,6 @@
-#include "backends/cuda_device.h"
+#include "devices/cuda_device.h"
 
-#include "backends/cuda_context_guard.h"
+#include "devices/cuda_context_guard.h"
 
 #include <unistd.h>
 

@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "backends/cuda_driver.h"
-#include "backends/cuda_event_pool.h"
+#include "devices/cuda_driver.h"
+#include "devices/cuda_event_pool.h"
 #include "core/device.h"
 
 namespace allocwatch {

@@ -1,4 +1,4 @@
-#include "backends/cuda_driver.h"
+#include "devices/cuda_driver.h"
 
 #include <dlfcn.h>
 

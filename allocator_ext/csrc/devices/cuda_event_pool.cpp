@@ -1,4 +1,4 @@
-#include "backends/cuda_event_pool.h"
+#include "devices/cuda_event_pool.h"
 
 namespace allocwatch {
 namespace cuda {
