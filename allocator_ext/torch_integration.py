@@ -231,7 +231,7 @@ def snapshot(device: int | None = None) -> dict[str, Any]:
     """A snapshot in the layout of torch.cuda.memory._snapshot(), which PyTorch's memory
     viewer (pytorch.org/memory_viz) and torch.cuda._memory_viz open. One device's keeps its cap
     (the memory fraction and the device's total, allocwatch_recording) for a replay."""
-    from allocator_ext.replay.trace import RECORDING_KEY
+    from allocator_ext.protocol.snapshots import RECORDING_KEY
 
     devices = [device] if device is not None else _core.torch_devices()
     result: dict[str, Any] = {"segments": [], "device_traces": [], "external_annotations": []}

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 import exporter.commands
-from exporter.protocol.version import PACKAGE_VERSION
+from allocator_ext.protocol.version import PACKAGE_VERSION
 
 # The order commands appear in --help; commands not listed follow alphabetically.
 COMMAND_ORDER = ["sidecar", "demo", "replay", "tune", "run", "ctl"]

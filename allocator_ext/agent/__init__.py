@@ -40,7 +40,7 @@ from allocator_ext.agent.client import Agent, abandon_inherited_agents
 from allocator_ext.agent.identity import build_identity, device_uuid
 from allocator_ext.agent.sources import AllocatorSource, Source, TorchSource, UnsupportedCommand
 from allocator_ext.agent.tls import TlsSettings
-from exporter.protocol.nvml import NvmlReader
+from allocator_ext.protocol.nvml import NvmlReader
 
 __all__ = [
     "Agent",

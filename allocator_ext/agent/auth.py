@@ -13,7 +13,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from exporter.protocol.files import MAX_TOKEN_BYTES, read_regular_file
+from allocator_ext.protocol.files import MAX_TOKEN_BYTES, read_regular_file
 
 
 @dataclasses.dataclass(frozen=True)

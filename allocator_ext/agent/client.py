@@ -39,11 +39,11 @@ from allocator_ext.agent.outbox import Outbox
 from allocator_ext.agent.peaks import interval_peaks, largest_free_block
 from allocator_ext.agent.sources import Source
 from allocator_ext.agent.tls import TlsSettings
-from exporter.protocol.handshake import incompatibility, local_version
-from exporter.protocol.nvml import NvmlReader
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
-from exporter.protocol.service import DEFAULT_MAX_MESSAGE_BYTES
+from allocator_ext.protocol.handshake import incompatibility, local_version
+from allocator_ext.protocol.nvml import NvmlReader
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2_grpc
+from allocator_ext.protocol.service import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("allocator_ext.agent")
 

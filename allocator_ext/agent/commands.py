@@ -9,8 +9,8 @@ from pathlib import Path
 
 from allocator_ext.agent.snapshots import DEFAULT_MAX_BYTES, write_snapshot
 from allocator_ext.agent.sources import CommandRefusedNow, Source, UnsupportedCommand
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.service import (
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.service import (
     DEFAULT_HISTORY_ENTRIES,
     MAX_HISTORY_ENTRIES,
     MAX_SETTINGS_CHARACTERS,

@@ -30,9 +30,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from exporter.protocol.nvml import NvmlReader
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.version import PACKAGE_VERSION
+from allocator_ext.protocol.nvml import NvmlReader
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.version import PACKAGE_VERSION
 
 RANK_VARS = ("ALLOCWATCH_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 LOCAL_RANK_VARS = ("ALLOCWATCH_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 
 class Outbox:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from allocator_ext.agent.history import with_starting_state
-from exporter.protocol.files import write_whole
+from allocator_ext.protocol.files import write_whole
 
 DEFAULT_MAX_BYTES = 256 << 20
 FILE_MODE = 0o640

@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from allocator_ext.agent import convert
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.snapshots import RECORDING_KEY
 
 log = logging.getLogger("allocator_ext.agent")
 
@@ -219,8 +220,6 @@ class TorchSource:
         self._torch.cuda.reset_peak_memory_stats(device)
 
     def snapshot(self, device: int) -> dict[str, Any]:
-        from allocator_ext.replay.trace import RECORDING_KEY
-
         snapshot = dict(self._torch.cuda.memory._snapshot())
         snapshot[RECORDING_KEY] = self.recorded_limits(device)
         return snapshot

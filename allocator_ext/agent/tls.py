@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import grpc
 
-from exporter.protocol.files import read_regular_file
+from allocator_ext.protocol.files import read_regular_file
 
 # A PEM certificate chain or key is a few kilobytes.
 MAX_PEM_BYTES = 1 << 20

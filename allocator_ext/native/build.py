@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exporter.protocol.files import write_whole
+from allocator_ext.protocol.files import write_whole
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "backend.cpp"

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import allocator_ext as ae
+import allocator_ext._core as ae
 from allocator_ext.replay.replayer import recorded_figures
 from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import Trace

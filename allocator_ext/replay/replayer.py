@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import allocator_ext as ae
+import allocator_ext._core as ae
 from allocator_ext.replay.costs import CostTable
 from allocator_ext.replay.trace import (
     KNOWN_ACTIONS,

@@ -16,15 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from allocator_ext.protocol.snapshots import RECORDING_KEY
+
 # Actions the replay acts on, and the ones it knows and passes over.
 REPLAYED_ACTIONS = {"alloc", "free_requested", "free_completed"}
 SEGMENT_ACTIONS = {"segment_alloc", "segment_free", "segment_map", "segment_unmap"}
 KNOWN_ACTIONS = REPLAYED_ACTIONS | SEGMENT_ACTIONS | {"oom", "snapshot", "user_defined"}
-
-# What a snapshot cannot say about its run and allocwatch's recorders keep in it under this key
-# (bench/replay/record_traces.py writes it):
-# {"memory_fraction": F or None, "device_total_bytes": N}.
-RECORDING_KEY = "allocwatch_recording"
 
 MAX_TRACE_BYTES = 2 << 30  # refuse absurd inputs before decompressing them into memory
 # Gaps between events longer than this are idle time (data loading, evaluation, a pause),

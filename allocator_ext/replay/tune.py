@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import allocator_ext as ae
+import allocator_ext._core as ae
 from allocator_ext.replay.engine import replay
 from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import Trace

@@ -76,10 +76,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
+from allocator_ext.protocol.files import write_whole  # noqa: E402
 from bench.lib import source_tree  # noqa: E402
 from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child  # noqa: E402
 from bench.lib.stats import mean_and_stderr  # noqa: E402
-from exporter.protocol.files import write_whole  # noqa: E402
 
 TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
 SUITE_FRACTION = 1.03

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from allocator_ext.replay import load_trace, replay
+from allocator_ext.replay.progress import progress_bar
 from allocator_ext.replay.trace import peak_requested_bytes
-from exporter.commands._trace_args import progress_bar
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "allocator_ext/data/example_trace.pickle.gz"

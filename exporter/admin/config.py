@@ -21,7 +21,8 @@ import dataclasses
 from pathlib import Path
 
 from exporter.admin.tls import server_tls_context
-from exporter.config import (
+from exporter.shared.bounded_http import HttpLimits
+from exporter.shared.config import (
     ConfigError,
     FileMode,
     Port,
@@ -30,8 +31,7 @@ from exporter.config import (
     setting,
     shown,
 )
-from exporter.config import read_token as read_secret
-from exporter.sidecar.bounded_http import HttpLimits
+from exporter.shared.config import read_token as read_secret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class AdminConfig(Section):
     tcp_port: Port | None = None
     tcp_address: str = "127.0.0.1"
     # A reload brings a new token without a restart; so does a rotated Secret behind the same
-    # file (exporter.tokens reads it again when it changes).
+    # file (exporter.shared.tokens reads it again when it changes).
     token_file: str = setting("", reload=True)
     token_env: str = setting("", reload=True)
     # HTTPS on the TCP port: the token then never crosses the network in clear. With
@@ -54,7 +54,7 @@ class AdminConfig(Section):
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
     command_timeout_seconds: float = setting(30.0, positive=True, maximum=3600, reload=True)
-    # Connections, deadlines and sizes of both listeners (exporter.sidecar.bounded_http). A
+    # Connections, deadlines and sizes of both listeners (exporter.shared.bounded_http). A
     # request's deadline covers waiting for the agents: it must exceed command_timeout_seconds.
     limits: HttpLimits = setting(default_factory=lambda: HttpLimits(
         max_connections=32, request_timeout_seconds=60.0))

@@ -1,5 +1,5 @@
 """The admin API's listeners: JSON over HTTP, for `allocwatch ctl`, on the sidecar's event loop
-with every client resource bounded (exporter.sidecar.bounded_http: connections, deadlines,
+with every client resource bounded (exporter.shared.bounded_http: connections, deadlines,
 header and body sizes; a chunked body is read, counted against the limit, never dropped).
 
 Where it listens: a Unix socket (mode 0600 by default: file permissions are the access control),
@@ -39,9 +39,9 @@ from exporter.admin.service import (
     Selector,
 )
 from exporter.admin.tls import RenewingTlsContext
-from exporter.config import ConfigError, shown
-from exporter.sidecar.bounded_http import BoundedHttpServer, HttpError, read_body
-from exporter.tokens import RotatingToken, in_daemon_thread
+from exporter.shared.bounded_http import BoundedHttpServer, HttpError, read_body
+from exporter.shared.config import ConfigError, shown
+from exporter.shared.tokens import RotatingToken, in_daemon_thread
 
 log = logging.getLogger("exporter.admin")
 

@@ -22,13 +22,13 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
 from exporter.admin.snapshots import MAX_SNAPSHOT_BYTES, SnapshotUnavailable, open_snapshot
 from exporter.admin.views import agent_view, result_view
-from exporter.config import shown
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
-from exporter.protocol.settings import validate_settings
-from exporter.sidecar.registry import AgentState, Outcome, Registry, send_command
+from exporter.shared.config import shown
+from exporter.shared.registry import AgentState, Outcome, Registry, send_command
+from exporter.shared.settings import validate_settings
 
 SELECTOR_FIELDS = ("rank", "host", "job", "agent")
 

@@ -8,7 +8,7 @@ import logging
 import ssl
 import threading
 
-from exporter.protocol.files import Stamp, content_stamp
+from allocator_ext.protocol.files import Stamp, content_stamp
 
 log = logging.getLogger("exporter.admin")
 

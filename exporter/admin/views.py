@@ -6,14 +6,14 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.admin.snapshots import snapshot_name
-from exporter.protocol.figures import (
+from exporter.shared.figures import (
     fragmentation_ratio,
     peak_fragmentation_ratio,
     report_peaks,
 )
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.sidecar.registry import AgentState, Outcome, outcome_name
+from exporter.shared.registry import AgentState, Outcome, outcome_name
 
 _COUNTER_FIELDS = ("alloc_retries", "ooms", "device_mallocs", "device_frees", "sync_all_streams",
                    "gc_reclaims", "gc_reclaimed_bytes", "empty_cache_calls", "allocations")

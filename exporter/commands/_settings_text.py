@@ -10,8 +10,8 @@ import types
 import typing
 from typing import Any
 
-from exporter.config import FileMode, Section
 from exporter.policy.config import Rule, parse_duration
+from exporter.shared.config import FileMode, Section
 
 _DURATION_UNITS = [("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 0.001)]
 _SIZE_UNITS = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]

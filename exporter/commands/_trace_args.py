@@ -1,13 +1,9 @@
-"""What `replay` and `tune` share: the trace, cap and plot arguments, and a progress bar on a
-terminal."""
+"""What `replay` and `tune` share: the trace, cap and plot arguments."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from exporter.commands._arguments import fraction
@@ -99,25 +95,3 @@ def check_plot_target(path: str | None) -> None:
         what = f"matplotlib cannot write .{suffix} files" if suffix else \
             "the file's suffix must name its format"
         raise ValueError(f"--plot {path}: {what} (.png, .svg, .pdf, …)")
-
-
-@contextmanager
-def progress_bar(total: int, desc: str, quiet: bool) -> Iterator[Callable[[int], None] | None]:
-    """A callback taking the number of events done, drawing a bar on a terminal (stderr);
-    None when quiet or not on a terminal."""
-    if quiet or not sys.stderr.isatty():
-        yield None
-        return
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit="ev", desc=desc, file=sys.stderr)
-    done = [0]
-
-    def update(n: int) -> None:
-        bar.update(n - done[0])
-        done[0] = n
-
-    try:
-        yield update
-    finally:
-        bar.close()

@@ -236,7 +236,7 @@ class Headline:
 
 def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
              out: Any = None) -> int:
-    from exporter.logs import configure_logging
+    from exporter.shared.logs import configure_logging
     from exporter.sidecar.app import SidecarThread
     from exporter.sidecar.config import (
         AgentsConfig,

@@ -13,7 +13,6 @@ from exporter.commands._trace_args import (
     add_trace_arguments,
     check_plot_target,
     device_memory_arg,
-    progress_bar,
 )
 
 SHOWN_OOMS = 5  # recorded out-of-memory errors listed one by one in the table
@@ -154,6 +153,7 @@ def load_costs(path: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from allocator_ext.replay import TraceError, load_trace, replay
     from allocator_ext.replay.cap import resolve_cap
+    from allocator_ext.replay.progress import progress_bar
     from allocator_ext.replay.trace import peak_requested_bytes
 
     try:

@@ -37,10 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from exporter.config import ConfigError
-    from exporter.logs import configure_logging
+    from exporter.agents.grpc_server import ListenError
+    from exporter.shared.config import ConfigError
+    from exporter.shared.logs import configure_logging
     from exporter.sidecar.config import load_config
-    from exporter.sidecar.grpc_server import ListenError
 
     try:
         config = load_config(args.config)

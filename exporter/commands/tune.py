@@ -13,7 +13,6 @@ from exporter.commands._trace_args import (
     add_trace_arguments,
     check_plot_target,
     device_memory_arg,
-    progress_bar,
 )
 
 HELP = "replay a trace under candidate allocator settings and recommend one"
@@ -133,6 +132,7 @@ def _table(ranked: list[Any], recorded_ooms: int = 0) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from allocator_ext.replay import TraceError, load_trace
     from allocator_ext.replay.cap import resolve_cap
+    from allocator_ext.replay.progress import progress_bar
     from allocator_ext.replay.sizes import format_size
     from allocator_ext.replay.trace import peak_requested_bytes
     from allocator_ext.replay.tune import candidates_for, explain, recommended, tune

@@ -25,8 +25,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from exporter.config import ConfigError, Section, described, finite_number, setting, shown
-from exporter.protocol.settings import validate_settings
+from exporter.shared.config import ConfigError, Section, described, finite_number, setting, shown
+from exporter.shared.settings import validate_settings
 
 # What a rule can watch, per agent and CUDA device (exporter.policy.engine computes them).
 METRICS: dict[str, str] = {

@@ -19,10 +19,10 @@ import logging
 import threading
 from typing import Any
 
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.policy.config import PolicyConfig, Rule
-from exporter.protocol.figures import device_peak_fragmentation_ratio, fragmentation_ratio
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.sidecar.registry import AgentState
+from exporter.shared.figures import device_peak_fragmentation_ratio, fragmentation_ratio
+from exporter.shared.registry import AgentState
 
 log = logging.getLogger("exporter.policy")
 

@@ -9,10 +9,10 @@ import logging
 import time
 from typing import Any
 
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.policy.config import PolicyConfig
 from exporter.policy.engine import Decision, PolicyEngine
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.sidecar.registry import AgentState, Registry, outcome_name, send_command
+from exporter.shared.registry import AgentState, Registry, outcome_name, send_command
 
 log = logging.getLogger("exporter.policy")
 

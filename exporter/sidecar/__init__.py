@@ -1,10 +1,8 @@
-"""The sidecar daemon.
+"""The sidecar daemon: the composition root, which wires the subsystems (exporter.agents,
+exporter.metrics, exporter.admin, exporter.policy) together.
 
 - `app`: the daemon wired together (`Sidecar`, `SidecarThread`, `run_sidecar`);
-- `config`: its YAML settings (`SidecarConfig`, with the admin, policy and reload sections);
-- `grpc_server`: the agents' gRPC endpoint;
-- `registry`: the agents, their latest reports, and the commands sent to them;
-- `http_server`: /metrics, /healthz, /readyz and the landing page;
-- `collectors`: the Prometheus collectors of the allocator, GPU, agents and sidecar series;
-- `reload`: the settings file watched and applied without a restart.
+- `config`: its YAML settings (`SidecarConfig`, composing each subsystem's section);
+- `reload`: the settings file watched and applied without a restart;
+- `collector`: the sidecar's own series (build, reloads).
 """

@@ -16,28 +16,28 @@ from grpc import aio
 from prometheus_client import CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
+from allocator_ext.protocol.nvml import NvmlReader
+from allocator_ext.protocol.version import PACKAGE_VERSION
 from exporter.admin.collector import AdminCollector
 from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
 from exporter.admin.snapshot_dir import prepare_snapshot_dir, snapshot_dir_for
-from exporter.config import apply_reload
-from exporter.policy.collector import PolicyCollector
-from exporter.policy.engine import PolicyEngine
-from exporter.policy.runner import PolicyRunner
-from exporter.protocol.nvml import NvmlReader
-from exporter.protocol.version import PACKAGE_VERSION
-from exporter.sidecar.bounded_http import HttpCollector
-from exporter.sidecar.bounds_collector import BoundsCollector
-from exporter.sidecar.collectors import (
+from exporter.agents.grpc_server import start_grpc_server
+from exporter.metrics.bounds_collector import BoundsCollector
+from exporter.metrics.collectors import (
     AgentsCollector,
     AllocatorCollector,
     GpuCollector,
-    SidecarCollector,
 )
+from exporter.metrics.http_server import MetricsHttpServer
+from exporter.policy.collector import PolicyCollector
+from exporter.policy.engine import PolicyEngine
+from exporter.policy.runner import PolicyRunner
+from exporter.shared.bounded_http import HttpCollector
+from exporter.shared.config import apply_reload
+from exporter.shared.registry import Registry
+from exporter.sidecar.collector import SidecarCollector
 from exporter.sidecar.config import SidecarConfig
-from exporter.sidecar.grpc_server import start_grpc_server
-from exporter.sidecar.http_server import MetricsHttpServer
-from exporter.sidecar.registry import Registry
 from exporter.sidecar.reload import ConfigWatcher
 
 log = logging.getLogger("exporter.sidecar")

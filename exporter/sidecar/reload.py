@@ -31,8 +31,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from exporter.config import MAX_FILE_BYTES, ConfigError
-from exporter.protocol.files import read_regular_file
+from allocator_ext.protocol.files import read_regular_file
+from exporter.shared.config import MAX_FILE_BYTES, ConfigError
 from exporter.sidecar.config import SidecarConfig, config_from_bytes
 
 log = logging.getLogger("exporter.reload")

@@ -19,7 +19,7 @@ from support.files import MountedVolume, hang_token_file
 from support.sidecar import FakeSource, MiB, scrape
 from support.waiting import wait_for
 
-from exporter.config import ConfigError
+from exporter.shared.config import ConfigError
 from exporter.sidecar.config import parse_config
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
@@ -303,7 +303,7 @@ def _swap_in(path: Path, token: str, mode: int, owner: int | None = None) -> Non
 def test_a_swapped_token_file_writable_by_more_users_is_not_trusted(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from exporter.admin.config import AdminConfig
-    from exporter.tokens import RotatingToken
+    from exporter.shared.tokens import RotatingToken
 
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
@@ -322,7 +322,7 @@ def test_a_swapped_token_file_writable_by_more_users_is_not_trusted(
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file another owner")
 def test_a_swapped_token_file_of_another_owner_is_not_trusted(tmp_path: Path) -> None:
     from exporter.admin.config import AdminConfig
-    from exporter.tokens import RotatingToken
+    from exporter.shared.tokens import RotatingToken
 
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")

@@ -9,7 +9,7 @@ import pytest
 from support.admin import call
 from support.control import metric
 
-from exporter.config import ConfigError
+from exporter.shared.config import ConfigError
 from exporter.sidecar.config import parse_config
 
 pytestmark = pytest.mark.timeout(60)

@@ -24,7 +24,7 @@ from support.pki import make_ca, make_leaf
 from support.sidecar import FakeSource
 
 from exporter.commands.ctl.client import AdminClient, ClientTls, CtlError
-from exporter.config import ConfigError
+from exporter.shared.config import ConfigError
 from exporter.sidecar.config import parse_config
 
 pytestmark = [pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command"),

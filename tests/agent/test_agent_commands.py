@@ -14,7 +14,7 @@ from support.sidecar import MiB, start_sidecar, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 ae = pytest.importorskip("allocator_ext._core", reason="the allocator core is not built")
 
@@ -189,7 +189,7 @@ def test_command_to_a_departed_agent_fails_cleanly(setup) -> None:
     session = state.session
     agent.stop()
     wait_for(lambda: values(url, "allocwatch_agents_connected") == [0.0], what="departure")
-    from exporter.sidecar.registry import AgentGoneError
+    from exporter.shared.registry import AgentGoneError
 
     with pytest.raises(AgentGoneError):
         running.call(session.send(pb.Command(reset_peaks=pb.ResetPeaks()), timeout=5))

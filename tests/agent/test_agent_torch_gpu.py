@@ -15,7 +15,7 @@ from support.sidecar import MiB, start_sidecar, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 pytestmark = [
@@ -125,7 +125,7 @@ from allocator_ext import torch_integration
 from allocator_ext.agent.history import PROLOGUE
 from allocator_ext.replay.engine import replay
 from allocator_ext.replay.trace import parse_snapshot
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 assert allocator_ext.install() and torch_integration.native(), "the native back end is not in"
 device = torch.device("cuda", 0)

@@ -14,7 +14,7 @@ from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.identity import build_identity, visible_device_entry
 from allocator_ext.agent.outbox import Outbox
 from allocator_ext.agent.sources import TorchSource
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 
 def test_identity_from_torchrun_and_kubernetes_env() -> None:

@@ -161,7 +161,7 @@ def test_a_source_without_memory_history_answers_unsupported(tmp_path: Path) -> 
     from support.sidecar import FakeSource
 
     from allocator_ext.agent.commands import execute
-    from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+    from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
     class OlderSource(FakeSource):
         record_history = None  # type: ignore[assignment]

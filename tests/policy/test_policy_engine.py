@@ -10,12 +10,12 @@ import logging
 
 import pytest
 
-from exporter.config import ConfigError
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.policy.config import PolicyConfig
 from exporter.policy.engine import PolicyEngine, device_figures
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.shared.config import ConfigError
+from exporter.shared.registry import AgentState
 from exporter.sidecar.config import parse_config
-from exporter.sidecar.registry import AgentState
 
 MiB = 1 << 20
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.protocol.figures import (
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.shared.figures import (
     fragmentation_ratio,
     peak_fragmentation_ratio,
     report_peaks,
 )
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 MiB = 1 << 20
 

@@ -12,9 +12,9 @@ import pytest
 from google.protobuf import descriptor_pb2
 from support.paths import REPO
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2
 
-STUBS = REPO / "exporter" / "protocol" / "proto"
+STUBS = REPO / "allocator_ext" / "protocol" / "proto"
 PROTO = REPO / "protos" / "allocwatch" / "v1" / "agent.proto"
 
 
@@ -30,7 +30,7 @@ def test_stubs_are_byte_identical_to_a_fresh_generation(tmp_path: Path) -> None:
                    and "__pycache__" not in p.parts)
     checked_in = sorted(p.relative_to(STUBS) for p in STUBS.rglob("*") if p.is_file()
                         and "__pycache__" not in p.parts)
-    assert fresh == checked_in, "exporter/protocol/proto/ files differ: run protos/generate.sh"
+    assert fresh == checked_in, "allocator_ext/protocol/proto/ files differ: run protos/generate.sh"
     stale = [str(p) for p in fresh if not filecmp.cmp(tmp_path / p, STUBS / p, shallow=False)]
     assert not stale, f"stale stubs {stale}: run protos/generate.sh and commit the result"
 
@@ -60,7 +60,7 @@ def test_stub_descriptor_matches_the_proto_file(tmp_path: Path) -> None:
     embedded = _normalised(
         descriptor_pb2.FileDescriptorProto.FromString(agent_pb2.DESCRIPTOR.serialized_pb))
     assert len(embedded.message_type) > 10
-    assert compiled == embedded, "exporter/protocol/proto/ is stale: run protos/generate.sh"
+    assert compiled == embedded, "allocator_ext/protocol/proto/ is stale: run protos/generate.sh"
 
 
 def test_the_stubs_need_no_newer_protobuf_than_pyproject_allows() -> None:

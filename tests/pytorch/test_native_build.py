@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from allocator_ext.native import build
-from exporter.protocol.files import write_whole
+from allocator_ext.protocol.files import write_whole
 
 torch = pytest.importorskip("torch")
 

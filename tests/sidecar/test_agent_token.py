@@ -24,7 +24,7 @@ from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
 from allocator_ext.agent.auth import AgentToken
-from exporter.config import ConfigError
+from exporter.shared.config import ConfigError
 from exporter.sidecar.app import SidecarThread
 from exporter.sidecar.config import parse_config
 
@@ -61,7 +61,7 @@ def test_the_sidecar_creates_the_token_file_readable_by_the_pod_only(running,
 def test_sidecars_starting_together_share_one_whole_token(tmp_path: Path) -> None:
     """Two sidecars of a pod may start at once on one token file: each reads the token the
     first one wrote, never an empty or half-written file, and no staged file is left."""
-    from exporter.sidecar.grpc_server import agent_token
+    from exporter.agents.grpc_server import agent_token
 
     config = sidecar_config(tmp_path, nvml=False)
     token_file = tmp_path / "run" / "agent-token"

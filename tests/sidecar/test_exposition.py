@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporter.sidecar.http_server import Exposition
+from exporter.metrics.http_server import Exposition
 
 
 class SlowCollector:

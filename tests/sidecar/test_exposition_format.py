@@ -29,7 +29,7 @@ from support.sidecar import FakeSource, scrape, start_sidecar
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
-from exporter.sidecar.exposition_format import ExpositionWriter, go_float
+from exporter.metrics.exposition_format import ExpositionWriter, go_float
 
 ACCEPTS = [
     "",

@@ -27,8 +27,8 @@ from support.sidecar import FakeSource, scrape, values
 from support.waiting import terminate, wait_for
 
 from allocator_ext.agent import start_agent
+from exporter.shared.bounded_http import BoundedHttpServer
 from exporter.sidecar.app import SidecarThread
-from exporter.sidecar.bounded_http import BoundedHttpServer
 from exporter.sidecar.config import parse_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ from support.sidecar import scrape, start_sidecar, values
 from support.streams import Stream, device, hello, report
 from support.waiting import wait_for
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporter.config import ConfigError, Section
+from exporter.shared.config import ConfigError, Section
 from exporter.sidecar.config import SidecarConfig, config_from_bytes
 from exporter.sidecar.reload import ConfigWatcher
 

@@ -24,7 +24,7 @@ from support.files import replace_text
 from support.net import free_port
 from support.waiting import wait_for
 
-from exporter.config import ConfigError
+from exporter.shared.config import ConfigError
 from exporter.sidecar.config import load_config, parse_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,10 +17,10 @@ from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
 from allocator_ext.agent.identity import build_identity
-from exporter.protocol.handshake import local_version
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.service import CONNECT_METHOD
-from exporter.protocol.version import PROTOCOL_MINOR
+from allocator_ext.protocol.handshake import local_version
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.service import CONNECT_METHOD
+from allocator_ext.protocol.version import PROTOCOL_MINOR
 
 pytestmark = pytest.mark.timeout(60)
 

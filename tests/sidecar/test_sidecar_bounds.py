@@ -51,7 +51,7 @@ def test_a_long_string_in_a_hello_is_refused(served, field: str, length: int) ->
 
 def test_a_long_string_in_a_command_result_ends_the_stream(served) -> None:
     running, url, target = served
-    from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+    from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
     result = pb.AgentMessage(command_result=pb.CommandResult(command_id=1,
                                                              snapshot_path="/" * 5000))
@@ -103,7 +103,7 @@ def test_departed_agents_are_kept_within_a_bound_the_oldest_dropped_first(
 
 def test_past_the_series_bound_departed_agents_go_first_then_new_agents_are_refused(
         tmp_path: Path) -> None:
-    from exporter.sidecar.registry import SERIES_PER_AGENT, SERIES_PER_DEVICE
+    from exporter.shared.registry import SERIES_PER_AGENT, SERIES_PER_DEVICE
 
     one, two = SERIES_PER_AGENT + SERIES_PER_DEVICE, SERIES_PER_AGENT + 2 * SERIES_PER_DEVICE
     config = sidecar_config(tmp_path, nvml=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from exporter.cli import build_parser, main
-from exporter.config import ConfigError
+from exporter.shared.config import ConfigError
 from exporter.sidecar.config import load_config, parse_config
 
 

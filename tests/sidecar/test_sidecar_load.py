@@ -13,7 +13,7 @@ import sys
 import pytest
 from support.paths import REPO
 
-from exporter.sidecar.bounded_http import HttpLimits
+from exporter.shared.bounded_http import HttpLimits
 
 BENCH = REPO / "bench" / "sidecar" / "sidecar_load.py"
 

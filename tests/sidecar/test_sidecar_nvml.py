@@ -19,7 +19,7 @@ from support.sidecar import FakeSource, samples, start_sidecar, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
-from exporter.protocol.nvml import NvmlReader
+from allocator_ext.protocol.nvml import NvmlReader
 
 pytestmark = pytest.mark.timeout(60)
 GiB = 1 << 30
@@ -129,7 +129,7 @@ import os, sys, threading, time
 sys.path.insert(0, "tests")
 from support.fake_nvml import FakePynvml
 from support.paths import REPO
-from exporter.protocol import nvml
+from allocator_ext.protocol import nvml
 
 class SlowInit(FakePynvml):
     def nvmlInit(self):
@@ -181,7 +181,7 @@ FORK_DURING_A_HUNG_READ = """
 import os, signal, sys, threading, time
 sys.path.insert(0, "tests")
 from support.fake_nvml import FakePynvml
-from exporter.protocol import nvml
+from allocator_ext.protocol import nvml
 
 class HungRead(FakePynvml):
     def nvmlDeviceGetMemoryInfo(self, handle):

@@ -17,7 +17,7 @@ from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
 from allocator_ext.agent.tls import TlsSettings
-from exporter.config import ConfigError
+from exporter.shared.config import ConfigError
 from exporter.sidecar.app import SidecarThread
 from exporter.sidecar.config import parse_config
 

@@ -1,7 +1,7 @@
 """A stand-in for the pynvml module, for the NVML reader of the sidecar and of the agent.
 
 There is no GPU (and no NVML library) on the CI machine, so the GPU itself is faked: this
-answers the calls exporter.protocol.nvml.NvmlReader makes, for the GPUs it is given.
+answers the calls allocator_ext.protocol.nvml.NvmlReader makes, for the GPUs it is given.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class MountedVolume:
 
 
 def hang_token_file(monkeypatch: Any, path: Path) -> tuple[threading.Event, list[str]]:
-    """Makes the token checks' look at `path` (exporter.tokens.content_stamp) block until the
+    """Makes the token checks' look at `path` (exporter.shared.tokens.content_stamp) block until the
     returned event is set, as a token file on a network mount that stopped answering does: no
     mount can be made to hang here (no NFS server, no FUSE). The list gathers the names of the
     threads held up."""

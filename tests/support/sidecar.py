@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from allocator_ext.agent import convert
 from allocator_ext.agent.auth import AgentToken
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.sidecar.app import SidecarThread
 from exporter.sidecar.config import (
     AgentsConfig,

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import grpc
 
 from allocator_ext.agent.identity import build_identity
-from exporter.protocol.handshake import local_version
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.service import CONNECT_METHOD
+from allocator_ext.protocol.handshake import local_version
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.service import CONNECT_METHOD
 
 
 def hello(identity: pb.Identity | None = None, **overrides: object) -> pb.AgentMessage:

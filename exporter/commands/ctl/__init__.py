@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from allocator_ext.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
 from exporter.commands._arguments import count, seconds
-from exporter.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
 
 HELP = "talk to a running sidecar: list agents, change allocator settings, reclaim, snapshot"
 DESCRIPTION = """\

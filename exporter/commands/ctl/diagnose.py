@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from exporter.commands.ctl.client import AdminClient, CtlError
 from exporter.commands.ctl.output import human_bytes, print_results
-from exporter.protocol.figures import peak_fragmentation_ratio
+from exporter.shared.figures import peak_fragmentation_ratio
 
 FRAGMENTED = 0.2             # peak fragmentation from which the cache strands memory (peak
                              # reserved at least 1.25 × peak allocated)

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 from exporter.commands.ctl.client import AdminClient, CtlError, client_for
 from exporter.commands.ctl.diagnose import run_diagnosis
 from exporter.commands.ctl.output import human_bytes, print_agents, print_results
-from exporter.protocol.settings import validate_settings
+from exporter.shared.settings import validate_settings
 
 
 def selectors(args: argparse.Namespace) -> dict[str, Any]:

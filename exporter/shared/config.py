@@ -24,7 +24,7 @@ from typing import Annotated, Any, TypeVar
 
 import yaml
 
-from exporter.protocol.files import MAX_TOKEN_BYTES, read_regular_file
+from allocator_ext.protocol.files import MAX_TOKEN_BYTES, read_regular_file
 
 # Integers with a range of their own (still plain ints to a type checker):
 Port = Annotated[int, "port"]            # 0-65535, 0 meaning any free port

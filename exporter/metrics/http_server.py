@@ -1,8 +1,8 @@
 """The sidecar's HTTP endpoint: /metrics, /healthz, /readyz and a landing page, served on the
-sidecar's event loop with every client resource bounded (exporter.sidecar.bounded_http).
+sidecar's event loop with every client resource bounded (exporter.shared.bounded_http).
 
 /metrics speaks prometheus_client's exposition formats: the format is chosen from the Accept
-header (OpenMetrics when asked), written by exporter.sidecar.exposition_format, and the body is
+header (OpenMetrics when asked), written by exporter.metrics.exposition_format, and the body is
 gzip-compressed when the scraper accepts it (`gzip_accepted`). Building it is CPU work, so it
 runs off the loop, on one worker thread (`Exposition`): a slow scrape can hold neither the
 agents' gRPC stream nor another scrape's connection, and concurrent scrapes share a build.
@@ -23,10 +23,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import gzip_accepted
 
-from exporter.protocol.version import PACKAGE_VERSION
-from exporter.sidecar.bounded_http import BoundedHttpServer, HttpLimits
-from exporter.sidecar.exposition_format import ExpositionWriter
-from exporter.sidecar.registry import Registry
+from allocator_ext.protocol.version import PACKAGE_VERSION
+from exporter.metrics.exposition_format import ExpositionWriter
+from exporter.shared.bounded_http import BoundedHttpServer, HttpLimits
+from exporter.shared.registry import Registry
 
 log = logging.getLogger("exporter.http")
 

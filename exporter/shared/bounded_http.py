@@ -50,7 +50,7 @@ from aiohttp.web_protocol import RequestHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.config import ConfigError, Section, setting
+from exporter.shared.config import ConfigError, Section, setting
 
 log = logging.getLogger("exporter.http")
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 
 def local_version() -> pb.ProtocolVersion:

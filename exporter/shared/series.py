@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 log = logging.getLogger("exporter.registry")
 

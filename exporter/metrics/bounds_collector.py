@@ -1,5 +1,5 @@
 """The sidecar's bounds at work: what it refused or dropped to keep what agents make it hold and
-serve within its limits (exporter.sidecar.screening, the registry's bounds)."""
+serve within its limits (exporter.agents.screening, the registry's bounds)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.sidecar.registry import Registry
+from exporter.shared.registry import Registry
 
 
 class BoundsCollector(Collector):

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as allocwatch_dot_v1_dot_agent__pb2
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as allocwatch_dot_v1_dot_agent__pb2
 
 GRPC_GENERATED_VERSION = '1.64.3'
 GRPC_VERSION = grpc.__version__

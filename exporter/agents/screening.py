@@ -16,8 +16,8 @@ import math
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.service import MAX_SETTINGS_CHARACTERS
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.service import MAX_SETTINGS_CHARACTERS
 
 # Labels and names: GPU and MIG UUIDs, host and pod names (DNS: 253), jobs, versions.
 MAX_STRING = 256

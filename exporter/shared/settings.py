@@ -4,7 +4,7 @@ refused there rather than by every agent."""
 
 from __future__ import annotations
 
-from exporter.protocol.service import MAX_SETTINGS_CHARACTERS
+from allocator_ext.protocol.service import MAX_SETTINGS_CHARACTERS
 
 
 def validate_settings(text: str) -> str:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 
 def fragmentation_ratio(reserved: int, allocated: int) -> float:

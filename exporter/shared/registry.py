@@ -19,8 +19,8 @@ import threading
 import time
 from collections import Counter
 
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.sidecar.series import SeriesSlots, labels_of
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.shared.series import SeriesSlots, labels_of
 
 log = logging.getLogger("exporter.registry")
 
@@ -336,7 +336,7 @@ class Registry:
             self.commands_total[(command, result)] += 1
 
     def count_figures_dropped(self, reasons: list[str]) -> None:
-        """Figures left out of what an agent sent (exporter.sidecar.screening), by reason."""
+        """Figures left out of what an agent sent (exporter.agents.screening), by reason."""
         if reasons:
             with self._lock:
                 self.figures_dropped_total.update(reasons)

@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from exporter.config import ConfigError, read_token
-from exporter.protocol.files import Stamp, content_stamp
+from allocator_ext.protocol.files import Stamp, content_stamp
+from exporter.shared.config import ConfigError, read_token
 
 T = TypeVar("T")
 log = logging.getLogger("exporter.tokens")

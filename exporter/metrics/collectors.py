@@ -4,7 +4,7 @@ exporter.admin).
 
 Names follow DESIGN.md "Metric names". Allocator series are labelled by rank, local_rank,
 cuda_device, gpu_uuid (unknown values are empty labels), plus agent_slot where two live agents'
-labels coincide (exporter.sidecar.series). A departed agent's series give way to a connected
+labels coincide (exporter.shared.series). A departed agent's series give way to a connected
 agent's with the same labels (a restarted process before its predecessor expired). Totals and
 pool breakdowns have names of their own (`…_reserved_bytes` and `…_pool_reserved_bytes{pool}`),
 so that `sum()` over any one metric counts each byte once.
@@ -24,13 +24,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from exporter.protocol.figures import device_peak_fragmentation_ratio, fragmentation_ratio
-from exporter.protocol.nvml import GpuMemory, NvmlReader
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.version import PACKAGE_VERSION, PROTOCOL_MAJOR, PROTOCOL_MINOR
-from exporter.sidecar.registry import AgentState, Registry
-from exporter.sidecar.reload import ConfigWatcher
-from exporter.sidecar.series import (
+from allocator_ext.protocol.nvml import GpuMemory, NvmlReader
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.shared.figures import device_peak_fragmentation_ratio, fragmentation_ratio
+from exporter.shared.registry import AgentState, Registry
+from exporter.shared.series import (
     SERIES_LABELS,
     agent_labels,
     device_labels,
@@ -323,30 +321,3 @@ class AgentsCollector(Collector):
         for reason, count in sorted(errors.items()):
             err.add_metric([reason], count)
         yield err
-
-
-class SidecarCollector(Collector):
-    """The sidecar itself: its build, and the reloads of its settings file where one is
-    watched."""
-
-    def __init__(self, watcher: ConfigWatcher | None):
-        self._watcher = watcher
-
-    def collect(self) -> Iterator[Metric]:
-        build = InfoMetricFamily("allocwatch_build", "The sidecar's version",
-                                 labels=["version", "protocol"])
-        build.add_metric([PACKAGE_VERSION, f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"], {})
-        yield build
-        if self._watcher is None:
-            return
-        totals, last_successful = self._watcher.counts()
-        family = CounterMetricFamily(
-            "allocwatch_config_reloads", "Settings file changes seen, by result (ok, partial: "
-            "some fields need a restart, invalid: refused, unreadable)", labels=["result"])
-        for result, count in totals:
-            family.add_metric([result], count)
-        yield family
-        gauge = GaugeMetricFamily("allocwatch_config_last_reload_successful",
-                                  "1 when the last settings file seen was accepted")
-        gauge.add_metric([], 1.0 if last_successful else 0.0)
-        yield gauge

@@ -3,7 +3,7 @@
 Each stream: the agent's Hello (within agents.hello_timeout_seconds, with a compatible protocol
 version, else the stream is refused with a message saying why), the sidecar's Welcome, then
 reports from the agent and commands from the sidecar, concurrently. Bad input (screened by
-exporter.sidecar.screening) ends that one stream with a clear status; other agents are not
+exporter.agents.screening) ends that one stream with a clear status; other agents are not
 affected.
 """
 
@@ -21,22 +21,22 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from exporter.config import ConfigError
-from exporter.protocol.handshake import format_version, incompatibility, local_version
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from exporter.protocol.proto.allocwatch.v1 import agent_pb2_grpc
-from exporter.protocol.service import SERVICE_NAME
-from exporter.protocol.version import PACKAGE_VERSION
-from exporter.sidecar.config import AgentsConfig
-from exporter.sidecar.registry import (
+from allocator_ext.protocol.handshake import format_version, incompatibility, local_version
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2_grpc
+from allocator_ext.protocol.service import SERVICE_NAME
+from allocator_ext.protocol.version import PACKAGE_VERSION
+from exporter.agents.config import AgentsConfig
+from exporter.agents.screening import message_problem, screened_report, screened_result
+from exporter.shared.config import ConfigError
+from exporter.shared.registry import (
     AgentRefusedError,
     AgentSession,
     AgentState,
     IdentityInUseError,
     Registry,
 )
-from exporter.sidecar.screening import message_problem, screened_report, screened_result
-from exporter.tokens import RotatingToken
+from exporter.shared.tokens import RotatingToken
 
 log = logging.getLogger("exporter.grpc")
 
