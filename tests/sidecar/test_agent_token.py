@@ -94,7 +94,7 @@ def test_a_filesystem_without_hard_links_still_gets_a_token_file(
     """vfat, many FUSE volumes and some SMB shares refuse link(): there the token file is
     created in place, with the same mode, and no staged file stays. (link() is made to fail:
     this machine's filesystems all have hard links.)"""
-    from exporter.sidecar import grpc_server
+    from exporter.agents import grpc_server
 
     def refuse(src: object, dst: object) -> None:
         raise OSError(no_links, os.strerror(no_links))

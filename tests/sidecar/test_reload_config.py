@@ -240,7 +240,7 @@ def test_a_reload_naming_a_new_admin_token_file_reads_it_off_the_event_loop(
 EXIT_WHILE_TOKEN_FILE_HANGS = """
 import asyncio, sys, threading
 from pathlib import Path
-from exporter import tokens
+from exporter.shared import tokens
 from exporter.sidecar.app import Sidecar
 from exporter.sidecar.config import load_config
 

@@ -44,7 +44,7 @@ def hang_token_file(monkeypatch: Any, path: Path) -> tuple[threading.Event, list
     returned event is set, as a token file on a network mount that stopped answering does: no
     mount can be made to hang here (no NFS server, no FUSE). The list gathers the names of the
     threads held up."""
-    from exporter import tokens
+    from exporter.shared import tokens
 
     release, held = threading.Event(), []
     real_stamp = tokens.content_stamp
