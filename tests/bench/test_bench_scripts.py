@@ -285,104 +285,82 @@ def pool_lockstep(*args: str | Path) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def test_lockstep_pool_reproduces_the_documented_convnet_verdicts_from_the_raw_runs(
+CONVNET_RUNS = [f"end_to_end_h100_convnet_{call}_{order}.json" for call in ("a", "b", "c")
+                for order in ("allocwatch_first", "expandable_first", "cap103_allocwatch_first",
+                              "cap103_expandable_first")]
+
+
+def test_lockstep_pool_reproduces_the_documented_convnet_verdict_from_the_raw_runs(
         tmp_path: Path) -> None:
-    # docs/benchmarks.md ("Fresh shapes", H100): six uncapped runs pooled give 1.009 over 1,056
-    # steps, four capped ones 1.004 over 768; two of the runs timed expandable's process first
-    # and count inverted.
+    # docs/benchmarks.md ("End to end", H100): seven convnet runs pool to 0.993 uncapped and
+    # 0.995 at 1.03 x, settled, every run below 1.00 on its own; the runs that timed
+    # expandable's process first count inverted; the gap splits by whether a step's shape is new.
     out_json = tmp_path / "pooled.json"
-    runs = [f"lockstep_h100_convnet_{name}.json" for name in (
-        "8r", "24r_allocwatch_first", "24r_expandable_first", "12r_defaults_a", "12r_defaults_b",
-        "cap103_8r", "cap103_24r_allocwatch_first", "cap103_24r_expandable_first")]
-    out = pool_lockstep(*runs, "lockstep_h100_suite_convnet.json", "--json", out_json)
+    out = pool_lockstep(*CONVNET_RUNS, "end_to_end_h100_suite_convnet.json", "--json", out_json)
     assert out.returncode == 0, out.stderr
     uncapped, capped = json.loads(out_json.read_text())["groups"]
-    assert (uncapped["fraction_of_peak"], uncapped["steps"], len(uncapped["runs"])) == (0, 1056, 6)
-    assert round(uncapped["median_step_ratio"], 3) == 1.009 and not uncapped["meets_bar"]
-    assert (capped["fraction_of_peak"], capped["steps"], len(capped["runs"])) == (1.03, 768, 4)
-    assert round(capped["median_step_ratio"], 3) == 1.004 and capped["meets_bar"]
-    inverted = next(r for r in uncapped["runs"] if "expandable_first" in r["file"])
-    assert round(inverted["median_step_ratio"], 3) == 1.005  # 0.995 as recorded, inverted
-    assert "misses the bar" in out.stdout and "meets the bar" in out.stdout
-
-
-def test_lockstep_pool_gives_the_verdict_its_interval_and_splits_new_shapes_from_repeated(
-        tmp_path: Path) -> None:
-    # docs/benchmarks.md ("Fresh shapes", commit 6765972, H200): the convnet's five uncapped runs
-    # pool to 1.004, whose interval over the 72 rounds resampled crosses 1.005: the verdict is
-    # not settled. Its gap sits on the steps of a shape new to the run.
-    out_json = tmp_path / "pooled.json"
-    runs = [f"bar_h200_convnet_{call}_{order}.json" for call in ("a", "b")
-            for order in ("allocwatch_first", "expandable_first", "cap103_allocwatch_first",
-                          "cap103_expandable_first")]
-    out = pool_lockstep(*runs, "lockstep_h200_suite_convnet.json", "--json", out_json)
-    assert out.returncode == 0, out.stderr
-    uncapped, capped = json.loads(out_json.read_text())["groups"]
-    assert (uncapped["rounds"], uncapped["steps"]) == (72, 864)
-    assert round(uncapped["median_step_ratio"], 3) == 1.004 and uncapped["meets_bar"]
-    low, high = uncapped["interval_95"]
-    assert low <= uncapped["median_step_ratio"] <= high
-    assert round(low, 2) == 1.00 and round(high, 2) == 1.01 and not uncapped["settled"]
-    assert not uncapped["settled_across_processes"]
-    assert capped["meets_bar"] and capped["settled"]
-    shapes = uncapped["by_shape"]
-    assert (shapes["new"]["steps"], shapes["repeated"]["steps"]) == (768, 96)
-    assert shapes["new"]["median_step_ratio"] > 1.005 > shapes["repeated"]["median_step_ratio"]
-    assert "not settled" in out.stdout and "steps of a shape new to the run: 768" in out.stdout
-    # The interval is drawn from a fixed seed: the same files give the same interval.
-    again = pool_lockstep(*runs, "lockstep_h200_suite_convnet.json")
-    assert again.stdout == out.stdout
-
-
-def test_lockstep_pool_reproduces_the_convnet_verdict_and_the_control_after_the_export_fix(
-        tmp_path: Path) -> None:
-    # docs/benchmarks.md ("Fresh shapes", commit 4b594ee, H100): seven convnet runs pool to 0.993
-    # uncapped and 0.995 at 1.03 x, settled, every run below 1.00 on its own; the control with
-    # allocwatch's libraries loaded but unused went from 1.011 (a miss, settled) to 0.999.
-    out_json = tmp_path / "pooled.json"
-    runs = [f"h100_after_{call}_bar_convnet_{order}.json" for call in ("a", "b", "c")
-            for order in ("allocwatch_first", "expandable_first", "cap103_allocwatch_first",
-                          "cap103_expandable_first")]
-    out = pool_lockstep(*runs, "h100_after_lockstep_convnet.json", "--json", out_json)
-    assert out.returncode == 0, out.stderr
-    uncapped, capped = json.loads(out_json.read_text())["groups"]
+    assert (uncapped["fraction_of_peak"], capped["fraction_of_peak"]) == (0, 1.03)
     assert (uncapped["rounds"], uncapped["steps"], len(uncapped["runs"])) == (104, 1248, 7)
     assert round(uncapped["median_step_ratio"], 3) == 0.993 and uncapped["settled"]
     assert round(capped["median_step_ratio"], 3) == 0.995 and capped["settled"]
+    assert [round(g["interval_95"][0], 3) for g in (uncapped, capped)] == [0.991, 0.994]
     # With the pairs of processes drawn too, the interval widens and the verdict still holds.
     for group in (uncapped, capped):
         low, high = group["interval_95_across_processes"]
         assert low <= group["interval_95"][0] and group["interval_95"][1] <= high < 1.0
         assert group["settled_across_processes"]
     assert all(run["median_step_ratio"] < 1.0 for run in uncapped["runs"] + capped["runs"])
+    inverted = next(r for r in uncapped["runs"] if r["file"] == "end_to_end_h100_convnet_a_"
+                    "expandable_first.json")
+    assert round(inverted["median_step_ratio"], 3) == 0.993  # 1.007 as recorded, inverted
+    shapes = uncapped["by_shape"]
+    assert (shapes["new"]["steps"], shapes["repeated"]["steps"]) == (1106, 142)
+    assert round(shapes["new"]["median_step_ratio"], 3) == 0.993
+    assert round(shapes["repeated"]["median_step_ratio"], 3) == 0.996
+    assert "meets the bar" in out.stdout and "misses" not in out.stdout
+    assert "steps of a shape new to the run: 1106" in out.stdout
+    # The interval is drawn from a fixed seed: the same files give the same interval.
+    again = pool_lockstep(*CONVNET_RUNS, "end_to_end_h100_suite_convnet.json")
+    assert again.stdout == out.stdout
 
-    def loaded(*files: str) -> dict:
-        done = pool_lockstep("--judged", "expandable-loaded", *files, "--json", out_json)
-        assert done.returncode == 0, done.stderr
-        [group] = json.loads(out_json.read_text())["groups"]
-        return group
 
-    before = loaded("h100_before_control_expandable-loaded_vs_expandable_1.json",
-                    "h100_before_control_expandable-loaded_vs_expandable_2.json")
-    after = loaded("h100_after_control_loaded_1.json", "h100_after_control_loaded_2.json")
-    assert round(before["median_step_ratio"], 3) == 1.011 and before["interval_95"][0] > 1.005
-    assert round(after["median_step_ratio"], 3) == 0.999 and after["settled"]
+def test_lockstep_pool_reproduces_the_loaded_control_and_says_when_a_verdict_is_not_settled(
+        tmp_path: Path) -> None:
+    # docs/benchmarks.md ("End to end"): with allocwatch's libraries loaded but unused,
+    # expandable segments time 0.999 against themselves, settled.
+    out_json = tmp_path / "pooled.json"
+    done = pool_lockstep("--judged", "expandable-loaded", "end_to_end_h100_control_loaded_1.json",
+                         "end_to_end_h100_control_loaded_2.json", "--json", out_json)
+    assert done.returncode == 0, done.stderr
+    [loaded] = json.loads(out_json.read_text())["groups"]
+    assert round(loaded["median_step_ratio"], 3) == 0.999 and loaded["settled"]
+    assert [round(x, 3) for x in loaded["interval_95"]] == [0.996, 1.001]
+    # The suite's single convnet run: its median meets the bar, but its interval over 8 rounds
+    # crosses 1.005, so the verdict is not settled (docs/results/end_to_end_h100_suite_pooled.txt).
+    done = pool_lockstep("end_to_end_h100_suite_convnet.json", "--json", out_json)
+    uncapped, capped = json.loads(out_json.read_text())["groups"]
+    assert round(uncapped["median_step_ratio"], 3) == 0.993 and uncapped["meets_bar"]
+    assert [round(x, 3) for x in uncapped["interval_95"]] == [0.973, 1.006]
+    assert not uncapped["settled"] and capped["settled"]
+    assert uncapped["interval_95_across_processes"] is None  # one run: one pair of processes
+    assert "0.973-1.006 (the verdict differs at its ends: not settled)" in done.stdout
 
 
 def test_lockstep_pool_never_pools_comparisons_with_different_allocators(tmp_path: Path) -> None:
-    # docs/benchmarks.md ("Fresh shapes", H100): against expandable segments, against PyTorch's
-    # allocator under the same page rules, against the pluggable path: three verdicts.
+    # Judging expandable segments: against allocwatch (a convnet bar run, inverted) and against
+    # expandable-loaded (the control's two runs) are two verdicts, never one.
     out_json = tmp_path / "pooled.json"
-    out = pool_lockstep("bar_h100_convnet_allocwatch_first.json",
-                        "lockstep_h100_convnet_16r_torch_rules_vs_pytorch_a.json",
-                        "lockstep_h100_convnet_16r_torch_rules_vs_pytorch_b.json",
-                        "lockstep_h100_convnet_16r_pluggable_vs_native.json", "--json", out_json)
+    out = pool_lockstep("--judged", "expandable", "end_to_end_h100_convnet_a_allocwatch_first.json",
+                        "end_to_end_h100_control_loaded_1.json",
+                        "end_to_end_h100_control_loaded_2.json", "--json", out_json)
     assert out.returncode == 0, out.stderr
     groups = {g["against"]: g for g in json.loads(out_json.read_text())["groups"]}
-    assert sorted(groups) == ["allocwatch-pluggable", "expandable", "pytorch"]
-    assert [len(groups[a]["runs"]) for a in sorted(groups)] == [1, 1, 2]
-    assert round(groups["pytorch"]["median_step_ratio"], 3) == 1.010
-    assert "convnet, uncapped, against pytorch: median per-step ratio 1.010" in out.stdout
+    assert sorted(groups) == ["allocwatch", "expandable-loaded"]
+    assert [len(groups[a]["runs"]) for a in sorted(groups)] == [1, 2]
+    assert round(groups["allocwatch"]["median_step_ratio"], 3) == 1.005
+    assert not groups["allocwatch"]["meets_bar"]
+    assert "convnet, uncapped, against allocwatch: median per-step ratio 1.005" in out.stdout
+    assert "misses the bar" in out.stdout
 
 
 def test_lockstep_pool_interval_is_the_median_itself_where_resampling_cannot_move_it(
@@ -415,10 +393,17 @@ def test_lockstep_pool_interval_is_the_median_itself_where_resampling_cannot_mov
 
 def test_lockstep_pool_refuses_a_run_that_did_not_time_the_judged_allocator(
         tmp_path: Path) -> None:
-    out = pool_lockstep("lockstep_h100_convnet_8r.json",
-                        "lockstep_h100_convnet_16r_aa_expandable.json")
+    out = pool_lockstep("end_to_end_h100_convnet_a_allocwatch_first.json",
+                        "end_to_end_h100_control_loaded_1.json")
     assert out.returncode == 2 and out.stdout == ""
-    assert "16r_aa_expandable.json: times expandable against expandable" in out.stderr
+    assert ("control_loaded_1.json: times expandable-loaded against expandable, not allocwatch"
+            in out.stderr)
+    # The harness against itself (one allocator on both sides) is no comparison to pool.
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"ours": "allocwatch", "against": "allocwatch", "model": "convnet",
+                                "phases": [{"rounds": [{"step_ratios": [1.0]}]}]}))
+    out = pool_lockstep(same)
+    assert out.returncode == 2 and "same.json: times allocwatch against allocwatch" in out.stderr
     corrupt = tmp_path / "cut.json"
     corrupt.write_text('{"ours": "allocwatch", "phases": [')
     out = pool_lockstep(corrupt)

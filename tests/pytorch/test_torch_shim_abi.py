@@ -56,7 +56,8 @@ def test_every_function_the_pluggable_path_names_is_exported() -> None:
 def test_the_extension_exports_its_entry_points_and_nothing_else() -> None:
     # Anything else exported (the core's functions, std:: instantiations) is somewhere the
     # process's other libraries can bind their own calls to once the module is in the global
-    # scope, which cost a convnet 1 % of its step time (docs/benchmarks.md, "Fresh shapes").
+    # scope, slowing them (docs/benchmarks.md, "End to end": with the libraries loaded and
+    # unused, a convnet's steps run as fast as without them).
     import allocator_ext._core as core
 
     nm = shutil.which("nm")
