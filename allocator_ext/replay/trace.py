@@ -142,12 +142,6 @@ def active_times(trace: Trace) -> list[float]:
     return times
 
 
-def trace_seconds(trace: Trace) -> float:
-    """The trace's active time (see active_times): what replay reports and plots against."""
-    times = active_times(trace)
-    return times[-1] if times else 0.0
-
-
 def free_completes_at_once(events: list[TraceEvent], i: int) -> bool:
     """Whether the free requested at events[i] took effect at once (its `free_completed` is the
     next event) rather than after the block's work on other streams: a cross-stream wait,

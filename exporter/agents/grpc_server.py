@@ -248,7 +248,6 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             elif kind == "command_result":
                 result, dropped = screened_result(message.command_result)
                 self._registry.count_figures_dropped(dropped)
-                state.last_result = result
                 if not session.resolve(result):
                     log.warning("result for an unknown command", extra={
                         "agent": state.key, "command_id": result.command_id})

@@ -73,7 +73,6 @@ class AgentState:
     last_report: pb.Report | None = None
     last_report_time: float | None = None  # unix time the sidecar received it
     reports_received: int = 0
-    last_result: pb.CommandResult | None = None
     # 1, or the agent_slot telling it apart from a live agent with the same labels (series.py).
     series_slot: int = 1
     # Commands to this agent: set by the server while a stream is open.
