@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <iterator>
 #include <memory>
 
 #include "devices/sim_device.h"
@@ -28,27 +29,76 @@ AllocatorConfig config_from(const std::optional<std::string>& text) {
   return text ? apply_config(base, *text) : base;
 }
 
-py::dict config_dict(const AllocatorConfig& c) {
-  py::dict d;
-  d["max_split_size"] =
-      c.max_split_size == kNoMaxSplit ? py::int_(-1) : py::int_(c.max_split_size);
-  d["max_non_split_rounding"] = c.max_non_split_rounding;
-  d["garbage_collection_threshold"] = c.garbage_collection_threshold;
-  d["expandable_segments"] = c.expandable_segments;
+// Each setting's value as Python has it: sizes in bytes (-1: unlimited), the roundup
+// divisions as {interval start in MiB: divisions}.
+py::object python_value(const SettingInfo&, bool v) { return py::bool_(v); }
+py::object python_value(const SettingInfo& s, std::size_t v) {
+  return s.range.unlimited && v == kNoMaxSplit ? py::int_(-1) : py::int_(v);
+}
+py::object python_value(const SettingInfo&, double v) { return py::float_(v); }
+py::object python_value(const SettingInfo&, const RoundupDivisions& v) {
   py::dict divisions;
   for (std::size_t i = 0; i < kRoundupIntervals; ++i)
-    divisions[py::str(std::to_string(std::size_t{1} << i))] = c.roundup_power2_divisions[i];
-  d["roundup_power2_divisions"] = divisions;
-  d["expandable_large_page"] = c.expandable_large_page;
-  d["expandable_grow"] = c.expandable_grow;
-  d["expandable_chunk"] = c.expandable_chunk;
-  d["reuse_free_pages"] = c.reuse_free_pages;
-  d["release_lock_on_cudamalloc"] = c.release_lock_on_cudamalloc;
-  d["pinned_use_cuda_host_register"] = c.pinned_use_cuda_host_register;
-  d["pinned_num_register_threads"] = c.pinned_num_register_threads;
-  d["pinned_use_background_threads"] = c.pinned_use_background_threads;
+    divisions[py::str(std::to_string(std::size_t{1} << i))] = v[i];
+  return std::move(divisions);
+}
+py::object python_value(const SettingInfo&, AllocatorBackend) { return py::str("native"); }
+
+// Every setting under its member's name (settings_table.h), and "string": the settings string.
+py::dict config_dict(const AllocatorConfig& c) {
+  py::dict d;
+  std::size_t row = 0;
+#define ALLOCWATCH_PY_VALUE(Type, field, ...) d[#field] = python_value(kSettings[row++], c.field);
+  ALLOCWATCH_SETTINGS(ALLOCWATCH_PY_VALUE)
+#undef ALLOCWATCH_PY_VALUE
   d["string"] = c.to_string();
   return d;
+}
+
+// What kind of value a setting takes, by its type, for the binding's table.
+const char* value_kind(const bool*) { return "bool"; }
+const char* value_kind(const std::size_t*) { return "whole"; }
+const char* value_kind(const double*) { return "real"; }
+const char* value_kind(const RoundupDivisions*) { return "divisions"; }
+const char* value_kind(const AllocatorBackend*) { return "choice"; }
+
+// The settings table (settings_table.h), one dict a row: its values in words and as a range
+// (what tests generate values from), and each default as a settings string writes it.
+py::tuple settings_table() {
+  const auto native = AllocatorConfig::native().items();
+  const auto ours = AllocatorConfig::allocwatch().items();
+  py::list rows;
+  std::size_t i = 0;
+  auto add = [&](const char* kind) {
+    const SettingInfo& s = kSettings[i];
+    const ValueRange& r = s.range;
+    py::dict range;
+    range["kind"] = kind;
+    range["unit"] = r.in_mebibytes ? "MiB" : "";
+    range["min"] = r.min;
+    range["max"] = r.max == 0 ? py::object(py::none()) : py::object(py::int_(r.max));
+    range["multiple"] = r.multiple;
+    range["power_of_two"] = r.power_of_two;
+    range["zero"] = r.zero;
+    range["above"] = r.above;
+    range["below"] = r.below;
+    py::dict row;
+    row["key"] = s.key;
+    row["name"] = s.field;
+    row["values"] = describe_values(s);
+    row["range"] = range;
+    row["native_default"] = native[i].second;
+    row["default"] = ours[i].second;
+    row["origin"] = s.origin == SettingOrigin::pytorch ? "pytorch" : "allocwatch";
+    row["on_pytorch_call"] = s.on_pytorch_call == OnPytorchCall::resets ? "resets" : "keeps";
+    row["help"] = s.help;
+    rows.append(row);
+    ++i;
+  };
+#define ALLOCWATCH_TABLE_ROW(Type, ...) add(value_kind(static_cast<const Type*>(nullptr)));
+  ALLOCWATCH_SETTINGS(ALLOCWATCH_TABLE_ROW)
+#undef ALLOCWATCH_TABLE_ROW
+  return py::tuple(rows);
 }
 
 // A Python object as the opaque context of trace entries (history.h), for tests of the
@@ -242,12 +292,25 @@ PYBIND11_MODULE(_core, m) {
         "bytes: 2 MiB up to 1 MiB, 20 MiB below 10 MiB, else the request rounded up to 2 MiB.");
   m.def(
       "parse_config",
+      [](const std::string& text, std::optional<std::string> base, bool pytorch_call) {
+        const AllocatorConfig start = config_from(base);
+        return config_dict(pytorch_call ? apply_pytorch_settings(start, text)
+                                        : apply_config(start, text));
+      },
+      py::arg("text"), py::arg("base") = py::none(), py::arg("pytorch_call") = false,
+      "Validates a settings string on top of `base` (allocwatch's defaults when None) and "
+      "returns every setting; raises ValueError naming a bad key or value. pytorch_call: as "
+      "torch.cuda.memory._set_allocator_settings takes it under the native back end (the "
+      "settings SETTINGS marks 'resets' return to their defaults unless named).");
+  m.def(
+      "config_items",
       [](const std::string& text, std::optional<std::string> base) {
-        return config_dict(apply_config(config_from(base), text));
+        return apply_config(config_from(base), text).items();
       },
       py::arg("text"), py::arg("base") = py::none(),
-      "Validates a settings string on top of `base` (allocwatch's defaults when None) and "
-      "returns every setting; raises ValueError naming a bad key or value.");
+      "Every setting of `text` on top of `base` as (key, value), each value written as a "
+      "settings string takes it back, in SETTINGS' order.");
+  m.attr("SETTINGS") = settings_table();
   m.def(
       "known_settings",
       [](const std::string& text) {

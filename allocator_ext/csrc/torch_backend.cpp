@@ -247,12 +247,16 @@ class CoreTorchBackend final : public TorchBackend {
     }
   }
 
-  void configure(const std::string& settings,
+  void configure(const std::string& settings, bool as_pytorch_call,
                  std::vector<std::pair<std::string, std::string>>* others,
                  Failure* failure) override {
     guarded(failure, [&] {
       const std::string known = known_settings(settings, others);
-      if (!known.empty()) torch_shim::configure(known);
+      if (as_pytorch_call) {
+        torch_shim::configure_as_pytorch(known);  // "" too: it resets what PyTorch resets
+      } else if (!known.empty()) {
+        torch_shim::configure(known);
+      }
     });
   }
 

@@ -29,7 +29,7 @@
 namespace allocwatch::torch_shim {
 
 // Bumped whenever TorchBackend changes: a back end built for another version is refused.
-constexpr int kTorchBackendVersion = 2;
+constexpr int kTorchBackendVersion = 3;
 
 // Text copied into a fixed buffer, cut to fit: errors cross between the libraries as plain
 // bytes, never as objects whose memory one library allocates and the other frees.
@@ -147,10 +147,12 @@ class TorchBackend {
   virtual void close_ipc(int device, std::uintptr_t base) = 0;
 
   // --- settings ---
-  // A PyTorch settings string: the keys this allocator knows change, only those (a bad one
-  // changes nothing and fails as invalid_argument); `others` gets the rest (config.h,
-  // known_settings).
-  virtual void configure(const std::string& settings,
+  // A PyTorch settings string: the keys this allocator knows change (a bad one changes
+  // nothing and fails as invalid_argument); `others` gets the rest (config.h, known_settings).
+  // as_pytorch_call: as PyTorch's parser takes _set_allocator_settings, where the keys that
+  // PyTorch resets return to their defaults unless named (config.h, apply_pytorch_settings);
+  // otherwise only the keys named change.
+  virtual void configure(const std::string& settings, bool as_pytorch_call,
                          std::vector<std::pair<std::string, std::string>>* others,
                          Failure* failure) = 0;
   // The settings of `device`'s allocator, or those new allocators get (device < 0).

@@ -87,6 +87,15 @@ void configure(const std::string& settings) {
     if (a) a->set_config(settings);
 }
 
+void configure_as_pytorch(const std::string& settings) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_config = apply_pytorch_settings(g_config, settings);  // throws ConfigError, changing nothing
+  // Each allocator's own settings, reset and updated the same way, replace its settings whole
+  // (to_string() begins with the preset, so it names every setting that is not PyTorch's).
+  for (auto& a : g_allocators)
+    if (a) a->set_config(apply_pytorch_settings(a->config(), settings).to_string());
+}
+
 AllocatorConfig current_config() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_config;

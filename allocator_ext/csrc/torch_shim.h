@@ -16,6 +16,9 @@ namespace allocwatch::torch_shim {
 
 // Settings for allocators made from now on, and applied to those that exist (named keys only).
 void configure(const std::string& settings);
+// The same as torch.cuda.memory._set_allocator_settings takes them: the keys PyTorch resets
+// return to their defaults unless named (config.h, apply_pytorch_settings).
+void configure_as_pytorch(const std::string& settings);
 // The settings allocators made from now on get.
 AllocatorConfig current_config();
 // The allocator of `device`; with create=false, nullptr if torch has not used the device yet.

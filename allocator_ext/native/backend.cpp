@@ -861,13 +861,14 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   }
 
   // --- settings: _set_allocator_settings and the environment -----------------------------------
-  // A settings string from PyTorch: allocwatch's allocator changes the keys it names, only
-  // those (PyTorch's own parser resets the others); per_process_memory_fraction sets the
-  // fraction of every device.
-  void apply_settings(const std::string& settings) {
+  // A settings string from PyTorch. as_pytorch_call (_set_allocator_settings): PyTorch's
+  // semantics, the keys its parser resets return to their defaults unless named; otherwise
+  // (the environment's keys at install) only the keys named change. per_process_memory_fraction
+  // sets the fraction of every device.
+  void apply_settings(const std::string& settings, bool as_pytorch_call) {
     std::vector<std::pair<std::string, std::string>> others;
     shim::Failure failure;
-    g_core->configure(settings, &others, &failure);
+    g_core->configure(settings, as_pytorch_call, &others, &failure);
     check(failure);
     for (const auto& [key, value] : others) {
       if (key != "per_process_memory_fraction") continue;  // PyTorch's, or parts it still runs
@@ -1178,21 +1179,25 @@ void delete_uncached(void* ptr) {
 
 // _set_allocator_settings and torch._C._accelerator_setAllocatorSettings reach a device's
 // settings through one hook, PyTorch's CUDA parser's until now: it keeps running (PyTorch's
-// pinned memory and graph capture read its keys), then allocwatch applies the keys it knows.
-// The environment was parsed before (install() asks for both parsers first), so the hook sees
-// only run-time changes: the layering of ALLOCWATCH_ALLOC_CONF over PYTORCH_CUDA_ALLOC_CONF
-// stays as install() made it.
+// pinned memory and graph capture read its keys), then allocwatch applies the keys it knows,
+// as PyTorch's parser would. The environment was parsed before (install() asks for both
+// parsers first), so the hook sees only run-time changes: the layering of ALLOCWATCH_ALLOC_CONF
+// over PYTORCH_CUDA_ALLOC_CONF stays as install() made it. Every key of allocwatch's settings
+// table that PyTorch's parser does not know is registered with it, so that PyTorch accepts it.
 void register_settings_hook() {
   using c10::CachingAllocator::AcceleratorAllocatorConfig;
   (void)AcceleratorAllocatorConfig::instance();
   (void)cca::CUDAAllocatorConfig::instance();
+  std::unordered_set<std::string> ours;
+  const auto& known = AcceleratorAllocatorConfig::getKeys();
+  for (const allocwatch::SettingInfo& setting : allocwatch::kSettings)
+    if (known.count(setting.key) == 0) ours.insert(setting.key);
   AcceleratorAllocatorConfig::registerDeviceConfigParserHook(
       [](const std::string& settings) {
         cca::CUDAAllocatorConfig::instance().parseArgs(settings);
-        g_allocator->apply_settings(settings);
+        g_allocator->apply_settings(settings, /*as_pytorch_call=*/true);
       },
-      {"expandable_large_page_mb", "expandable_grow_mb", "expandable_chunk_mb",
-       "reuse_free_pages"});
+      ours);
 }
 
 void copy_message(const std::string& text, char* out, std::size_t capacity) {
@@ -1256,7 +1261,7 @@ __attribute__((visibility("default"))) int allocwatch_native_apply_settings(cons
                                                                              std::size_t capacity) {
   try {
     TORCH_CHECK(g_allocator != nullptr, "the native back end is not installed");
-    g_allocator->apply_settings(settings);
+    g_allocator->apply_settings(settings, /*as_pytorch_call=*/false);
     return 0;
   } catch (const std::exception& e) {
     copy_message(e.what(), error, capacity);

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <iterator>
 
 namespace allocwatch {
 
@@ -67,19 +69,14 @@ bool parse_bool(const std::string& key, const std::string& value) {
   fail(key, value, "expected True or False");
 }
 
-std::size_t parse_megabytes(const std::string& key, const std::string& value, std::size_t min_mb) {
-  std::size_t mb = parse_count(key, value);
-  if (mb < min_mb) fail(key, value, "must be at least " + std::to_string(min_mb) + " (MiB)");
-  if (mb > kNoMaxSplit / kMiB) fail(key, value, "number too large");
-  return mb * kMiB;
-}
-
-std::string bool_text(bool v) { return v ? "True" : "False"; }
-
+// The shortest text that reads back as exactly `v` (0.8, not 0.80000000000000004).
 std::string real_text(double v) {
-  Text s;
-  s << v;
-  return s.str();
+  char buf[32];
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
 }
 
 // Cursor over the token stream of one settings string.
@@ -102,8 +99,7 @@ class Tokens {
   std::size_t i_ = 0;
 };
 
-void parse_roundup(Tokens& tok, AllocatorConfig& cfg) {
-  const std::string key = "roundup_power2_divisions";
+void parse_roundup(const std::string& key, Tokens& tok, RoundupDivisions& out) {
   std::string first = tok.take(key, "value");
   auto divisions_value = [&](const std::string& v) {
     std::size_t d = parse_count(key, v);
@@ -113,11 +109,13 @@ void parse_roundup(Tokens& tok, AllocatorConfig& cfg) {
   if (first != "[") {
     std::size_t d = divisions_value(first);
     if (d == 0) fail(key, first, "divisions must be a power of two");
-    cfg.roundup_power2_divisions.fill(d);
+    out.fill(d);
     return;
   }
-  // [256:1,512:2,>:4] — interval start in MiB : divisions; '>' applies to all later intervals.
-  RoundupDivisions result = cfg.roundup_power2_divisions;
+  // [256:1,512:2,>:4] — interval start in MiB : divisions. The intervals before the first one
+  // named take its value; '>' applies to every interval after the last one named (PyTorch's
+  // parser, which also leaves the first interval alone when '>' comes first).
+  RoundupDivisions result = out;
   bool first_value = true;
   std::size_t last_index = 0;
   while (true) {
@@ -126,7 +124,8 @@ void parse_roundup(Tokens& tok, AllocatorConfig& cfg) {
     tok.expect(key, ":");
     std::size_t d = divisions_value(tok.take(key, "divisions"));
     if (interval == ">") {
-      std::fill(result.begin() + static_cast<long>(last_index), result.end(), d);
+      std::fill(result.begin() + static_cast<long>(std::min(last_index + 1, result.size())),
+                result.end(), d);
     } else {
       std::size_t mb = parse_count(key, interval);
       if (!is_power_of_two(mb)) fail(key, interval, "interval sizes must be powers of two (MiB)");
@@ -140,70 +139,130 @@ void parse_roundup(Tokens& tok, AllocatorConfig& cfg) {
     }
     if (!tok.done() && tok.peek() == ",") tok.take(key, ",");
   }
-  cfg.roundup_power2_divisions = result;
+  out = result;
+}
+
+// --- reading one value of each type, checked against its row's range ---
+
+void read(const SettingInfo& s, Tokens& tok, bool& out) {
+  out = parse_bool(s.key, tok.take(s.key, "value"));
+}
+
+void read(const SettingInfo& s, Tokens& tok, std::size_t& out) {
+  const ValueRange& r = s.range;
+  const std::string value = tok.take(s.key, "value");
+  const std::size_t n = parse_count(s.key, value);
+  const char* unit = r.in_mebibytes ? " (MiB)" : "";
+  const std::string or_zero = r.zero ? ", or 0" : "";
+  if (!(n == 0 && r.zero)) {
+    if (r.power_of_two && (!is_power_of_two(n) || (r.max != 0 && n > r.max)))
+      fail(s.key, value, "must be a power of two up to " + std::to_string(r.max));
+    if (r.max != 0 && n > r.max)
+      fail(s.key, value, "must be at most " + std::to_string(r.max) + unit);
+    if (n < r.min)
+      fail(s.key, value, "must be at least " + std::to_string(r.min) + unit + or_zero);
+    if (n % r.multiple != 0)
+      fail(s.key, value, "must be a multiple of " + std::to_string(r.multiple) + unit + or_zero);
+  }
+  if (!r.in_mebibytes) {
+    out = n;
+    return;
+  }
+  if (n > kNoMaxSplit / kMiB) fail(s.key, value, "number too large");
+  out = n * kMiB;
+}
+
+void read(const SettingInfo& s, Tokens& tok, double& out) {
+  const std::string value = tok.take(s.key, "value");
+  const double v = parse_real(s.key, value);
+  if (!(v > s.range.above && v < s.range.below))
+    fail(s.key, value, "must lie strictly between " + real_text(s.range.above) + " and " +
+                           real_text(s.range.below));
+  out = v;
+}
+
+void read(const SettingInfo& s, Tokens& tok, RoundupDivisions& out) { parse_roundup(s.key, tok, out); }
+
+void read(const SettingInfo& s, Tokens& tok, AllocatorBackend& out) {
+  const std::string value = tok.take(s.key, "value");
+  if (value != "native")
+    fail(s.key, value,
+         "allocwatch replaces PyTorch's native allocator only; leave backend unset or "
+         "native (to keep cudaMallocAsync, run without allocwatch's allocator)");
+  out = AllocatorBackend::native;
+}
+
+// --- writing one value of each type, as a settings string takes it back ---
+
+std::string show(const SettingInfo&, bool v) { return v ? "True" : "False"; }
+
+std::string show(const SettingInfo& s, std::size_t v) {
+  if (s.range.unlimited && v == kNoMaxSplit) return "unlimited";
+  return std::to_string(s.range.in_mebibytes ? v / kMiB : v);
+}
+
+std::string show(const SettingInfo&, double v) { return real_text(v); }
+
+std::string show(const SettingInfo&, const RoundupDivisions& v) {
+  Text s;
+  s << "[";
+  for (std::size_t i = 0; i < kRoundupIntervals; ++i)
+    s << (i ? "," : "") << (std::size_t{1} << i) << ":" << v[i];
+  s << "]";
+  return s.str();
+}
+
+std::string show(const SettingInfo&, AllocatorBackend) { return "native"; }
+
+// --- each type's allowed values in words ---
+
+std::string describe(const SettingInfo&, const bool*) { return "True or False"; }
+
+std::string describe(const SettingInfo& s, const std::size_t*) {
+  const ValueRange& r = s.range;
+  std::string text;
+  if (r.power_of_two) {
+    text = "a power of two";
+  } else if (r.multiple > 1) {
+    text = "a multiple of " + std::to_string(r.multiple) + (r.in_mebibytes ? " MiB" : "");
+  } else {
+    text = r.in_mebibytes ? "whole MiB" : "a whole number";
+  }
+  if (r.min > (r.power_of_two ? 1 : 0)) text += ", at least " + std::to_string(r.min);
+  if (r.max != 0) text += ", at most " + std::to_string(r.max);
+  if (r.zero) text += ", or 0 (off)";
+  return text;
+}
+
+std::string describe(const SettingInfo& s, const double*) {
+  return "a number strictly between " + real_text(s.range.above) + " and " +
+         real_text(s.range.below);
+}
+
+std::string describe(const SettingInfo&, const RoundupDivisions*) {
+  return "a power of two (or 0 in a list), for every size or per interval: [256:1,512:2,>:4]";
+}
+
+std::string describe(const SettingInfo&, const AllocatorBackend*) { return "native"; }
+
+std::string unknown_key_message() {
+  std::string known;
+  for (const SettingInfo& s : kSettings) known += (known.empty() ? "" : ", ") + std::string(s.key);
+  return "unknown key (known: " + known + "; preset: native)";
 }
 
 void apply_key(const std::string& key, Tokens& tok, AllocatorConfig& cfg) {
-  if (key == "roundup_power2_divisions") {
-    tok.expect(key, ":");
-    parse_roundup(tok, cfg);
-    return;
-  }
-  tok.expect(key, ":");
-  std::string value = tok.take(key, "value");
-  if (key == "max_split_size_mb") {
-    cfg.max_split_size = parse_megabytes(key, value, kLargeBuffer / kMiB);
-  } else if (key == "max_non_split_rounding_mb") {
-    cfg.max_non_split_rounding = parse_megabytes(key, value, kLargeBuffer / kMiB);
-  } else if (key == "garbage_collection_threshold") {
-    double v = parse_real(key, value);
-    if (!(v > 0.0 && v < 1.0)) fail(key, value, "must lie strictly between 0 and 1");
-    cfg.garbage_collection_threshold = v;
-  } else if (key == "expandable_segments") {
-    cfg.expandable_segments = parse_bool(key, value);
-  } else if (key == "backend") {
-    if (value != "native")
-      fail(key, value,
-           "allocwatch replaces PyTorch's native allocator only; leave backend unset or "
-           "native (to keep cudaMallocAsync, run without allocwatch's allocator)");
-  } else if (key == "release_lock_on_cudamalloc") {
-    cfg.release_lock_on_cudamalloc = parse_bool(key, value);
-  } else if (key == "pinned_use_cuda_host_register") {
-    cfg.pinned_use_cuda_host_register = parse_bool(key, value);
-  } else if (key == "pinned_num_register_threads") {
-    std::size_t n = parse_count(key, value);
-    if (!is_power_of_two(n) || n > 128) fail(key, value, "must be a power of two up to 128");
-    cfg.pinned_num_register_threads = n;
-  } else if (key == "pinned_use_background_threads") {
-    cfg.pinned_use_background_threads = parse_bool(key, value);
-  } else if (key == "expandable_large_page_mb") {
-    std::size_t bytes = parse_megabytes(key, value, 2);
-    if (bytes % kRoundLarge != 0) fail(key, value, "must be a multiple of 2 (MiB)");
-    cfg.expandable_large_page = bytes;
-  } else if (key == "expandable_grow_mb") {
-    std::size_t mb = parse_count(key, value);
-    if (mb % 2 != 0) fail(key, value, "must be a multiple of 2 (MiB), or 0");
-    if (mb > kNoMaxSplit / kMiB) fail(key, value, "number too large");
-    cfg.expandable_grow = mb * kMiB;
-  } else if (key == "expandable_chunk_mb") {
-    std::size_t mb = parse_count(key, value);
-    if (mb % 2 != 0) fail(key, value, "must be a multiple of 2 (MiB), or 0");
-    if (mb > kNoMaxSplit / kMiB) fail(key, value, "number too large");
-    cfg.expandable_chunk = mb * kMiB;
-  } else if (key == "reuse_free_pages") {
-    cfg.reuse_free_pages = parse_bool(key, value);
-  } else if (key == "settle_page_moves") {
-    cfg.settle_page_moves = parse_bool(key, value);
-  } else {
-    fail(key, "",
-         "unknown key (known: max_split_size_mb, max_non_split_rounding_mb, "
-         "garbage_collection_threshold, expandable_segments, roundup_power2_divisions, "
-         "expandable_large_page_mb, expandable_grow_mb, expandable_chunk_mb, reuse_free_pages, "
-         "settle_page_moves, "
-         "backend, release_lock_on_cudamalloc, "
-         "pinned_use_cuda_host_register, pinned_num_register_threads, "
-         "pinned_use_background_threads; preset: native)");
-  }
+  std::size_t row = 0;
+#define ALLOCWATCH_APPLY_KEY(Type, field, name, ...) \
+  if (key == name) {                                 \
+    tok.expect(key, ":");                            \
+    read(kSettings[row], tok, cfg.field);            \
+    return;                                          \
+  }                                                  \
+  ++row;
+  ALLOCWATCH_SETTINGS(ALLOCWATCH_APPLY_KEY)
+#undef ALLOCWATCH_APPLY_KEY
+  fail(key, "", unknown_key_message());
 }
 
 }  // namespace
@@ -212,44 +271,32 @@ AllocatorConfig AllocatorConfig::native() { return AllocatorConfig{}; }
 
 AllocatorConfig AllocatorConfig::allocwatch() {
   AllocatorConfig cfg;
-  cfg.expandable_segments = true;
-  // PyTorch's rules with expandable segments, plus allocwatch's page policy: free pages taken
-  // back before a segment grows past its high-water mark, a take-back that recurs settled by
-  // creating its pages once, 2 MiB large pages created in 10 MiB chunks (expandable.cpp, Note
-  // [page policy]). Chosen by the measures of DESIGN.md and of long runs on the recorded
-  // traces; the figures are in docs/benchmarks.md.
-  cfg.expandable_large_page = 2 * kMiB;
-  cfg.expandable_chunk = 10 * kMiB;
-  cfg.reuse_free_pages = true;
-  cfg.settle_page_moves = true;
+#define ALLOCWATCH_DEFAULT(Type, field, key, range, native_default, allocwatch_default, ...) \
+  cfg.field = allocwatch_default;
+  ALLOCWATCH_SETTINGS(ALLOCWATCH_DEFAULT)
+#undef ALLOCWATCH_DEFAULT
   return cfg;
 }
 
 bool AllocatorConfig::operator==(const AllocatorConfig& o) const { return items() == o.items(); }
 
 std::vector<std::pair<std::string, std::string>> AllocatorConfig::items() const {
-  Text roundup;
-  roundup << "[";
-  for (std::size_t i = 0; i < kRoundupIntervals; ++i)
-    roundup << (i ? "," : "") << (std::size_t{1} << i) << ":" << roundup_power2_divisions[i];
-  roundup << "]";
-  return {
-      {"max_split_size_mb",
-       max_split_size == kNoMaxSplit ? "unlimited" : std::to_string(max_split_size / kMiB)},
-      {"max_non_split_rounding_mb", std::to_string(max_non_split_rounding / kMiB)},
-      {"garbage_collection_threshold", real_text(garbage_collection_threshold)},
-      {"expandable_segments", bool_text(expandable_segments)},
-      {"roundup_power2_divisions", roundup.str()},
-      {"expandable_large_page_mb", std::to_string(expandable_large_page / kMiB)},
-      {"expandable_grow_mb", std::to_string(expandable_grow / kMiB)},
-      {"expandable_chunk_mb", std::to_string(expandable_chunk / kMiB)},
-      {"reuse_free_pages", bool_text(reuse_free_pages)},
-      {"settle_page_moves", bool_text(settle_page_moves)},
-      {"release_lock_on_cudamalloc", bool_text(release_lock_on_cudamalloc)},
-      {"pinned_use_cuda_host_register", bool_text(pinned_use_cuda_host_register)},
-      {"pinned_num_register_threads", std::to_string(pinned_num_register_threads)},
-      {"pinned_use_background_threads", bool_text(pinned_use_background_threads)},
-  };
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(std::size(kSettings));
+  std::size_t row = 0;
+#define ALLOCWATCH_ITEM(Type, field, key, ...) out.emplace_back(key, show(kSettings[row++], field));
+  ALLOCWATCH_SETTINGS(ALLOCWATCH_ITEM)
+#undef ALLOCWATCH_ITEM
+  return out;
+}
+
+std::string describe_values(const SettingInfo& setting) {
+  const std::string key = setting.key;
+#define ALLOCWATCH_DESCRIBE(Type, field, name, ...) \
+  if (key == name) return describe(setting, static_cast<const Type*>(nullptr));
+  ALLOCWATCH_SETTINGS(ALLOCWATCH_DESCRIBE)
+#undef ALLOCWATCH_DESCRIBE
+  return "";
 }
 
 std::string AllocatorConfig::to_string() const {
@@ -265,13 +312,6 @@ std::string AllocatorConfig::to_string() const {
 
 std::string known_settings(const std::string& text,
                            std::vector<std::pair<std::string, std::string>>* others) {
-  static const char* const kKnown[] = {
-      "native", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
-      "expandable_segments", "roundup_power2_divisions", "backend",
-      "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
-      "pinned_num_register_threads", "pinned_use_background_threads",
-      "expandable_large_page_mb", "expandable_grow_mb", "expandable_chunk_mb",
-      "reuse_free_pages", "settle_page_moves"};
   const std::vector<std::string> tokens = lex(text);
   std::string known;
   for (std::size_t i = 0; i < tokens.size();) {
@@ -291,8 +331,10 @@ std::string known_settings(const std::string& text,
       }
       entry += value;
     }
-    const bool is_known = std::any_of(std::begin(kKnown), std::end(kKnown),
-                                      [&](const char* k) { return key == k; });
+    const bool is_known = key == "native" || std::any_of(std::begin(kSettings), std::end(kSettings),
+                                                         [&](const SettingInfo& s) {
+                                                           return key == s.key;
+                                                         });
     if (is_known) {
       known += (known.empty() ? "" : ",") + entry;
     } else if (others != nullptr) {
@@ -323,6 +365,18 @@ AllocatorConfig apply_config(const AllocatorConfig& base, const std::string& tex
     }
   }
   return cfg;
+}
+
+AllocatorConfig apply_pytorch_settings(const AllocatorConfig& current, const std::string& text) {
+  AllocatorConfig cfg = current;
+  const AllocatorConfig defaults = AllocatorConfig::native();
+  std::size_t row = 0;
+#define ALLOCWATCH_RESET(Type, field, ...)                              \
+  if (kSettings[row++].on_pytorch_call == OnPytorchCall::resets) \
+    cfg.field = defaults.field;
+  ALLOCWATCH_SETTINGS(ALLOCWATCH_RESET)
+#undef ALLOCWATCH_RESET
+  return apply_config(cfg, text);
 }
 
 }  // namespace allocwatch
