@@ -33,7 +33,9 @@ NAMES = ["out_of_memory", "out_of_memory_under_fraction", "out_of_memory_in_a_pr
          "nested_pools_serve_the_innermost",
          "reuse_in_a_capture_once_the_graph_orders_the_uses",
          "reuse_in_a_capture_once_every_use_is_joined",
-         "no_reuse_in_a_capture_without_the_setting", "raw_allocations_are_counted"]
+         "no_reuse_in_a_capture_without_the_setting", "raw_allocations_are_counted",
+         "every_setting_through_set_allocator_settings",
+         "pytorchs_settings_tests_in_one_process"]
 
 
 def _cuda_torch() -> types.SimpleNamespace | None:

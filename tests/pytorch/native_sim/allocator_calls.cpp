@@ -115,7 +115,19 @@ long long aw_stat(const char* name) {
   if (key == "allocated_bytes.all.current") return s.allocated_bytes[0].current;
   if (key == "requested_bytes.all.allocated") return s.requested_bytes[0].allocated;
   if (key == "segment.all.current") return s.segment[0].current;
+  if (key == "active_bytes.all.allocated") return s.active_bytes[0].allocated;
+  if (key == "reserved_bytes.all.current") return s.reserved_bytes[0].current;
   return -1;
+}
+
+// The keys PyTorch's settings parser accepts (its own and those registered with it), joined
+// by ','.
+int aw_config_keys(char* out, std::size_t capacity) {
+  std::string keys;
+  for (const std::string& key : c10::CachingAllocator::AcceleratorAllocatorConfig::getKeys())
+    keys += (keys.empty() ? "" : ",") + key;
+  copy(keys, out, capacity);
+  return static_cast<int>(keys.size());
 }
 
 int aw_set_fraction(double fraction, char* message, std::size_t capacity) {

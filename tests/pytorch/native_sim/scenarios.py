@@ -9,6 +9,7 @@ Run by tests/pytorch/test_native_sim.py:
 from __future__ import annotations
 
 import ctypes
+import runpy
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from allocator_ext import _core, native
 MiB = 1 << 20
 GiB = 1 << 30
 CAPACITY = 2 * GiB  # the simulated device's (test_native_sim.py sets it)
+# Values for every row of the settings table (loaded by path: this runs as a script).
+SETTINGS_CASES = Path(__file__).resolve().parents[2] / "support" / "settings_cases.py"
 
 
 class Calls:
@@ -42,6 +45,8 @@ class Calls:
                                                 ctypes.c_char_p, ctypes.c_size_t]
         self.lib.aw_pool_segments.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong,
                                               ctypes.POINTER(ctypes.c_int)]
+        self.lib.aw_config_keys.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        self.keys_before_install: set[str] = set()
 
     def _call(self, name: str, *args: object) -> tuple[int, str]:
         message = ctypes.create_string_buffer(4096)
@@ -57,6 +62,16 @@ class Calls:
 
     def stat(self, key: str) -> int:
         return int(self.lib.aw_stat(key.encode()))
+
+    def config_keys(self) -> set[str]:
+        """The keys PyTorch's settings parser accepts."""
+        out = ctypes.create_string_buffer(1 << 16)
+        self.lib.aw_config_keys(out, len(out))
+        return set(out.value.decode().split(","))
+
+    def settings(self, text: str) -> tuple[int, str]:
+        """torch.cuda.memory._set_allocator_settings(text)."""
+        return self._call("aw_settings", text.encode())
 
     def pool_segments(self, pool: tuple[int, int]) -> tuple[int, int]:
         expandable = ctypes.c_int(0)
@@ -265,10 +280,141 @@ def raw_allocations_are_counted(c: Calls) -> str:
     return "1 MiB counted; a second delete refused"
 
 
+def _items() -> dict[str, str]:
+    """The settings in force in allocwatch's allocator of device 0, as items() writes them."""
+    allocator = _core.torch_allocator(0)
+    assert allocator is not None
+    return dict(_core.config_items(allocator.config_string()))
+
+
+def every_setting_through_set_allocator_settings(c: Calls) -> str:
+    """torch.cuda.memory._set_allocator_settings takes every key of allocwatch's settings table:
+    PyTorch's parser knows each (the back end registered exactly the keys it lacked, which are
+    the table's allocwatch rows), each value reaches the core, the keys a call does not name
+    keep their values or return to their defaults as the table says, and a bad value is
+    refused and changes nothing in allocwatch."""
+    cases = runpy.run_path(str(SETTINGS_CASES))
+    rows = cases["ROWS"]
+    table = {row["key"] for row in rows}
+    known = c.config_keys()
+    assert table <= known, table - known
+    registered = known - c.keys_before_install
+    assert registered == {row["key"] for row in rows if row["origin"] == "allocwatch"}, registered
+    c.ok("aw_alloc", MiB)  # device 0's allocator
+    # Every value PyTorch's parser also takes (it is the first to read its own keys, and
+    # reads booleans as True or False only); "native" is allocwatch's preset, not a key.
+    busy = cases["busy_settings"]().removeprefix("native,")
+    native = dict(_core.config_items("native"))
+    tried = 0
+    for row in rows:
+        key = row["key"]
+        for value, _ in cases["good_values"](row):
+            if row["range"]["kind"] == "bool" and value not in ("True", "False"):
+                continue
+            c.ok("aw_settings", busy.encode())
+            before = _items()
+            c.ok("aw_settings", f"{key}:{value}".encode())
+            after = _items()
+            assert after[key] == dict(_core.config_items(f"native,{key}:{value}"))[key], \
+                (key, value, after[key])
+            for other in rows:
+                if other is row:
+                    continue
+                name = other["key"]
+                expected = native[name] if other["on_pytorch_call"] == "resets" else before[name]
+                assert after[name] == expected, (key, value, name, after[name], expected)
+            tried += 1
+        c.ok("aw_settings", busy.encode())
+        before = _items()
+        for value, named in cases["bad_values"](row):
+            code, message = c.settings(f"{key}:{value}")
+            assert code != 0, (key, value)
+            if row["origin"] == "allocwatch" and value:  # PyTorch's parser passes it on
+                assert named in message, (key, value, message)
+            assert _items() == before, (key, value)
+    c.ok("aw_settings", b"")
+    reset = _items()
+    assert all(reset[row["key"]] == native[row["key"]] for row in rows
+               if row["on_pytorch_call"] == "resets")
+    return f"{len(table)} keys, {tried} values; registered {sorted(registered)}"
+
+
+def _power2_div(size: int, div_factor: int) -> int:
+    """PyTorch's test_allocator_settings' expected rounding."""
+    pow2 = 1
+    while pow2 < size:
+        pow2 *= 2
+    if pow2 == size:
+        return pow2
+    step = pow2 // 2 // div_factor
+    ret = pow2 // 2
+    while ret < size:
+        ret += step
+    return ret
+
+
+def pytorchs_settings_tests_in_one_process(c: Calls) -> str:
+    """PyTorch's test_allocator_settings, then test_max_split_expandable in the same process
+    (test/test_cuda.py, the acceptance pair for _set_allocator_settings' semantics), with the
+    simulated device in place of the GPU and allocwatch's defaults."""
+    key = "active_bytes.all.allocated"
+    nbytes, nbytes_big = 4 * 21 * MiB, 4 * 100 * MiB
+
+    def grows_by(settings: str | None, size: int) -> int:
+        if settings is not None:
+            c.ok("aw_settings", settings.encode())
+        start = c.stat(key)
+        c.ok("aw_alloc", size)
+        return c.stat(key) - start
+
+    c.ok("aw_empty_cache")
+    assert grows_by("", nbytes) == nbytes
+    assert grows_by("roundup_power2_divisions:4", nbytes) == _power2_div(nbytes, 4)
+    c.ok("aw_settings", b"garbage_collection_threshold:0.5")
+    c.ok("aw_settings", b"garbage_collection_threshold:0.5,max_split_size_mb:40")
+    c.ok("aw_empty_cache")
+    assert grows_by(None, nbytes) == nbytes  # the divisions were reset
+    c.ok("aw_empty_cache")
+    assert grows_by("garbage_collection_threshold:0.5,"
+                    "roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]",
+                    nbytes) == _power2_div(nbytes, 8)
+    c.ok("aw_empty_cache")
+    assert grows_by(None, nbytes_big) == _power2_div(nbytes_big, 2)
+    c.ok("aw_empty_cache")
+    assert grows_by("release_lock_on_cudamalloc:True", nbytes) == nbytes
+    for bad in ("foo:1,bar:2", "garbage_collection_threshold:1.2", "max_split_size_mb:2",
+                "release_lock_on_cudamalloc:none", "pinned_use_cuda_host_register:none",
+                "pinned_num_register_threads:none", "pinned_num_register_threads:1024"):
+        code, message = c.settings(bad)
+        # c10::ValueError, or std::invalid_argument from PyTorch's number parsing: both
+        # ValueError in Python, as the test expects.
+        assert code in (2, 3), (bad, code, message)
+    c.lib.aw_free_all()
+
+    # test_max_split_expandable
+    c.ok("aw_empty_cache")
+    total_allowed = 120 * MiB + c.stat("reserved_bytes.all.current")
+    c.ok("aw_set_fraction", total_allowed / CAPACITY)
+    c.ok("aw_settings", b"expandable_segments:False,max_split_size_mb:40")
+    c.ok("aw_alloc", 40 * MiB)
+    c.ok("aw_settings", b"expandable_segments:True,max_split_size_mb:40")
+    c.ok("aw_alloc", 40 * MiB)
+    c.ok("aw_settings", b"expandable_segments:False,max_split_size_mb:40")
+    c.ok("aw_alloc", 40 * MiB)
+    code, message = c.alloc(40 * MiB)
+    assert code == 1, (code, message)  # torch.OutOfMemoryError
+    c.lib.aw_free_all()
+    c.ok("aw_alloc", 120 * MiB)  # releases cached blocks, expandable ones among them
+    c.ok("aw_set_fraction", 1.0)
+    return "both pass"
+
+
 if __name__ == "__main__":
     backend, calls_path, name = sys.argv[1:4]
-    native.install(_core.__file__, so=Path(backend))
+    # Loaded first, as torch is before install(): c10's parser knows PyTorch's keys alone.
     calls = Calls(calls_path)
+    calls.keys_before_install = calls.config_keys()
+    native.install(_core.__file__, so=Path(backend))
     calls.ok("aw_init", 1)
     assert calls.lib.aw_name() == b"native"
     print(f"PASS {name}: {globals()[name](calls)}", flush=True)
