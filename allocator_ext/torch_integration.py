@@ -325,6 +325,11 @@ def _start_agent_for_ours() -> None:
         def _allocators(self, _value: Any) -> None:
             pass  # the set of devices is torch's to decide
 
+        def set_config(self, settings: str) -> None:
+            # Process-wide: the allocators torch uses now and those of devices it starts using
+            # later take the change (the named keys only; a bad one changes nothing).
+            _core.torch_configure(settings)
+
     set_default_source_factory(TorchAllocatorSource)
     maybe_start_from_env()
 

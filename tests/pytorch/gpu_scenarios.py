@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -317,7 +318,8 @@ def cudnn_benchmark() -> str:
 
 def fraction_and_settings() -> str:
     """Memory fraction get and set; _set_allocator_settings with PyTorch's keys and allocwatch's,
-    changing only the keys named; a bad key is a ValueError."""
+    with PyTorch's semantics (the keys its parser resets go back to their defaults unless
+    named, the others keep their values); a bad key is a ValueError."""
     assert torch.cuda.get_per_process_memory_fraction() == 1.0
     torch.cuda.set_per_process_memory_fraction(0.25)
     assert torch.cuda.get_per_process_memory_fraction() == 0.25
@@ -329,8 +331,9 @@ def fraction_and_settings() -> str:
     torch.cuda.memory._set_allocator_settings("max_split_size_mb:64")
     torch.cuda.memory._set_allocator_settings("expandable_chunk_mb:8")
     after = a.config()
-    assert after["max_split_size"] == 64 * MiB and after["expandable_chunk"] == 8 * MiB
-    assert after["expandable_segments"] == before["expandable_segments"]  # not named: unchanged
+    assert after["expandable_chunk"] == 8 * MiB
+    assert after["max_split_size"] == -1  # not named: back to its default, as PyTorch's parser
+    assert after["expandable_segments"] == before["expandable_segments"]  # not named: kept
     try:
         torch.cuda.memory._set_allocator_settings("expandable_chunk_mb:3")
     except ValueError as e:
@@ -338,7 +341,67 @@ def fraction_and_settings() -> str:
     else:
         raise AssertionError("a bad value was accepted")
     assert a.config()["expandable_chunk"] == 8 * MiB
-    return f"fraction 0.25 = {limit >> 20} MiB; settings named changed, others kept"
+    return f"fraction 0.25 = {limit >> 20} MiB; settings named changed, others as PyTorch's"
+
+
+def every_setting() -> str:
+    """Every key of allocwatch's settings table through torch.cuda.memory._set_allocator_settings
+    and torch._C._accelerator_setAllocatorSettings on the GPU: PyTorch accepts each, each value
+    reaches the core and the allocator serves under it, the keys a call does not name keep
+    their values or return to their defaults as the table says, and a bad value is a
+    ValueError that changes nothing in allocwatch."""
+    cases = runpy.run_path(str(Path(__file__).resolve().parents[1] / "support" /
+                               "settings_cases.py"))
+    rows = cases["ROWS"]
+    torch.empty(1, device="cuda")  # device 0's allocator
+    a = _core.torch_allocator(0)
+    native = dict(_core.config_items("native"))
+    busy = cases["busy_settings"]().removeprefix("native,")
+
+    def items() -> dict[str, str]:
+        return dict(_core.config_items(a.config_string()))
+
+    tried = 0
+    setters = (torch.cuda.memory._set_allocator_settings,
+               torch._C._accelerator_setAllocatorSettings)
+    for row in rows:
+        key = row["key"]
+        for value, _ in cases["good_values"](row):
+            if row["range"]["kind"] == "bool" and value not in ("True", "False"):
+                continue  # PyTorch's parser reads its own keys' booleans as True or False only
+            setter = setters[tried % 2]
+            setter(busy)
+            before = items()
+            setter(f"{key}:{value}")
+            after = items()
+            assert after[key] == dict(_core.config_items(f"native,{key}:{value}"))[key], \
+                (key, value, after[key])
+            for other in rows:
+                name = other["key"]
+                resets = other["on_pytorch_call"] == "resets"
+                if name != key:
+                    expected = native[name] if resets else before[name]
+                    assert after[name] == expected, (key, value, name, after[name], expected)
+            kept = [torch.empty(size, dtype=torch.uint8, device="cuda")
+                    for size in (512, 3 * MiB, 45 * MiB)]
+            torch.cuda.synchronize()
+            del kept
+            tried += 1
+        setters[0](busy)
+        before = items()
+        for value, _ in cases["bad_values"](row):
+            try:
+                torch.cuda.memory._set_allocator_settings(f"{key}:{value}")
+            except (ValueError, RuntimeError):
+                pass
+            else:
+                raise AssertionError(f"{key}:{value} was accepted")
+            assert items() == before, (key, value)
+    torch.cuda.memory._set_allocator_settings("")
+    after = items()
+    assert all(after[row["key"]] == native[row["key"]] for row in rows
+               if row["on_pytorch_call"] == "resets")
+    return f"{len(rows)} keys, {tried} values through both setters"
 
 
 def raw_alloc_statistics() -> str:

@@ -19,8 +19,8 @@ SCENARIOS = Path(__file__).resolve().parent / "gpu_scenarios.py"
 SEEDED = Path(__file__).resolve().parent / "seeded_snapshot.py"
 NAMES = ["installed", "statistics", "history_and_snapshot", "out_of_memory", "record_stream",
          "graph_capture", "expandable_and_empty_cache", "mempool", "graph_trees",
-         "checkpoint_state", "cudnn_benchmark", "fraction_and_settings", "raw_alloc_statistics",
-         "ipc", "trace_trackers"]
+         "checkpoint_state", "cudnn_benchmark", "fraction_and_settings", "every_setting",
+         "raw_alloc_statistics", "ipc", "trace_trackers"]
 
 
 @pytest.mark.gpu

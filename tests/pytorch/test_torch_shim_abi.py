@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,43 @@ def test_record_stream_keeps_a_freed_block_from_reuse_until_its_stream_is_done()
         assert s["pending_events"] == 1                # not reusable before stream 7's work
         assert core.torch_allocator(0).largest_free_block() == 0
         """)
+
+
+def test_a_settings_change_reaches_the_devices_torch_uses_now_and_later() -> None:
+    """What `allocwatch ctl set` does where allocwatch serves torch (the agent's source calls
+    _core.torch_configure): every key of the settings table, each value changing that key only,
+    on the device torch uses now and on one it starts using afterwards."""
+    cases = Path(__file__).resolve().parents[1] / "support" / "settings_cases.py"
+    out = run(f"""
+        import runpy
+        cases = runpy.run_path({str(cases)!r})
+
+        def items(device):
+            return dict(core.config_items(core.torch_allocator(device).config_string()))
+
+        assert lib.allocwatch_torch_malloc({MiB}, 0, None)  # device 0's allocator
+        count = 0
+        for row in cases["ROWS"]:
+            key = row["key"]
+            for value, _ in cases["good_values"](row):
+                before = items(0)
+                core.torch_configure(f"{{key}}:{{value}}")
+                after = items(0)
+                assert after[key] == dict(core.config_items(f"native,{{key}}:{{value}}"))[key]
+                assert {{k: v for k, v in after.items() if k != key}} == \\
+                    {{k: v for k, v in before.items() if k != key}}, key
+                count += 1
+            for value, named in cases["bad_values"](row):
+                before = items(0)
+                try:
+                    core.torch_configure(f"{{key}}:{{value}}")
+                except ValueError as e:
+                    assert named in str(e), (key, value, str(e))
+                else:
+                    raise AssertionError(f"{{key}}:{{value}} accepted")
+                assert items(0) == before
+        assert lib.allocwatch_torch_malloc({MiB}, 1, None)  # a device used from now on
+        assert items(1) == items(0)
+        print(count)
+        """)
+    assert int(out) > 30, out
