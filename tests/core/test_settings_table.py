@@ -15,6 +15,7 @@ import allocator_ext as ae
 from allocator_ext import _core, settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "torch.md"
+ARCHITECTURE = DOCS.with_name("architecture.md")
 NATIVE_ITEMS = dict(_core.config_items("native"))
 
 
@@ -149,3 +150,7 @@ def test_the_docs_list_every_setting_as_the_table_says() -> None:
         "`python3 -m allocator_ext.settings` over it")
     documented = re.findall(r"^\| `([a-z0-9_]+)` \|", text, flags=re.M)
     assert [key for key in documented if key in KEYS] == list(KEYS)
+
+
+def test_the_architecture_page_states_allocwatchs_defaults_as_they_are() -> None:
+    assert f"`{ae.DEFAULT_CONFIG}`" in ARCHITECTURE.read_text()
