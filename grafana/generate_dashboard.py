@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
+
+from allocator_ext.protocol.metrics import BY_NAME
 
 OUTPUT = Path(__file__).resolve().parent / "dashboards" / "allocwatch.json"
 RUNBOOKS = "https://github.com/allocwatch/allocwatch/blob/main/docs/runbooks.md"
@@ -353,6 +356,25 @@ ROWS: list[tuple[str, list[dict]]] = [
                 ],
             ),
             timeseries(
+                "Host waits and device-side orderings",
+                "Times per second the allocator made the host wait for the GPU, by what it waited "
+                "for (device: cudaDeviceSynchronize, stream: cudaStreamSynchronize, event: "
+                "cudaEventSynchronize), and the orderings it made on the device instead "
+                "(cudaStreamWaitEvent), which cost the host nothing. Host waits in a training "
+                "loop stall the CPU that feeds the GPU.",
+                "ops",
+                [
+                    (
+                        f"rate(torch_cuda_allocator_host_waits_total{{{RANK}}}{RATE})",
+                        by_rank("{{scope}} waits"),
+                    ),
+                    (
+                        f"rate(torch_cuda_allocator_stream_waits_total{{{RANK}}}{RATE})",
+                        by_rank("stream orderings"),
+                    ),
+                ],
+            ),
+            timeseries(
                 "Allocations",
                 "Tensor allocations served per second.",
                 "ops",
@@ -672,8 +694,23 @@ def dashboard() -> dict:
     }
 
 
+# allocwatch's own metric names wherever the dashboard writes them: queries, variables, text.
+OUR_NAMES = re.compile(r"\b(?:torch_cuda_allocator|allocwatch)_[a-z0-9_]*[a-z0-9]")
+
+
+def unknown_metrics(text: str) -> list[str]:
+    """The names of ours in `text` that the metric table (allocator_ext/protocol/metrics.py)
+    does not hold."""
+    return sorted(set(OUR_NAMES.findall(text)) - set(BY_NAME))
+
+
 def render() -> str:
-    return json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n"
+    text = json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n"
+    unknown = unknown_metrics(text)
+    if unknown:
+        raise SystemExit(f"the dashboard names metrics the sidecar does not expose "
+                         f"(allocator_ext/protocol/metrics.py): {', '.join(unknown)}")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

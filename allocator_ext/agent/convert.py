@@ -1,7 +1,8 @@
 """From torch.cuda.memory_stats()-style dictionaries and settings strings to protocol messages.
 
 Both sources (ours and PyTorch's) report the same keys, so one conversion serves both; keys a
-source lacks (PyTorch has no pending_events or gc counters) read as 0.
+source lacks (PyTorch has no pending_events, gc counters or host waits) read as 0. Each key is
+the `stats_key` of its metric in allocator_ext/protocol/metrics.py.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def allocator_stats(stats: Mapping[str, Any]) -> pb.AllocatorStats:
         large_pool=_pool(stats, "large_pool"),
         pending_free_bytes=_get(stats, "pending_free_bytes"),
         pending_events=_get(stats, "pending_events"),
+        pending_unmap_bytes=_get(stats, "pending_unmap_bytes"),
         alloc_retries=_get(stats, "num_alloc_retries"),
         ooms=_get(stats, "num_ooms"),
         device_mallocs=_get(stats, "num_device_alloc"),
@@ -52,6 +54,10 @@ def allocator_stats(stats: Mapping[str, Any]) -> pb.AllocatorStats:
         gc_reclaimed_bytes=_get(stats, "gc_reclaimed_bytes"),
         empty_cache_calls=_get(stats, "num_empty_cache_calls"),
         allocations=allocations,
+        host_waits_device=_get(stats, "num_host_waits.device"),
+        host_waits_stream=_get(stats, "num_host_waits.stream"),
+        host_waits_event=_get(stats, "num_host_waits.event"),
+        stream_waits=_get(stats, "num_stream_waits"),
     )
 
 

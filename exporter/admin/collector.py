@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from exporter.admin.http_server import AdminHttpServer
+from exporter.shared.families import counter, named
+
+(_REQUESTS,) = named("allocwatch_admin_requests_total")
 
 
 class AdminCollector(Collector):
@@ -17,9 +20,7 @@ class AdminCollector(Collector):
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("allocwatch_admin_requests",
-                                     "Admin API requests, by endpoint and HTTP status",
-                                     labels=["endpoint", "code"])
+        family = counter(_REQUESTS)
         for labels, count in self._server.request_counts():
             family.add_metric(list(labels), count)
         yield family

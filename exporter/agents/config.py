@@ -48,8 +48,8 @@ class AgentsConfig(Section):
     max_agents: int = setting(1024, positive=True, maximum=65536, reload=True)
     # Departed agents kept until their expiry; past this many, the oldest go first.
     max_departed_agents: int = setting(256, minimum=0, maximum=65536, reload=True)
-    # The series all agents may show in /metrics (about 36 a device): past it, departed agents'
-    # series go first, then new agents are refused.
+    # The series all agents may show in /metrics (SERIES_PER_DEVICE a device, counted from the
+    # metric table): past it, departed agents' series go first, then new agents are refused.
     max_series: int = setting(50_000, positive=True, maximum=10_000_000, reload=True)
 
     def validate(self, path: str) -> None:

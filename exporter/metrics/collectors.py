@@ -2,7 +2,9 @@
 each scrape (the policy engine's and the admin API's sit beside them, in exporter.policy and
 exporter.admin).
 
-Names follow DESIGN.md "Metric names". Allocator series are labelled by rank, local_rank,
+Each family's name, help and labels come from the metric table (allocator_ext.protocol.metrics);
+the allocator's series and the agents' own figures are read from the report's fields it names.
+Allocator series are labelled by rank, local_rank,
 cuda_device, gpu_uuid (unknown values are empty labels), plus agent_slot where two live agents'
 labels coincide (exporter.shared.series). A departed agent's series give way to a connected
 agent's with the same labels (a restarted process before its predecessor expired). Totals and
@@ -13,66 +15,94 @@ so that `sum()` over any one metric counts each byte once.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
+from google.protobuf.message import Message
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from allocator_ext.protocol import metrics as metrics_table
+from allocator_ext.protocol.metrics import Metric as TableRow
 from allocator_ext.protocol.nvml import GpuMemory, NvmlReader
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.shared.families import counter, gauge, named, new_family
 from exporter.shared.figures import device_peak_fragmentation_ratio, fragmentation_ratio
 from exporter.shared.registry import AgentState, Registry
 from exporter.shared.series import (
-    SERIES_LABELS,
     agent_labels,
     device_labels,
     label_value,
     with_slot,
 )
 
-ALLOC = "torch_cuda_allocator"
+# Reads one figure from a DeviceReport (or, for the agents' own figures, a Report).
+Reader = Callable[[Any], "float | None"]
 
-# (metric suffix, help, field of PoolStats) for the totals over both pools.
-_POOL_GAUGES = [
-    ("allocated_bytes", "Bytes in blocks handed out to tensors", "allocated_bytes"),
-    ("reserved_bytes", "Bytes of device memory held by the allocator", "reserved_bytes"),
-    ("active_bytes", "Bytes in active blocks (allocated, or freed with pending stream uses)",
-     "active_bytes"),
-    ("requested_bytes", "Bytes requested by tensors, before rounding", "requested_bytes"),
-    ("inactive_split_bytes", "Free bytes inside split segments (not releasable)",
-     "inactive_split_bytes"),
-    ("segments", "Device allocations (segments) held", "segments"),
-    ("peak_allocated_bytes", "Peak allocated bytes since the process's last peak reset",
-     "peak_allocated_bytes"),
-    ("peak_reserved_bytes", "Peak reserved bytes since the process's last peak reset",
-     "peak_reserved_bytes"),
-]
-# The pool breakdown, under names of its own (pool="small"|"large"): the figures that tell the
-# pools apart (each adds two series per device, and scrape time grows with the series count).
-_POOL_SPLIT = [
-    ("pool_allocated_bytes", "Bytes handed out to tensors, by pool", "allocated_bytes"),
-    ("pool_reserved_bytes", "Bytes of device memory held, by pool", "reserved_bytes"),
-    ("pool_inactive_split_bytes", "Free bytes inside split segments, by pool",
-     "inactive_split_bytes"),
-]
+# What the allocator collector computes rather than reads as it is (every other row of the
+# table's "allocator" collector is read from its `field`).
+_COMPUTED: dict[str, Reader] = {
+    "torch_cuda_allocator_fragmentation_ratio": lambda device: fragmentation_ratio(
+        device.allocator.all.reserved_bytes, device.allocator.all.allocated_bytes),
+    "torch_cuda_allocator_peak_fragmentation_ratio": device_peak_fragmentation_ratio,
+    "torch_cuda_allocator_max_split_size_bytes":  # 0 is PyTorch's SIZE_MAX: unlimited
+        lambda device: device.settings.max_split_size_bytes or math.inf,
+}
 
-_COUNTERS = [
-    ("alloc_retries", "Allocations that freed cached blocks and retried", "alloc_retries"),
-    ("ooms", "Out-of-memory errors raised", "ooms"),
-    ("device_mallocs", "Device memory allocations (cudaMalloc or mappings)", "device_mallocs"),
-    ("device_frees", "Device memory releases", "device_frees"),
-    ("sync_all_streams", "Device-wide synchronisations by the allocator", "sync_all_streams"),
-    ("gc_reclaims", "Garbage-collection reclaims run", "gc_reclaims"),
-    ("gc_reclaimed_bytes", "Bytes released by garbage collection", "gc_reclaimed_bytes"),
-    ("empty_cache_calls", "empty_cache() calls", "empty_cache_calls"),
-    ("allocations", "Allocations served", "allocations"),
-]
+
+def field_reader(path: str, root: type[Message] = pb.DeviceReport) -> Reader:
+    """A reader of the number at `path` (dotted field names from the message `root`): None where
+    the field tracks presence and is not set; ValueError naming a path the protocol lacks."""
+    *parents, name = path.split(".")
+    message = descriptor = root.DESCRIPTOR
+    for part in parents:
+        field = descriptor.fields_by_name.get(part)
+        if field is None or field.message_type is None:
+            raise ValueError(f"{path}: {message.name} has no message field {part!r} there")
+        descriptor = field.message_type
+    field = descriptor.fields_by_name.get(name)
+    if field is None or field.message_type is not None:
+        raise ValueError(f"{path}: {descriptor.name} has no number field {name!r}")
+    whole = operator.attrgetter(path)
+    if not field.has_presence:
+        return lambda report: float(whole(report))
+    parent = operator.attrgetter(".".join(parents)) if parents else (lambda report: report)
+
+    def present(report: Any) -> float | None:
+        holder = parent(report)
+        return float(getattr(holder, name)) if holder.HasField(name) else None
+
+    return present
+
+
+def _allocator_readers(row: TableRow) -> tuple[tuple[tuple[tuple[str, str], ...], Reader], ...]:
+    """(fixed labels, reader) for each series one device shows of `row`."""
+    if row.name in _COMPUTED:
+        return (((), _COMPUTED[row.name]),)
+    if not row.field:
+        raise ValueError(f"{row.name}: the allocator collector reads a field, and the table "
+                         "names none (or add how to compute it to _COMPUTED)")
+    return tuple((tuple(fixed.items()), field_reader(path))
+                 for fixed, path, _ in row.expanded())
+
+
+_INFO = metrics_table.metric("torch_cuda_allocator_info")
+# Every row of the allocator collector but its info series, each with its readers.
+_ALLOCATOR = tuple((row, _allocator_readers(row)) for row in metrics_table.of("allocator")
+                   if row.type != "info")
+_GPU_TOTAL, _GPU_USED, _PROCESS_GPU = named("allocwatch_gpu_memory_total_bytes",
+                                           "allocwatch_gpu_memory_used_bytes",
+                                           "allocwatch_process_gpu_memory_used_bytes")
+_CONNECTED, _WAITING, _LAST_REPORT, _COLLISIONS, _RECEIVED, _COMMANDS, _STREAM_ERRORS = named(
+    "allocwatch_agents_connected", "allocwatch_agent_wait_seconds",
+    "allocwatch_agent_last_report_timestamp_seconds", "allocwatch_agent_series_collisions_total",
+    "allocwatch_reports_received_total", "allocwatch_commands_total",
+    "allocwatch_stream_errors_total")
+# The agents' own counters, each read from the report's field the table names.
+_AGENT_FIGURES = tuple((row, field_reader(row.field, pb.Report))
+                       for row in metrics_table.of("agents") if row.per == "agent" and row.field)
 
 
 def _add(family: Metric, labels: dict[str, str], value: float) -> None:
@@ -120,77 +150,29 @@ class AllocatorCollector(Collector):
 
     @staticmethod
     def _allocator_families(rows: list[DeviceRow]) -> Iterator[Metric]:
-        for suffix, doc, field in _POOL_GAUGES:
-            family = GaugeMetricFamily(f"{ALLOC}_{suffix}", doc, labels=SERIES_LABELS)
-            for labels, _, device in rows:
-                _add(family, labels, getattr(device.allocator.all, field))
+        # One label set a device and fixed labels (a pool), shared by the families that use it:
+        # the exposition writes each label set once a build.
+        shared: dict[tuple[int, tuple[tuple[str, str], ...]], dict[str, str]] = {}
+        for row, readers in _ALLOCATOR:
+            family = new_family(row)
+            for index, (labels, _, device) in enumerate(rows):
+                for fixed, read in readers:
+                    value = read(device)
+                    if value is None:
+                        continue
+                    if fixed:
+                        key = (index, fixed)
+                        named = shared.get(key)
+                        if named is None:
+                            named = shared[key] = {**labels, **dict(fixed)}
+                        _add(family, named, value)
+                    else:
+                        _add(family, labels, value)
             yield family
-        # One label set a pool and device, shared by the pool families: the exposition writes
-        # each label set once a build.
-        pools = [(({**labels, "pool": "small"}, device.allocator.small_pool),
-                  ({**labels, "pool": "large"}, device.allocator.large_pool))
-                 for labels, _, device in rows]
-        for suffix, doc, field in _POOL_SPLIT:
-            family = GaugeMetricFamily(f"{ALLOC}_{suffix}", doc, labels=[*SERIES_LABELS, "pool"])
-            for device_pools in pools:
-                for labels, pool_stats in device_pools:
-                    _add(family, labels, getattr(pool_stats, field))
-            yield family
-
-        pending_free = GaugeMetricFamily(
-            f"{ALLOC}_pending_free_bytes",
-            "Freed bytes waiting for stream events before reuse", labels=SERIES_LABELS)
-        pending_events = GaugeMetricFamily(
-            f"{ALLOC}_pending_events", "Stream events not yet completed", labels=SERIES_LABELS)
-        frag = GaugeMetricFamily(
-            f"{ALLOC}_fragmentation_ratio",
-            "(reserved - allocated) / reserved: the share of the cache unused at this moment "
-            "(high between steps for any healthy cache); 0 when nothing is reserved",
-            labels=SERIES_LABELS)
-        peak_frag = GaugeMetricFamily(
-            f"{ALLOC}_peak_fragmentation_ratio",
-            "1 - peak allocated / peak reserved over the report interval: what the cache holds "
-            "beyond its most-used moment; 0 for an unfragmented cache", labels=SERIES_LABELS)
-        largest_free = GaugeMetricFamily(
-            f"{ALLOC}_largest_free_block_bytes",
-            "The largest cached free block: the biggest request served without a device call "
-            "(absent where the allocator cannot tell)", labels=SERIES_LABELS)
-        gc = GaugeMetricFamily(
-            f"{ALLOC}_gc_threshold_ratio",
-            "garbage_collection_threshold in force (0: off)", labels=SERIES_LABELS)
-        max_split = GaugeMetricFamily(
-            f"{ALLOC}_max_split_size_bytes",
-            "max_split_size in force (+Inf: unlimited)", labels=SERIES_LABELS)
-        expandable = GaugeMetricFamily(
-            f"{ALLOC}_expandable_segments",
-            "1 when expandable segments are on", labels=SERIES_LABELS)
-        for labels, _, device in rows:
-            stats, settings = device.allocator, device.settings
-            _add(pending_free, labels, stats.pending_free_bytes)
-            _add(pending_events, labels, stats.pending_events)
-            _add(frag, labels, fragmentation_ratio(stats.all.reserved_bytes,
-                                                   stats.all.allocated_bytes))
-            _add(peak_frag, labels, device_peak_fragmentation_ratio(device))
-            if stats.HasField("largest_free_block_bytes"):
-                _add(largest_free, labels, stats.largest_free_block_bytes)
-            _add(gc, labels, settings.garbage_collection_threshold)
-            _add(max_split, labels, settings.max_split_size_bytes or math.inf)
-            _add(expandable, labels, 1.0 if settings.expandable_segments else 0.0)
-        yield from (pending_free, pending_events, frag, peak_frag, largest_free, gc, max_split,
-                    expandable)
-
-        for suffix, doc, field in _COUNTERS:
-            counter = CounterMetricFamily(f"{ALLOC}_{suffix}", doc, labels=SERIES_LABELS)
-            for labels, _, device in rows:
-                _add(counter, labels, getattr(device.allocator, field))
-            yield counter
 
     @staticmethod
     def _info_family(agents: list[AgentState]) -> Metric:
-        info = InfoMetricFamily(
-            ALLOC, "The training process behind the allocator series",
-            labels=SERIES_LABELS,
-        )
+        info = new_family(_INFO)
         shown: dict[tuple[tuple[str, str], ...], tuple[AgentState, dict[str, str]]] = {}
         for agent in agents:
             ident = agent.identity
@@ -220,7 +202,7 @@ class AllocatorCollector(Collector):
                     "protocol": agent.protocol,
                 }})
         for _, labels in shown.values():
-            info.samples.append(Sample(f"{ALLOC}_info", labels, 1.0))
+            info.samples.append(Sample(_INFO.name, labels, 1.0))
         return info
 
 
@@ -233,14 +215,7 @@ class GpuCollector(Collector):
         self._nvml = nvml
 
     def collect(self) -> Iterator[Metric]:
-        total = GaugeMetricFamily("allocwatch_gpu_memory_total_bytes",
-                                  "GPU memory, from NVML", labels=["gpu_uuid"])
-        used = GaugeMetricFamily("allocwatch_gpu_memory_used_bytes",
-                                 "GPU memory in use by every process, from NVML",
-                                 labels=["gpu_uuid"])
-        process = GaugeMetricFamily(
-            "allocwatch_process_gpu_memory_used_bytes",
-            "GPU memory used by the training process, from NVML", labels=SERIES_LABELS)
+        total, used, process = gauge(_GPU_TOTAL), gauge(_GPU_USED), gauge(_PROCESS_GPU)
         own: dict[str, GpuMemory] = {g.uuid: g for g in (self._nvml.read() if self._nvml else [])}
         gpus: dict[str, tuple[int, int]] = {
             u: (g.total_bytes, g.used_bytes) for u, g in own.items()}
@@ -270,23 +245,16 @@ class AgentsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         agents = self._registry.agents()
         received, commands, errors = self._registry.counters()
-        connected = GaugeMetricFamily("allocwatch_agents_connected",
-                                      "Agents with an open stream")
+        connected = gauge(_CONNECTED)
         connected.add_metric([], sum(1 for a in agents if a.connected))
         yield connected
         # An agent that never connects cannot say so itself: the sidecar does.
-        waiting = GaugeMetricFamily(
-            "allocwatch_agent_wait_seconds",
-            "Seconds since the sidecar started, while no agent has ever connected (0 once one has)")
+        waiting = gauge(_WAITING)
         waiting.add_metric([], self._registry.seconds_without_any_agent())
         yield waiting
 
-        last = GaugeMetricFamily("allocwatch_agent_last_report_timestamp_seconds",
-                                 "When the sidecar last received a report from the agent",
-                                 labels=SERIES_LABELS)
-        dropped = CounterMetricFamily("allocwatch_agent_dropped_reports",
-                                      "Reports the agent sampled but could not send",
-                                      labels=SERIES_LABELS)
+        last = new_family(_LAST_REPORT)
+        figures = [(new_family(row), read) for row, read in _AGENT_FIGURES]
         shown: dict[tuple[tuple[str, str], ...], tuple[AgentState, dict[str, str], pb.Report]] = {}
         for agent in agents:
             if agent.last_report is None:
@@ -297,27 +265,24 @@ class AgentsCollector(Collector):
                 shown[key] = (agent, labels, agent.last_report)
         for agent, labels, report in shown.values():
             _add(last, labels, agent.last_report_time or 0.0)
-            _add(dropped, labels, report.agent.reports_dropped_total)
-        yield from (last, dropped)
-        collisions = CounterMetricFamily(
-            "allocwatch_agent_series_collisions",
-            "Agents accepted whose series labels coincided with a connected agent's; each is "
-            "told apart by its agent_slot label")
+            for family, read in figures:
+                value = read(report)
+                if value is not None:
+                    _add(family, labels, value)
+        yield last
+        yield from (family for family, _ in figures)
+        collisions = counter(_COLLISIONS)
         collisions.add_metric([], self._registry.series_collisions())
         yield collisions
 
-        total = CounterMetricFamily("allocwatch_reports_received",
-                                    "Reports received from all agents since the sidecar started")
+        total = counter(_RECEIVED)
         total.add_metric([], received)
         yield total
-        cmd = CounterMetricFamily("allocwatch_commands", "Commands sent to agents, by result",
-                                  labels=["command", "result"])
+        cmd = counter(_COMMANDS)
         for (command, result), count in sorted(commands.items()):
             cmd.add_metric([command, result], count)
         yield cmd
-        err = CounterMetricFamily("allocwatch_stream_errors",
-                                  "Agent streams refused or ended by bad input, by reason",
-                                  labels=["reason"])
+        err = counter(_STREAM_ERRORS)
         for reason, count in sorted(errors.items()):
             err.add_metric([reason], count)
         yield err

@@ -47,10 +47,11 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from exporter.shared.config import ConfigError, Section, setting
+from exporter.shared.families import counter, gauge, named
 
 log = logging.getLogger("exporter.http")
 
@@ -427,6 +428,9 @@ def _unix_socket(path: str, mode: int, backlog: int, setting_name: str) -> socke
     return sock
 
 
+_CONNECTION_ROWS = named("allocwatch_http_connections", "allocwatch_http_connections_closed_total")
+
+
 class HttpCollector(Collector):
     """allocwatch_http_connections{server} and
     allocwatch_http_connections_closed_total{server, reason}: the listeners' limits at work."""
@@ -435,13 +439,7 @@ class HttpCollector(Collector):
         self.servers: list[BoundedHttpServer] = []
 
     def collect(self) -> Iterator[Metric]:
-        open_now = GaugeMetricFamily("allocwatch_http_connections",
-                                     "HTTP connections open, by server (metrics, admin)",
-                                     labels=["server"])
-        closed = CounterMetricFamily(
-            "allocwatch_http_connections_closed",
-            "HTTP connections closed by the listeners' limits, by server and reason "
-            "(idle_evicted, all_busy, request_timeout)", labels=["server", "reason"])
+        open_now, closed = gauge(_CONNECTION_ROWS[0]), counter(_CONNECTION_ROWS[1])
         for server in list(self.servers):
             open_now.add_metric([server.name], server.connections())
             for reason, count in server.dropped_counts():

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter
 
+from allocator_ext.protocol import metrics
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 from exporter.shared.series import SeriesSlots, labels_of
 
@@ -49,10 +50,10 @@ class AgentGoneError(Exception):
     pass
 
 
-# What one agent puts in the exposition, for the series bound: the per-device families of the
-# allocator, GPU and info collectors, and the agent's own (last report, drops).
-SERIES_PER_DEVICE = 36
-SERIES_PER_AGENT = 3
+# What one agent puts in the exposition, for the series bound, counted from the metric table:
+# each reported device's series (allocator, info, GPU), and the agent's own.
+SERIES_PER_DEVICE = metrics.series_per_device()
+SERIES_PER_AGENT = metrics.series_per_agent()
 
 
 def series_of(report: pb.Report | None) -> int:

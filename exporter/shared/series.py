@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
+from allocator_ext.protocol import metrics
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 log = logging.getLogger("exporter.registry")
 
-SERIES_LABELS = ["rank", "local_rank", "cuda_device", "gpu_uuid"]
+SERIES_LABELS = list(metrics.SERIES_LABELS)
 SLOT_LABEL = "agent_slot"
 
 Labels = tuple[str, str, str, str]

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from allocator_ext.protocol.version import PACKAGE_VERSION, PROTOCOL_MAJOR, PROTOCOL_MINOR
+from exporter.shared.families import counter, info, named
+from exporter.shared.families import gauge as gauge_family
 from exporter.sidecar.reload import ConfigWatcher
+
+_BUILD, _RELOADS, _LAST_RELOAD = named("allocwatch_build_info", "allocwatch_config_reloads_total",
+                                       "allocwatch_config_last_reload_successful")
 
 
 class SidecarCollector(Collector):
@@ -19,20 +24,16 @@ class SidecarCollector(Collector):
         self._watcher = watcher
 
     def collect(self) -> Iterator[Metric]:
-        build = InfoMetricFamily("allocwatch_build", "The sidecar's version",
-                                 labels=["version", "protocol"])
+        build = info(_BUILD)
         build.add_metric([PACKAGE_VERSION, f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"], {})
         yield build
         if self._watcher is None:
             return
         totals, last_successful = self._watcher.counts()
-        family = CounterMetricFamily(
-            "allocwatch_config_reloads", "Settings file changes seen, by result (ok, partial: "
-            "some fields need a restart, invalid: refused, unreadable)", labels=["result"])
+        family = counter(_RELOADS)
         for result, count in totals:
             family.add_metric([result], count)
         yield family
-        gauge = GaugeMetricFamily("allocwatch_config_last_reload_successful",
-                                  "1 when the last settings file seen was accepted")
+        gauge = gauge_family(_LAST_RELOAD)
         gauge.add_metric([], 1.0 if last_successful else 0.0)
         yield gauge

@@ -267,8 +267,8 @@ def test_a_token_file_read_while_it_was_written_is_read_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A token rewritten in place can be read cut short, yet 16 bytes or more: such a read is
     not put in force; the next request reads the file again and takes the whole token."""
-    from exporter.shared import tokens
     from exporter.admin.config import AdminConfig
+    from exporter.shared import tokens
 
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")

@@ -41,7 +41,7 @@ TORCH_MODULES = {"allocator_ext.workloads"}
 LAYERS: tuple[tuple[str, ...], ...] = (
     (PROTOCOL,),                  # what the agent and the sidecar share
     ("allocator_ext._core",),     # the compiled allocator
-    ("allocator_ext.replay", "allocator_ext.native"),
+    ("allocator_ext.replay", "allocator_ext.native", "allocator_ext.settings"),
     ("allocator_ext.agent",),
     ("allocator_ext.torch_integration",),
     ("allocator_ext", "allocator_ext._autostart", "allocator_ext.workloads"),
@@ -60,7 +60,7 @@ SIBLINGS: frozenset[tuple[str, str]] = frozenset()
 LAYERS: tuple[tuple[str, ...], ...] = (
     (PROTOCOL,),                  # what the agent and the sidecar share
     ("allocator_ext._core",),     # the compiled allocator
-    ("allocator_ext.replay", "allocator_ext.native"),
+    ("allocator_ext.replay", "allocator_ext.native", "allocator_ext.settings"),
     ("allocator_ext.agent",),
     ("allocator_ext.torch_integration",),
     ("allocator_ext", "allocator_ext._autostart", "allocator_ext.workloads"),

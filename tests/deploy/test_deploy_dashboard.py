@@ -4,6 +4,7 @@ only metrics the sidecar exposes (or dcgm-exporter's and Prometheus' own)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -43,6 +44,25 @@ def test_json_is_the_generators_output() -> None:
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_generator_refuses_a_metric_the_table_lacks(monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location("generate_dashboard",
+                                                  GRAFANA / "generate_dashboard.py")
+    assert spec is not None and spec.loader is not None
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert generator.render() == DASHBOARD.read_text()
+    real = generator.dashboard
+
+    def with_a_typo() -> dict:
+        board = real()
+        board["panels"][1]["targets"][0]["expr"] = "torch_cuda_allocator_reserverd_bytes"
+        return board
+
+    monkeypatch.setattr(generator, "dashboard", with_a_typo)
+    with pytest.raises(SystemExit, match="torch_cuda_allocator_reserverd_bytes"):
+        generator.render()
 
 
 def test_current_json_model() -> None:
@@ -127,6 +147,8 @@ def test_the_issue_panels_are_there() -> None:
         "torch_cuda_allocator_pending_events",
         "torch_cuda_allocator_pending_free_bytes",
         "torch_cuda_allocator_gc_reclaims_total",
+        "torch_cuda_allocator_host_waits_total",
+        "torch_cuda_allocator_stream_waits_total",
         "allocwatch_policy_actions_total",
         "allocwatch_agents_connected",
         "up",

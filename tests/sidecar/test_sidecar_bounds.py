@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.sidecar import sidecar_config, start_sidecar, values
+from support.sidecar import samples, sidecar_config, start_sidecar, values
 from support.streams import Stream, device, hello, report
 from support.waiting import wait_for
 
@@ -146,3 +146,36 @@ def test_past_the_series_bound_departed_agents_go_first_then_new_agents_are_refu
             stream.close()
     finally:
         running.stop()
+
+
+def _full_device(cuda_device: int, gpu_uuid: str):
+    """A device with every figure a report can carry, the optional ones included."""
+    entry = device(cuda_device, gpu_uuid)
+    entry.allocator.largest_free_block_bytes = 1 << 20
+    entry.device_memory.total_bytes, entry.device_memory.used_bytes = 80 << 30, 1 << 30
+    entry.device_memory.has_process_used_bytes = True
+    entry.device_memory.process_used_bytes = 1 << 30
+    return entry
+
+
+def test_the_series_bound_is_what_a_device_and_an_agent_show(served) -> None:
+    # SERIES_PER_DEVICE and SERIES_PER_AGENT are counted from the metric table: a real scrape
+    # shows exactly that many (the GPU's series by gpu_uuid, the rest by the agent's rank).
+    from exporter.shared.registry import SERIES_PER_AGENT, SERIES_PER_DEVICE
+
+    running, url, target = served
+
+    def shown() -> int:
+        return sum(1 for (_, labels), _ in samples(url).items()
+                   if dict(labels).get("rank") == "7"
+                   or dict(labels).get("gpu_uuid", "").startswith("GPU-bound"))
+
+    with Stream(target) as stream:
+        stream.send(hello(rank=7), report(1, [_full_device(0, "GPU-bound-0")]))
+        wait_for(lambda: values(url, "torch_cuda_allocator_largest_free_block_bytes", rank="7"),
+                 what="the first report")
+        assert shown() == SERIES_PER_AGENT + SERIES_PER_DEVICE
+        stream.send(report(2, [_full_device(0, "GPU-bound-0"), _full_device(1, "GPU-bound-1")]))
+        wait_for(lambda: len(values(url, "torch_cuda_allocator_reserved_bytes", rank="7")) == 2,
+                 what="the second device")
+        assert shown() == SERIES_PER_AGENT + 2 * SERIES_PER_DEVICE

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from allocator_ext.protocol.metrics import METRICS
 from support.paths import REPO
 
 DEPLOY = REPO / "deploy"
@@ -25,64 +26,8 @@ COMPONENT = DEPLOY / "components" / "allocwatch"
 METRICS_PORT = 9471
 SOCKET_DIR = "/run/allocwatch"
 
-# The names DESIGN.md fixes for what the sidecar exposes.
-SIDECAR_METRICS = frozenset(
-    [
-        f"torch_cuda_allocator_{name}_bytes"
-        for name in (
-            "allocated",
-            "reserved",
-            "active",
-            "requested",
-            "inactive_split",
-            "pending_free",
-            "peak_allocated",
-            "peak_reserved",
-            "max_split_size",
-            "largest_free_block",
-            "pool_allocated",
-            "pool_reserved",
-            "pool_inactive_split",
-        )
-    ]
-    + [
-        "torch_cuda_allocator_pending_events",
-        "torch_cuda_allocator_segments",
-        "torch_cuda_allocator_fragmentation_ratio",
-        "torch_cuda_allocator_peak_fragmentation_ratio",
-        "torch_cuda_allocator_gc_threshold_ratio",
-        "torch_cuda_allocator_expandable_segments",
-        "torch_cuda_allocator_info",
-    ]
-    + [
-        f"torch_cuda_allocator_{name}_total"
-        for name in (
-            "alloc_retries",
-            "ooms",
-            "device_mallocs",
-            "device_frees",
-            "sync_all_streams",
-            "gc_reclaims",
-            "gc_reclaimed_bytes",
-            "empty_cache_calls",
-            "allocations",
-        )
-    ]
-    + [
-        "allocwatch_gpu_memory_total_bytes",
-        "allocwatch_gpu_memory_used_bytes",
-        "allocwatch_process_gpu_memory_used_bytes",
-        "allocwatch_agents_connected",
-        "allocwatch_agent_wait_seconds",
-        "allocwatch_agent_last_report_timestamp_seconds",
-        "allocwatch_reports_received_total",
-        "allocwatch_agent_dropped_reports_total",
-        "allocwatch_agent_series_collisions_total",
-        "allocwatch_commands_total",
-        "allocwatch_policy_actions_total",
-        "allocwatch_build_info",
-    ]
-)
+# Every name the sidecar exposes, from the metric table (allocator_ext/protocol/metrics.py).
+SIDECAR_METRICS = frozenset(metric.name for metric in METRICS)
 # Series that come from elsewhere: Prometheus' own per-target `up`, dcgm-exporter.
 FOREIGN_METRICS = frozenset(["up", "DCGM_FI_DEV_FB_USED"])
 

@@ -151,12 +151,13 @@ class PoolStats(_message.Message):
     def __init__(self, allocated_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., requested_bytes: _Optional[int] = ..., inactive_split_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., peak_allocated_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class AllocatorStats(_message.Message):
-    __slots__ = ("all", "small_pool", "large_pool", "pending_free_bytes", "pending_events", "alloc_retries", "ooms", "device_mallocs", "device_frees", "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes", "empty_cache_calls", "allocations", "largest_free_block_bytes")
+    __slots__ = ("all", "small_pool", "large_pool", "pending_free_bytes", "pending_events", "pending_unmap_bytes", "alloc_retries", "ooms", "device_mallocs", "device_frees", "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes", "empty_cache_calls", "allocations", "largest_free_block_bytes", "host_waits_device", "host_waits_stream", "host_waits_event", "stream_waits")
     ALL_FIELD_NUMBER: _ClassVar[int]
     SMALL_POOL_FIELD_NUMBER: _ClassVar[int]
     LARGE_POOL_FIELD_NUMBER: _ClassVar[int]
     PENDING_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PENDING_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_UNMAP_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOC_RETRIES_FIELD_NUMBER: _ClassVar[int]
     OOMS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MALLOCS_FIELD_NUMBER: _ClassVar[int]
@@ -167,11 +168,16 @@ class AllocatorStats(_message.Message):
     EMPTY_CACHE_CALLS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     LARGEST_FREE_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_WAITS_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_WAITS_STREAM_FIELD_NUMBER: _ClassVar[int]
+    HOST_WAITS_EVENT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_WAITS_FIELD_NUMBER: _ClassVar[int]
     all: PoolStats
     small_pool: PoolStats
     large_pool: PoolStats
     pending_free_bytes: int
     pending_events: int
+    pending_unmap_bytes: int
     alloc_retries: int
     ooms: int
     device_mallocs: int
@@ -182,7 +188,11 @@ class AllocatorStats(_message.Message):
     empty_cache_calls: int
     allocations: int
     largest_free_block_bytes: int
-    def __init__(self, all: _Optional[_Union[PoolStats, _Mapping]] = ..., small_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., large_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., pending_free_bytes: _Optional[int] = ..., pending_events: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., ooms: _Optional[int] = ..., device_mallocs: _Optional[int] = ..., device_frees: _Optional[int] = ..., sync_all_streams: _Optional[int] = ..., gc_reclaims: _Optional[int] = ..., gc_reclaimed_bytes: _Optional[int] = ..., empty_cache_calls: _Optional[int] = ..., allocations: _Optional[int] = ..., largest_free_block_bytes: _Optional[int] = ...) -> None: ...
+    host_waits_device: int
+    host_waits_stream: int
+    host_waits_event: int
+    stream_waits: int
+    def __init__(self, all: _Optional[_Union[PoolStats, _Mapping]] = ..., small_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., large_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., pending_free_bytes: _Optional[int] = ..., pending_events: _Optional[int] = ..., pending_unmap_bytes: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., ooms: _Optional[int] = ..., device_mallocs: _Optional[int] = ..., device_frees: _Optional[int] = ..., sync_all_streams: _Optional[int] = ..., gc_reclaims: _Optional[int] = ..., gc_reclaimed_bytes: _Optional[int] = ..., empty_cache_calls: _Optional[int] = ..., allocations: _Optional[int] = ..., largest_free_block_bytes: _Optional[int] = ..., host_waits_device: _Optional[int] = ..., host_waits_stream: _Optional[int] = ..., host_waits_event: _Optional[int] = ..., stream_waits: _Optional[int] = ...) -> None: ...
 
 class AllocatorSettings(_message.Message):
     __slots__ = ("garbage_collection_threshold", "max_split_size_bytes", "expandable_segments", "config_string")
