@@ -4,9 +4,10 @@
 //   "native"                              PyTorch's defaults
 //   "native,expandable_segments:True"     PyTorch's defaults, then the keys that follow
 //
-// An update changes only the keys it names (PyTorch's own parser resets the others, a known
-// pitfall when tuning a running job). A bad key or value throws ConfigError naming it, and the
-// settings passed in are left untouched: parse into a copy, then swap.
+// Every key is a row of settings_table.h. allocwatch's own updates (apply_config: set_config,
+// `allocwatch ctl set`) change only the keys they name; torch.cuda.memory._set_allocator_settings
+// takes PyTorch's semantics (apply_pytorch_settings). A bad key or value throws ConfigError
+// naming it, and the settings passed in are left untouched: parse into a copy, then swap.
 #pragma once
 
 #include <cstddef>
