@@ -355,6 +355,12 @@ PYBIND11_MODULE(_core, m) {
            "Addresses for the next segment allocations: a list of (size, address).")
       .def("complete_stream", &SimDevice::complete_stream, py::arg("stream"),
            "Complete every event recorded on `stream` so far.")
+      .def("record_event", &SimDevice::record_event, py::arg("stream"),
+           "An event marking the work queued on `stream` so far (as a kernel's caller would).")
+      .def("query_event", &SimDevice::query_event, py::arg("event"),
+           "Whether the event has completed.")
+      .def("stream_idle", &SimDevice::stream_idle, py::arg("stream"),
+           "Whether every event recorded on the stream has completed.")
       .def("synchronize", &SimDevice::synchronize, "Complete every event on every stream.")
       .def("set_auto_complete", &SimDevice::set_auto_complete, py::arg("on"),
            "With True, every event completes as soon as it is recorded.")

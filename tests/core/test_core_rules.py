@@ -451,25 +451,108 @@ def test_growth_takes_back_wholly_free_pages_before_asking_the_device() -> None:
         a.free(p)
 
 
-def test_pages_taken_from_another_streams_block_wait_for_every_stream_once() -> None:
-    # A free block of stream 1 may still be read by a stream that never recorded it (a tensor
-    # used on a side stream without record_stream): moving its pages to stream 2 waits for
-    # every stream, once, not for stream 1 alone. A donor of the growing stream's own waits for
-    # that stream only, as reusing a block would.
-    for donor_stream, device_waits, stream_waits in ((1, 1, 0), (2, 0, 1)):
+HOST_WAITS = ("synchronize", "stream_synchronize", "event_synchronize")
+
+
+def host_waits(dev: ae.SimDevice) -> int:
+    return sum(calls(dev, name) for name in HOST_WAITS)
+
+
+def test_pages_taken_from_another_streams_block_are_ordered_on_the_device() -> None:
+    # Stream 1's free block gives its pages to stream 2 while stream 1 is still running: stream
+    # 2 waits for stream 1 on the device (an event and cudaStreamWaitEvent); the host waits for
+    # nothing, and the pages are mapped at their new place at once.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev)
+    donor = a.malloc(60 * MiB, stream=1)
+    live = a.malloc(40 * MiB, stream=2)
+    a.free(donor)                                 # 60 MiB of free pages; the mark: 100
+    grown = a.malloc(70 * MiB, stream=2)          # 60 of its 70 MiB moved from the donor
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 110 * MiB
+    assert host_waits(dev) == 0 and s["num_host_waits.device"] == 0
+    assert s["num_host_waits.stream"] == s["num_host_waits.event"] == 0
+    assert calls(dev, "stream_wait_event") == 1 and s["num_stream_waits"] == 1
+    # Work stream 2 queues from now on runs after stream 1's: on the device, not the host.
+    after_move = dev.record_event(2)
+    dev.complete_stream(2)
+    assert not dev.query_event(after_move)
+    dev.complete_stream(1)
+    dev.complete_stream(2)
+    assert dev.query_event(after_move)
+    a.free(grown)
+    a.free(live)
+    assert a.check_invariants() == ""
+
+
+def test_moved_pages_are_unmapped_once_events_say_the_device_is_done() -> None:
+    # The old mapping stays until events recorded at the move on every stream in use have
+    # completed, found by polling on later allocations: never by waiting on the host.
+    for donor_stream in (1, 2):
         dev = ae.SimDevice(capacity=GiB)
         a = ae.Allocator(dev)
+        other = 3 - donor_stream
+        a.malloc(512, stream=other)               # both streams have segments: both in use
         donor = a.malloc(60 * MiB, stream=donor_stream)
         live = a.malloc(40 * MiB, stream=2)
-        a.free(donor)                                 # 60 MiB of free pages; the mark: 100
-        grown = a.malloc(70 * MiB, stream=2)          # 60 of its 70 MiB moved from the donor
-        assert a.stats()["reserved_bytes.all.current"] == 110 * MiB, donor_stream
+        a.free(donor)
+        grown = a.malloc(70 * MiB, stream=2)
+        assert calls(dev, "unmap") == 0, donor_stream
+        assert a.stats()["pending_unmap_bytes"] == 60 * MiB, donor_stream
+        a.process_events()                        # polls: the streams are still running
+        assert calls(dev, "unmap") == 0, donor_stream
+        assert a.check_invariants() == "", donor_stream
+        dev.complete_stream(donor_stream)
+        a.process_events()
+        assert calls(dev, "unmap") == 0, donor_stream   # the other stream may still read it
+        dev.complete_stream(other)
+        a.process_events()
         assert calls(dev, "unmap") >= 1, donor_stream
-        assert calls(dev, "synchronize") == device_waits, donor_stream
-        assert calls(dev, "stream_synchronize") == stream_waits, donor_stream
+        s = a.stats()
+        assert s["pending_unmap_bytes"] == 0, donor_stream
+        assert host_waits(dev) == 0, donor_stream
+        assert s["reserved_bytes.all.current"] == 110 * MiB + 2 * MiB, donor_stream
         a.free(grown)
         a.free(live)
-        assert a.check_invariants() == ""
+        assert a.check_invariants() == "", donor_stream
+
+
+def test_address_space_whose_pages_moved_is_not_reused_before_it_is_unmapped() -> None:
+    # Until its old mapping goes, the range still shows the moved pages: growing into it then
+    # would alias memory that another block now holds.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev)
+    keep = a.malloc(20 * MiB)
+    donor = a.malloc(60 * MiB)
+    a.malloc(20 * MiB)                            # the segment's end stays in use
+    a.free(donor)
+    a.free(keep)
+    moved_to = a.malloc(100 * MiB, stream=2)      # moves the free pages to stream 2's segment
+    assert a.stats()["pending_unmap_bytes"] > 0
+    again = a.malloc(70 * MiB)                    # stream 0 grows: not into the pending range
+    for p, size in ((moved_to, 100 * MiB), (again, 70 * MiB)):
+        for q, other in ((moved_to, 100 * MiB), (again, 70 * MiB)):
+            if p != q:
+                assert p + size <= q or q + other <= p
+    assert a.check_invariants() == ""
+
+
+def test_empty_cache_finishes_pending_page_moves_by_waiting_and_counts_the_waits() -> None:
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev)
+    donor = a.malloc(60 * MiB, stream=1)
+    live = a.malloc(40 * MiB, stream=2)
+    a.free(donor)
+    a.malloc(70 * MiB, stream=2)
+    assert a.stats()["pending_unmap_bytes"] == 60 * MiB
+    a.empty_cache()
+    s = a.stats()
+    assert s["pending_unmap_bytes"] == 0 and calls(dev, "unmap") >= 1
+    assert s["num_host_waits.event"] + s["num_host_waits.stream"] >= 1
+    assert s["num_host_waits.event"] == calls(dev, "event_synchronize")
+    assert s["num_host_waits.stream"] == calls(dev, "stream_synchronize")
+    a.free(live)
+    assert a.check_invariants() == ""
 
 
 def test_large_pool_takes_free_small_pages_but_leaves_the_small_pool_a_reserve() -> None:
@@ -492,8 +575,8 @@ def test_large_pool_takes_free_small_pages_but_leaves_the_small_pool_a_reserve()
 
 
 def test_below_the_high_water_mark_growth_creates_pages_instead_of_moving_them() -> None:
-    # Moving a free page costs an unmap, which waits for the stream; below the most ever
-    # reserved, a new page raises no peak, so a repeating workload settles without moves.
+    # Moving a free page costs device calls; below the most ever reserved, a new page raises no
+    # peak, so a repeating workload settles without moves.
     # In 20 MiB large pages (PyTorch's), where a small page must come from a released large one.
     dev = ae.SimDevice(capacity=GiB)
     a = ae.Allocator(dev, "expandable_large_page_mb:20,expandable_chunk_mb:0")
@@ -503,7 +586,9 @@ def test_below_the_high_water_mark_growth_creates_pages_instead_of_moving_them()
     assert c["unmap"]["count"] == 1 and c["release"]["count"] == 1
     small.append(a.malloc(MiB))               # 182 + 2 MiB stays under the mark: a new page
     c = dev.counters()
-    assert c["unmap"]["count"] == 1 and c["stream_synchronize"]["count"] == 1
+    # A page released rather than moved (other page sizes) waits for the device, once.
+    assert c["unmap"]["count"] == 1 and c["synchronize"]["count"] == 1
+    assert a.stats()["num_host_waits.device"] == 1
     s = a.stats()
     assert s["reserved_bytes.large_pool.current"] == 180 * MiB   # left mapped, ready for reuse
     assert s["reserved_bytes.all.current"] == 184 * MiB
@@ -515,6 +600,8 @@ def test_below_the_high_water_mark_growth_creates_pages_instead_of_moving_them()
     a.free(first)                             # 40 MiB free; the mark is now 84 MiB
     unmaps = dev.counters()["unmap"]["count"]
     a.malloc(60 * MiB)
+    dev.synchronize()
+    a.process_events()
     assert dev.counters()["unmap"]["count"] - unmaps == 2         # the free 40 MiB moved
     assert a.stats()["reserved_bytes.all.current"] == 104 * MiB
     assert a.check_invariants() == ""
@@ -609,6 +696,8 @@ def test_under_a_memory_fraction_growth_moves_free_pages_instead_of_retrying() -
     a, dev = grow_under_cap(None)
     assert a.stats()["num_alloc_retries"] == 0
     assert a.stats()["reserved_bytes.all.current"] == 120 * MiB
+    dev.synchronize()
+    a.process_events()
     c = dev.counters()
     assert c["unmap"]["bytes"] == 60 * MiB and "release" not in c   # the free pages moved
     a, _ = grow_under_cap("native,expandable_segments:True")
@@ -738,6 +827,8 @@ def test_taken_back_chunks_are_mapped_again_whole_instead_of_released() -> None:
     a.free(first)
     dev.reset_counters()
     a.malloc(80 * MiB)                    # grows past the high-water mark: moves both chunks
+    dev.synchronize()
+    a.process_events()                    # the device is done: their old mappings go
     c = dev.counters()
     assert c["unmap"]["count"] == 2
     assert "release" not in c

@@ -319,6 +319,12 @@ CUresult cuEventSynchronize(void* event) {
   (*it)->pending = false;
   return kSuccess;
 }
+// Device-side ordering: nothing for the host to do, but the event must be one we made.
+CUresult cuStreamWaitEvent(void*, void* event, unsigned int) {
+  if (!has_context()) return kInvalidContext;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_events.count(static_cast<Event*>(event)) != 0 ? kSuccess : kInvalidHandle;
+}
 CUresult cuEventDestroy_v2(void* event) {
   if (g_deinitialized) return kDeinitialized;
   std::lock_guard<std::mutex> lock(g_mutex);

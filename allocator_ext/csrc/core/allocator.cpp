@@ -103,7 +103,8 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemo
   // Recycle blocks whose cross-stream uses have finished. Querying events is illegal while a
   // graph is being captured, so that waits until no capture is underway.
   if (captures_underway_.empty() &&
-      (!events_.empty() || !needs_events_deferred_until_no_capture_.empty())) {
+      (!events_.empty() || !needs_events_deferred_until_no_capture_.empty() ||
+       !page_moves_.empty())) {
     process_events_locked();
   } else if (!freed_in_capture_.empty()) {
     reuse_freed_in_capture(stream);
@@ -157,7 +158,8 @@ bool CachingAllocator::get_free_block(AllocParams& p) {
       // A block followed by unmapped space can grow: for best fit, judge it by the size it can
       // reach, which may mean passing over it for a larger block that fits better.
       auto expandable_size = [](const Block* b) {
-        return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
+        const Block* n = b->next;
+        return b->size + (n != nullptr && !n->mapped && n->is_free() ? n->size : 0);
       };
       auto next = std::next(it);
       while ((*it)->expandable != nullptr && next != pool.blocks.end() &&
@@ -478,6 +480,10 @@ void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   if (stream == block->stream) return;
   auto& uses = block->stream_uses;
   if (std::find(uses.begin(), uses.end(), stream) == uses.end()) uses.push_back(stream);
+  if (std::find(recorded_streams_.begin(), recorded_streams_.end(), stream) ==
+      recorded_streams_.end()) {
+    recorded_streams_.push_back(stream);
+  }
   if (!captures_underway_.empty()) {
     auto& during = block_to_capture_stream_uses_[block];
     if (std::find(during.begin(), during.end(), stream) == during.end()) during.push_back(stream);
@@ -598,6 +604,7 @@ void CachingAllocator::process_events() {
 
 void CachingAllocator::process_events_locked() {
   insert_events_deferred_until_no_capture();
+  if (!page_moves_.empty()) finish_page_moves(false);
   if (events_.empty()) return;
   for (auto it = events_.begin(); it != events_.end();) {
     auto& queue = it->second;
@@ -615,14 +622,30 @@ void CachingAllocator::process_events_locked() {
 void CachingAllocator::synchronize_and_free_events() {
   stats_.num_sync_all_streams++;
   insert_events_deferred_until_no_capture();
+  finish_page_moves(true);
   for (auto& [stream, queue] : events_) {
     for (auto& [event, block] : queue) {
-      device_->wait_event(event);
+      host_wait_event(event);
       device_->release_event(event);
       if (--block->event_count == 0) free_block(block);
     }
   }
   events_.clear();
+}
+
+void CachingAllocator::host_wait_device() {
+  stats_.num_host_waits_device++;
+  device_->synchronize();
+}
+
+void CachingAllocator::host_wait_stream(StreamId stream) {
+  stats_.num_host_waits_stream++;
+  device_->synchronize_stream(stream);
+}
+
+void CachingAllocator::host_wait_event(EventId event) {
+  stats_.num_host_waits_event++;
+  device_->wait_event(event);
 }
 
 // --- graph pools ---

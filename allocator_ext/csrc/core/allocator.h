@@ -251,8 +251,19 @@ class CachingAllocator {
   void release_spares_beyond(std::size_t keep_pages, std::size_t page);
   void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
+  // Unmaps the whole pages of a free block now; the caller has waited for the device.
   std::size_t unmap_block(Block* block, std::size_t limit = 0,
-                          std::vector<SparePhysical>* keep = nullptr, bool streams_idle = false);
+                          std::vector<SparePhysical>* keep = nullptr);
+  // Moves the whole pages of a free block to spare_pages_ for `receiver`, ordered on the device
+  // after the block's stream, and unmaps them here once events say the device is done (Note
+  // [moving pages]).
+  std::size_t move_pages(Block* block, std::size_t limit, StreamId receiver);
+  // The part of a free block that pages [r.ptr, r.ptr + r.size) cover, split from the partial
+  // pages at its ends (which stay free blocks) and out of the pool's free set.
+  Block* carve_pages(Block* block, Range r);
+  // Finishes the moves whose events completed; with wait, every move (waiting on the host).
+  void finish_page_moves(bool wait);
+  void finish_page_move(Block* block, const std::vector<Range>& still_mapped);
   void release_expandable_segment(Block* block);
   std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes);
   std::size_t grow_size(const BlockPool* pool, std::size_t needed) const;
@@ -271,6 +282,13 @@ class CachingAllocator {
   void insert_events_deferred_until_no_capture();
   void process_events_locked();
   void synchronize_and_free_events();
+  // Every wait on the host goes through these, so that each is counted.
+  void host_wait_device();
+  void host_wait_stream(StreamId stream);
+  void host_wait_event(EventId event);
+  // The streams whose work may still touch memory of this allocator: those of its expandable
+  // segments and those named by record_stream.
+  std::vector<StreamId> streams_in_use() const;
 
   // Blocks come from an arena: the hot path never calls the system allocator.
   // Checkpoints (checkpoint.cpp).
@@ -324,6 +342,10 @@ class CachingAllocator {
   std::set<Growth> growths_that_moved_pages_;
   Growth growth_ {};
   bool growth_moved_pages_ = false;
+  // The run of free and unmapped blocks the growth being served will occupy: no donor of its
+  // pages (a free block inside the run is part of the request, and one whose pages moved
+  // cannot be mapped again before they are unmapped).
+  Range growing_ {};
   // Reserved memory plus what was left when the device or the memory fraction last refused
   // growth (0: never): near it the large pool grows by single pages (Note [page policy]).
   std::size_t growth_ceiling_ = 0;
@@ -332,6 +354,15 @@ class CachingAllocator {
   std::size_t device_total_ = 0;
   std::vector<std::unique_ptr<ExpandableSegment>> expandable_segments_;
   std::vector<SparePhysical> spare_pages_;  // taken back, about to be mapped elsewhere
+  // Pages moved away and still mapped at their old place, oldest first, each with the events
+  // after which the device no longer uses them there (Note [moving pages]).
+  struct PageMove {
+    Block* block;                     // the old place (unmap_pending)
+    std::vector<Range> still_mapped;  // what to unmap there
+    std::vector<EventId> events;      // not yet seen complete
+  };
+  std::deque<PageMove> page_moves_;
+  std::vector<StreamId> recorded_streams_;  // every stream record_stream named
   TraceRing trace_;
 };
 

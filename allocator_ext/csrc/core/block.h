@@ -3,7 +3,8 @@
 // A segment is one device allocation (or one expandable range of address space); it is cut
 // into a doubly linked list of blocks in address order. A block is either allocated, waiting
 // for events of other streams (pending), cached in its pool's free set, or — in expandable
-// segments only — unmapped address space.
+// segments only — unmapped address space, or address space whose pages moved elsewhere and
+// are unmapped here once the device is done with them.
 #pragma once
 
 #include <cstddef>
@@ -28,6 +29,9 @@ struct Block {
   std::uintptr_t ptr = 0;
   bool allocated = false;
   bool mapped = true;           // false: unmapped address space of an expandable segment
+  // Pages moved elsewhere that stay mapped here until the device is done with them
+  // (expandable.cpp, Note [moving pages]): neither free nor reusable address space yet.
+  bool unmap_pending = false;
   Block* prev = nullptr;        // neighbours in the same segment
   Block* next = nullptr;
   int event_count = 0;          // outstanding events before the block may be reused
@@ -40,7 +44,9 @@ struct Block {
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
   // Neither in use nor waiting for another stream: free to cache, reuse or merge.
-  bool is_free() const { return !allocated && event_count == 0 && stream_uses.empty(); }
+  bool is_free() const {
+    return !allocated && event_count == 0 && stream_uses.empty() && !unmap_pending;
+  }
   // Age for garbage collection: lookups in this pool since the block was cached.
   std::int64_t gc_count() const;
   // Links this block between `before` and `after`.

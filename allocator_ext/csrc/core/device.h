@@ -75,6 +75,11 @@ class Device {
   virtual void release_event(EventId event) = 0;
   // Blocks until one event has completed (cudaEventSynchronize).
   virtual void wait_event(EventId /*event*/) { synchronize(); }
+  // Orders the work queued on `stream` from now on after `event`, on the device
+  // (cudaStreamWaitEvent): the host does not wait. Memory that another stream used can be
+  // handed to `stream` this way, as cudaMallocAsync orders cross-stream reuse. Back ends
+  // without such a call wait on the host instead.
+  virtual void stream_wait_event(StreamId /*stream*/, EventId event) { wait_event(event); }
 
   // A device-wide synchronisation (cudaDeviceSynchronize): the expensive call that releasing
   // cached memory needs, and that a well-tuned allocator makes rarely.

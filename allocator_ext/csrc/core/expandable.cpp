@@ -22,8 +22,8 @@
 // instead). Largest free blocks first: fewest calls per byte. A handle taken back is mapped
 // again whole where it fits, never released and re-created.
 //
-// High-water mark. An unmap waits for the segment's stream, which stalls the CPU's run-ahead,
-// and a moved page costs that wait again in every step that moves it. Pages are therefore taken
+// High-water mark. A moved page costs device calls (an event, a map, later an unmap) in every
+// step that moves it. Pages are therefore taken
 // back only where growing would raise reserved memory above its high-water mark (the most
 // reserved since the start or the last explicit reclaim), or where there is no room left (the
 // memory fraction, or a device out of memory). Below the mark a new page raises no peak, so a
@@ -58,17 +58,12 @@
 // request before, and over it frees every cached block and waits for every stream where moving
 // a few free pages would have done; the native preset keeps PyTorch's check.
 //
-// Streams. A free block's pages go to the growing segment's stream. Waiting for the donor's
-// own stream suffices where its segment serves the same stream, as reusing a block does: the
-// kernels that will use the pages queue behind those that used them. A donor of another stream
-// may still be read by kernels of a third that never recorded it (a tensor used on a side
-// stream without record_stream, which PyTorch's allocator tolerates: it hands a block only to
-// its own stream and unmaps only in empty_cache). Before the first such donor, the take-back
-// therefore waits for every stream (cudaDeviceSynchronize), once, instead of the donor's alone.
+// Streams. A free block's pages go to the growing segment's stream without the host waiting
+// for anything (Note [moving pages]).
 //
-// Captures. Nothing is unmapped while a CUDA graph is captured anywhere in the process: an
-// unmap waits for a stream, which a capture forbids (PyTorch releases nothing during capture
-// either). Growth then creates pages.
+// Captures. Nothing is moved while a CUDA graph is captured anywhere in the process: a move
+// records events, which a capture forbids (PyTorch releases nothing during capture either).
+// Growth then creates pages.
 //
 // Long runs. A workload that repeats sits with reserved memory at its mark, so every growth
 // it still needs takes pages back. A take-back comes up short where the free memory left lies
@@ -98,7 +93,30 @@
 // single replay reserves 1.0565 x its peak request instead of 1.0278 (and 1.054 x after 200
 // passes of moving). No rule keyed on the recurrence tells that first pass from a second, and
 // the moves cannot stay: docs/benchmarks.md, "Repeated passes", has the figures and the
-// variants that lost.
+// variants that lost.//
+// Note [moving pages]
+// ~~~~~~~~~~~~~~~~~~~
+// A take-back never waits on the host. The training loop's CPU runs ahead of the GPU, and a
+// wait (cudaStreamSynchronize, cudaDeviceSynchronize) drains that run-ahead: in a pipeline that
+// moves pages every step it cost a fifth of the step time. So a move is ordered on the device:
+// - the donor's pages stay mapped where they were while their physical memory is mapped at
+//   once where the growth needs it (the driver maps one allocation at several addresses);
+// - where the donor block belonged to another stream, the receiving stream waits on the device
+//   for an event recorded on the donor's stream (cudaStreamWaitEvent), as cudaMallocAsync
+//   orders cross-stream reuse: the kernels that will use the pages queue behind those that
+//   used them;
+// - the old mapping is unmapped once events recorded at the move on every stream in use (the
+//   segments' streams and those record_stream named) have completed, found by polling them on
+//   later allocations as pending frees are; until then its address space is neither free nor
+//   reusable. An unmap must wait for the device (unlike cudaFree, cuMemUnmap does not), and a
+//   kernel of a third stream may still read the old address where its tensor was used there
+//   without record_stream (PyTorch's allocator tolerates that: it never unmaps a block it
+//   caches), hence every stream in use. Such a read races with the new owner's writes exactly
+//   as it would race with PyTorch's reuse of the block on its own stream.
+// Pages released rather than moved (the large pool taking small pages of another page size)
+// must be free before the growth creates its own, so that path still waits on the host, once;
+// allocwatch's defaults never take it (both page sizes are 2 MiB). Every host wait is counted
+// (num_host_waits.*), and so is every device-side ordering (num_stream_waits).
 #include <algorithm>
 
 #include "allocator.h"
@@ -347,6 +365,7 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   // [page policy], repeated moves).
   const bool settled = config_.settle_page_moves && growths_that_moved_pages_.count(growth_) > 0;
   Block* candidate = find_expandable_block(stream, pool, size, settled);
+  growing_ = Range{candidate->ptr, size};
   // The candidate starts a run of free and unmapped blocks with at least `size` bytes:
   //   unmapped -> null | unmapped -> free -> ... | free -> unmapped -> ...
   if (!candidate->mapped &&
@@ -368,38 +387,107 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   return candidate;
 }
 
-std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
-                                          std::vector<SparePhysical>* keep, bool streams_idle) {
-  Range unmapped =
-      block->expandable->unmap(Range{block->ptr, block->size}, limit, keep, streams_idle);
-  if (unmapped.size == 0) return 0;
+Block* CachingAllocator::carve_pages(Block* block, Range r) {
   BlockPool& pool = *block->pool;
   pool.blocks.erase(block);
-
   // The partial pages at either end stay mapped as free blocks of their own.
-  const std::size_t before = unmapped.ptr - block->ptr;
+  const std::size_t before = r.ptr - block->ptr;
   if (before > 0) {
     Block* before_free = new_block(block->stream, before, &pool, block->ptr);
     before_free->expandable = block->expandable;
     before_free->splice(block->prev, block);
     pool.insert_into_blocks(before_free);
   }
-  const std::size_t after = block->size - (before + unmapped.size);
+  const std::size_t after = block->size - (before + r.size);
   if (after > 0) {
-    Block* after_free = new_block(block->stream, after, &pool, unmapped.ptr + unmapped.size);
+    Block* after_free = new_block(block->stream, after, &pool, r.ptr + r.size);
     after_free->expandable = block->expandable;
     after_free->splice(block, block->next);
     pool.insert_into_blocks(after_free);
   }
-  block->ptr = unmapped.ptr;
-  block->size = unmapped.size;
+  block->ptr = r.ptr;
+  block->size = r.size;
   block->mapped = false;
+  return block;
+}
+
+std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
+                                          std::vector<SparePhysical>* keep) {
+  Range unmapped = block->expandable->unmap(Range{block->ptr, block->size}, limit, keep);
+  if (unmapped.size == 0) return 0;
+  BlockPool& pool = *block->pool;
+  carve_pages(block, unmapped);
   try_merge_blocks(block, block->prev, pool);
   try_merge_blocks(block, block->next, pool);
   pool.unmapped.insert(block);
-
   count_released(pool, TraceAction::segment_unmap, unmapped.ptr, unmapped.size, block->stream);
   return unmapped.size;
+}
+
+std::vector<StreamId> CachingAllocator::streams_in_use() const {
+  std::vector<StreamId> streams = recorded_streams_;
+  for (const auto& es : expandable_segments_) streams.push_back(es->stream());
+  std::sort(streams.begin(), streams.end());
+  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
+  return streams;
+}
+
+std::size_t CachingAllocator::move_pages(Block* block, std::size_t limit, StreamId receiver) {
+  // Note [moving pages]: mapped elsewhere now, ordered on the device, unmapped here later.
+  PageMove move{nullptr, {}, {}};
+  const Range moved =
+      block->expandable->detach(Range{block->ptr, block->size}, limit, &spare_pages_,
+                                &move.still_mapped);
+  if (moved.size == 0) return 0;
+  const StreamId donor = block->stream;
+  BlockPool& pool = *block->pool;
+  move.block = carve_pages(block, moved);
+  move.block->unmap_pending = true;
+  count_released(pool, TraceAction::segment_unmap, moved.ptr, moved.size, donor);
+  for (StreamId s : streams_in_use()) {
+    const EventId event = device_->record_event(s);
+    move.events.push_back(event);
+    if (s == donor && donor != receiver) {
+      device_->stream_wait_event(receiver, event);
+      stats_.num_stream_waits++;
+    }
+  }
+  page_moves_.push_back(std::move(move));
+  return moved.size;
+}
+
+void CachingAllocator::finish_page_moves(bool wait) {
+  // Oldest first; a move whose events have not all completed holds up none after it, as one
+  // slow stream must not hold up the others.
+  for (auto it = page_moves_.begin(); it != page_moves_.end();) {
+    auto& events = it->events;
+    events.erase(std::remove_if(events.begin(), events.end(),
+                                [&](EventId e) {
+                                  if (wait) {
+                                    host_wait_event(e);
+                                  } else if (!device_->query_event(e)) {
+                                    return false;
+                                  }
+                                  device_->release_event(e);
+                                  return true;
+                                }),
+                 events.end());
+    if (!events.empty()) {
+      ++it;
+      continue;
+    }
+    finish_page_move(it->block, it->still_mapped);
+    it = page_moves_.erase(it);
+  }
+}
+
+void CachingAllocator::finish_page_move(Block* block, const std::vector<Range>& still_mapped) {
+  for (const Range& r : still_mapped) device_->unmap(r.ptr, r.size);
+  block->unmap_pending = false;
+  BlockPool& pool = *block->pool;
+  try_merge_blocks(block, block->prev, pool);
+  try_merge_blocks(block, block->next, pool);
+  pool.unmapped.insert(block);
 }
 
 void CachingAllocator::release_expandable_segment(Block* block) {
@@ -425,8 +513,8 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
   } else {
     sibling = pool->is_small ? &pool->owner->large_blocks : &pool->owner->small_blocks;
   }
-  // Cross-stream donors (Note [page policy], "Streams"): every stream idle first, once.
-  bool every_stream_idle = false;
+  // Pages released rather than moved are waited for on the host, once (Note [moving pages]).
+  bool device_idle = false;
   std::size_t taken = 0;
   for (BlockPool* from : {pool, sibling}) {
     // The large pool taking small pages (moved or released): only beyond the reserve.
@@ -434,8 +522,10 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
     std::vector<Block*> donors;
     for (Block* b : from->blocks) {
       if (b->expandable == nullptr || b->size < b->expandable->page_size()) continue;
-      // A donor next to the range being mapped would merge its hole into that range.
+      // A donor next to the range being mapped would merge its hole into that range; one
+      // inside the growth's run is part of the request.
       if (b == exclude || b->prev == exclude || b->next == exclude) continue;
+      if (b->ptr < growing_.ptr + growing_.size && growing_.ptr < b->ptr + b->size) continue;
       donors.push_back(b);
     }
     std::sort(donors.begin(), donors.end(), [](const Block* a, const Block* b) {
@@ -451,13 +541,17 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
     }
     for (Block* b : donors) {
       if (taken >= bytes || budget == 0) return taken;
-      if (b->stream != exclude->stream && !every_stream_idle) {
-        device_->synchronize();
-        every_stream_idle = true;
+      const std::size_t limit = std::min(bytes - taken, budget);
+      std::size_t got = 0;
+      if (b->expandable->page_size() == page) {
+        got = move_pages(b, limit, exclude->stream);
+      } else {
+        if (!device_idle) {
+          host_wait_device();
+          device_idle = true;
+        }
+        got = unmap_block(b, limit);
       }
-      const bool movable = b->expandable->page_size() == page;
-      const std::size_t got = unmap_block(b, std::min(bytes - taken, budget),
-                                          movable ? &spare_pages_ : nullptr, every_stream_idle);
       taken += got;
       if (from_small_reserve) budget -= std::min(budget, got);
     }

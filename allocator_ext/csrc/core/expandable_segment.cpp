@@ -87,23 +87,27 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
   return pages(begin, end);
 }
 
-Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhysical>* keep,
-                               bool streams_idle) {
+std::vector<std::map<std::size_t, ExpandableSegment::Chunk>::iterator>
+ExpandableSegment::run_inside(Range r, std::size_t limit, std::size_t* bytes) {
+  std::vector<std::map<std::size_t, Chunk>::iterator> run;
+  *bytes = 0;
   const std::size_t lo = page_ceil(r.ptr);
   const std::size_t hi = page_floor(r.ptr + r.size);
-  if (lo >= hi) return Range{r.ptr, 0};
+  if (lo >= hi) return run;
   // Chunks tile the mapped pages, so those wholly inside [lo, hi) form one contiguous run.
-  std::vector<std::map<std::size_t, Chunk>::iterator> run;
-  std::size_t bytes = 0;
   for (auto it = chunks_.lower_bound(lo); it != chunks_.end() && it->first + it->second.pages <= hi;
        ++it) {
-    if (limit > 0 && bytes >= limit) break;
+    if (limit > 0 && *bytes >= limit) break;
     run.push_back(it);
-    bytes += it->second.pages * page_size_;
+    *bytes += it->second.pages * page_size_;
   }
+  return run;
+}
+
+Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhysical>* keep) {
+  std::size_t bytes = 0;
+  auto run = run_inside(r, limit, &bytes);
   if (run.empty()) return Range{r.ptr, 0};
-  // Unmapping does not wait for kernels still using the memory: the stream must be idle.
-  if (!streams_idle) device_.synchronize_stream(stream_);
   const std::size_t first = run.front()->first;
   for (auto it : run) {
     const std::size_t n = it->second.pages * page_size_;
@@ -113,6 +117,20 @@ Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhys
     } else {
       device_.release_physical(it->second.handle, n);
     }
+    chunks_.erase(it);
+  }
+  return Range{base_ + first * page_size_, bytes};
+}
+
+Range ExpandableSegment::detach(Range r, std::size_t limit, std::vector<SparePhysical>* keep,
+                                std::vector<Range>* still_mapped) {
+  std::size_t bytes = 0;
+  auto run = run_inside(r, limit, &bytes);
+  if (run.empty()) return Range{r.ptr, 0};
+  const std::size_t first = run.front()->first;
+  for (auto it : run) {
+    keep->push_back(SparePhysical{it->second.handle, it->second.pages});
+    still_mapped->push_back(Range{base_ + it->first * page_size_, it->second.pages * page_size_});
     chunks_.erase(it);
   }
   return Range{base_ + first * page_size_, bytes};

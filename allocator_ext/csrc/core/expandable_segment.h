@@ -45,14 +45,20 @@ class ExpandableSegment {
   // a chunk can only be unmapped whole. Returns the range mapped, or an empty range when the
   // device is out of memory (nothing stays mapped; spares used are handed back to `spare`).
   Range map(Range r, std::size_t chunk_pages = 1, std::vector<SparePhysical>* spare = nullptr);
-  // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part), after the
-  // segment's stream is idle, and releases its physical memory. With limit > 0, chunks from
-  // the front until at least `limit` bytes (a chunk goes whole: up to one chunk more). Returns
-  // the contiguous range unmapped (possibly empty).
-  // With `keep`, chunks are handed over instead of released, to be mapped elsewhere.
-  // `streams_idle`: the caller has just waited for every stream, so the wait is skipped.
-  Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr,
-              bool streams_idle = false);
+  // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part) and
+  // releases its physical memory. With limit > 0, chunks from the front until at least `limit`
+  // bytes (a chunk goes whole: up to one chunk more). Returns the contiguous range unmapped
+  // (possibly empty). With `keep`, chunks are handed over instead of released, to be mapped
+  // elsewhere. Unmapping does not wait for kernels still using the memory: the caller makes
+  // sure the device is done with it.
+  Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr);
+  // The same chunks as unmap() would take, handed over to `keep` while they stay mapped here:
+  // a physical allocation may be mapped at a second address before its first mapping goes, so
+  // the pages can be mapped elsewhere at once and unmapped here once the device is done with
+  // them (the caller unmaps each range in `still_mapped` then; expandable.cpp, Note [moving
+  // pages]).
+  Range detach(Range r, std::size_t limit, std::vector<SparePhysical>* keep,
+               std::vector<Range>* still_mapped);
 
   // The physical allocations mapped over any part of r, in address order (CUDA IPC shares
   // them whole: the driver exports a handle only whole).
@@ -74,6 +80,9 @@ class ExpandableSegment {
     PhysicalHandle handle;
     std::size_t pages;
   };
+  // The chunks wholly inside r, from the front until `limit` bytes (0: all): one contiguous run.
+  std::vector<std::map<std::size_t, Chunk>::iterator> run_inside(Range r, std::size_t limit,
+                                                                 std::size_t* bytes);
   std::size_t page_floor(std::uintptr_t p) const { return (p - base_) / page_size_; }
   std::size_t page_ceil(std::uintptr_t p) const {
     return (p - base_ + page_size_ - 1) / page_size_;

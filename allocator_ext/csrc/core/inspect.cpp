@@ -62,6 +62,10 @@ std::map<std::string, std::int64_t> CachingAllocator::stats() const {
   for (const Block* b : pending) pending_bytes += static_cast<std::int64_t>(b->size);
   out["pending_events"] = pending_events;
   out["pending_free_bytes"] = pending_bytes;
+  std::int64_t pending_unmap_bytes = 0;
+  for (const PageMove& move : page_moves_)
+    for (const Range& r : move.still_mapped) pending_unmap_bytes += static_cast<std::int64_t>(r.size);
+  out["pending_unmap_bytes"] = pending_unmap_bytes;
   out["memory_limit_bytes"] = set_fraction_ ? static_cast<std::int64_t>(allowed_memory_maximum_) : 0;
   return out;
 }
@@ -133,6 +137,7 @@ std::vector<const Block*> CachingAllocator::all_blocks() const {
   allocated_.for_each([&](const Block* b) { blocks.push_back(b); });
   for (const auto& [stream, queue] : events_)
     for (const auto& [event, block] : queue) blocks.push_back(block);
+  for (const PageMove& move : page_moves_) blocks.push_back(move.block);
   for (const Block* b : needs_events_deferred_until_no_capture_) blocks.push_back(b);
   std::sort(blocks.begin(), blocks.end());
   blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
@@ -224,8 +229,11 @@ std::string CachingAllocator::check_invariants() const {
                                                : " is in use but cached in its pool");
       return err.str();
     }
-    if (!b->mapped && (b->allocated || b->pool->unmapped.count(const_cast<Block*>(b)) == 0))
+    if (!b->mapped && !b->unmap_pending &&
+        (b->allocated || b->pool->unmapped.count(const_cast<Block*>(b)) == 0))
       return "an unmapped block is allocated or missing from its pool's unmapped set";
+    if (b->unmap_pending && (b->mapped || b->pool->unmapped.count(const_cast<Block*>(b)) != 0))
+      return "a block whose pages moved is still counted as mapped or as unmapped space";
     if (b->mapped && is_free && b->next != nullptr && b->next->mapped && b->next->is_free())
       return "two free neighbours were not coalesced";
     if (!b->mapped) continue;

@@ -72,6 +72,17 @@ std::size_t CachingAllocator::release_blocks(BlockPool& pool) {
       release_block(block);
     }
   }
+  // Unmapping does not wait for kernels still using the memory: each segment's stream first,
+  // once (an explicit reclaim may wait; Note [moving pages] in expandable.cpp).
+  std::vector<StreamId> waited;
+  for (Block* block : to_unmap) {
+    const StreamId s = block->expandable->stream();
+    if (block->size >= block->expandable->page_size() &&
+        std::find(waited.begin(), waited.end(), s) == waited.end()) {
+      host_wait_stream(s);
+      waited.push_back(s);
+    }
+  }
   for (Block* block : to_unmap) {
     released += unmap_block(block);
     if (!block->is_split()) release_expandable_segment(block);
@@ -173,8 +184,15 @@ std::size_t CachingAllocator::garbage_collect() {
   std::sort(free_expandable.begin(), free_expandable.end(),
             [](const Block* a, const Block* b) { return a->size > b->size; });
   std::size_t unmapped = 0;
+  std::vector<StreamId> waited;  // an unmap waits for its segment's stream, once each
   for (Block* b : free_expandable) {
     if (total_allocated_memory_ <= gc_threshold) break;
+    if (b->size < b->expandable->page_size()) continue;
+    const StreamId s = b->expandable->stream();
+    if (std::find(waited.begin(), waited.end(), s) == waited.end()) {
+      host_wait_stream(s);
+      waited.push_back(s);
+    }
     unmapped += unmap_block(b, total_allocated_memory_ - gc_threshold);
   }
   if (unmapped > 0) {

@@ -332,6 +332,13 @@ void CudaDevice::wait_event(EventId event) {
   check_result(driver_.cuEventSynchronize(reinterpret_cast<CUevent>(event)), "cuEventSynchronize");
 }
 
+void CudaDevice::stream_wait_event(StreamId stream, EventId event) {
+  ContextGuard guard(driver_, context_);
+  check_result(driver_.cuStreamWaitEvent(reinterpret_cast<CUstream>(stream),
+                                         reinterpret_cast<CUevent>(event), 0),
+               "cuStreamWaitEvent");
+}
+
 void CudaDevice::synchronize() {
   ContextGuard guard(driver_, context_);
   check_result(driver_.cuCtxSynchronize(), "cuCtxSynchronize");

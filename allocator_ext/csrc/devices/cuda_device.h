@@ -54,6 +54,7 @@ class CudaDevice final : public Device {
   bool query_event(EventId event) override;
   void release_event(EventId event) override;
   void wait_event(EventId event) override;
+  void stream_wait_event(StreamId stream, EventId event) override;
 
   void synchronize() override;
   void synchronize_stream(StreamId stream) override;

@@ -63,6 +63,7 @@ CudaDriver load_driver() {
   resolve(library, "cuEventDestroy_v2", &d.cuEventDestroy);
   resolve(library, "cuEventSynchronize", &d.cuEventSynchronize);
   resolve(library, "cuStreamSynchronize", &d.cuStreamSynchronize);
+  resolve(library, "cuStreamWaitEvent", &d.cuStreamWaitEvent);
   resolve(library, "cuStreamIsCapturing", &d.cuStreamIsCapturing);
   resolve(library, "cuThreadExchangeStreamCaptureMode", &d.cuThreadExchangeStreamCaptureMode);
   d.cuMemExportToShareableHandle = reinterpret_cast<PFN_cuMemExportToShareableHandle>(

@@ -41,6 +41,7 @@ struct CudaDriver {
   PFN_cuEventDestroy cuEventDestroy = nullptr;
   PFN_cuEventSynchronize cuEventSynchronize = nullptr;
   PFN_cuStreamSynchronize cuStreamSynchronize = nullptr;
+  PFN_cuStreamWaitEvent cuStreamWaitEvent = nullptr;
   PFN_cuStreamIsCapturing cuStreamIsCapturing = nullptr;
   PFN_cuThreadExchangeStreamCaptureMode cuThreadExchangeStreamCaptureMode = nullptr;
   // Optional: nullptr where the driver lacks them (then expandable segments are not shared).

@@ -122,6 +122,8 @@ using PFN_cuEventQuery = CUresult (*)(CUevent event);                       // c
 using PFN_cuEventDestroy = CUresult (*)(CUevent event);                     // cuEventDestroy_v2
 using PFN_cuEventSynchronize = CUresult (*)(CUevent event);                 // cuEventSynchronize
 using PFN_cuStreamSynchronize = CUresult (*)(CUstream stream);              // cuStreamSynchronize
+using PFN_cuStreamWaitEvent = CUresult (*)(CUstream stream, CUevent event,
+                                           unsigned int flags);  // cuStreamWaitEvent
 using PFN_cuStreamIsCapturing = CUresult (*)(CUstream stream,
                                              int* status);  // cuStreamIsCapturing
 // CUstreamCaptureMode: 0 global, 1 thread-local, 2 relaxed.

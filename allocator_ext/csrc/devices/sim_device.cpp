@@ -1,5 +1,7 @@
 #include "sim_device.h"
 
+#include <algorithm>
+
 
 namespace allocwatch {
 
@@ -78,7 +80,10 @@ void SimDevice::free(void* ptr, std::size_t size) {
   used_ -= size;
   segments_.erase(it);
   // cudaFree waits for the device: every event recorded so far completes.
-  for (auto& [id, s] : streams_) s.completed = s.recorded;
+  for (auto& [id, s] : streams_) {
+    s.completed = s.recorded;
+    s.waits.clear();
+  }
 }
 
 std::uintptr_t SimDevice::reserve_address(std::size_t size, std::size_t alignment) {
@@ -120,7 +125,7 @@ void SimDevice::release_physical(PhysicalHandle handle, std::size_t size) {
 void SimDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (physical_.count(handle) == 0) misuse("map of an unknown handle");
-  if (mappings_.count(addr) != 0) misuse("map over a mapped address");
+  if (mappings_.count(addr) != 0) misuse("map over a mapped address " + std::to_string(addr));
   count("map", size);
   mappings_[addr] = handle;
 }
@@ -130,7 +135,7 @@ void SimDevice::map_range(std::uintptr_t addr, const std::vector<Mapping>& mappi
   std::uintptr_t at = addr;
   for (const Mapping& m : mappings) {
     if (physical_.count(m.handle) == 0) misuse("map of an unknown handle");
-    if (mappings_.count(at) != 0) misuse("map over a mapped address");
+    if (mappings_.count(at) != 0) misuse("map over a mapped address " + std::to_string(at));
     count("map_only", m.size);
     mappings_[at] = m.handle;
     at += m.size;
@@ -168,39 +173,77 @@ void SimDevice::release_event(EventId event) {
   if (events_.erase(event) == 0) misuse("release of an unknown event");
 }
 
+void SimDevice::finish(StreamId stream, std::uint64_t sequence) {
+  StreamState& s = streams_[stream];
+  if (s.completed >= sequence) return;
+  s.completed = sequence;  // first: streams that wait on each other end the recursion
+  const std::vector<Wait> waits = s.waits;
+  for (const Wait& w : waits) {
+    if (w.after < sequence) finish(w.on, w.sequence);
+  }
+}
+
 void SimDevice::wait_event(EventId event) {
   std::lock_guard<std::mutex> lock(mutex_);
   count("event_synchronize", 0);
   auto it = events_.find(event);
   if (it == events_.end()) misuse("wait on an unknown event");
-  StreamState& s = streams_[it->second.stream];
-  if (s.completed < it->second.sequence) s.completed = it->second.sequence;
+  finish(it->second.stream, it->second.sequence);
+}
+
+void SimDevice::stream_wait_event(StreamId stream, EventId event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  count("stream_wait_event", 0);
+  auto it = events_.find(event);
+  if (it == events_.end()) misuse("stream wait on an unknown event");
+  const EventState e = it->second;
+  if (streams_[e.stream].completed >= e.sequence || e.stream == stream) return;
+  StreamState& s = streams_[stream];
+  s.waits.push_back(Wait{s.recorded, e.stream, e.sequence});
 }
 
 void SimDevice::synchronize() {
   std::lock_guard<std::mutex> lock(mutex_);
   count("synchronize", 0);
-  for (auto& [id, s] : streams_) s.completed = s.recorded;
+  for (auto& [id, s] : streams_) {
+    s.completed = s.recorded;
+    s.waits.clear();
+  }
 }
 
 void SimDevice::synchronize_stream(StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   count("stream_synchronize", 0);
-  StreamState& s = streams_[stream];
-  s.completed = s.recorded;
+  finish(stream, streams_[stream].recorded);
 }
 
 void SimDevice::complete_stream(StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   StreamState& s = streams_[stream];
-  s.completed = s.recorded;
+  std::uint64_t upto = s.recorded;
+  for (const Wait& w : s.waits) {
+    if (streams_[w.on].completed < w.sequence) upto = std::min(upto, w.after);
+  }
+  s.completed = std::max(s.completed, upto);
+  s.waits.erase(std::remove_if(s.waits.begin(), s.waits.end(),
+                               [&](const Wait& w) { return streams_[w.on].completed >= w.sequence; }),
+                s.waits.end());
+}
+
+bool SimDevice::stream_idle(StreamId stream) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = streams_.find(stream);
+  return it == streams_.end() || it->second.completed >= it->second.recorded;
 }
 
 void SimDevice::set_auto_complete(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto_complete_ = on;
   if (on)
-    for (auto& [id, s] : streams_) s.completed = s.recorded;
+    for (auto& [id, s] : streams_) {
+      s.completed = s.recorded;
+      s.waits.clear();
+    }
 }
 
 void SimDevice::set_capacity(std::size_t bytes) {

@@ -44,12 +44,16 @@ class SimDevice : public Device {
   bool query_event(EventId event) override;
   void release_event(EventId event) override;
   void wait_event(EventId event) override;
+  void stream_wait_event(StreamId stream, EventId event) override;
   void synchronize() override;
   void synchronize_stream(StreamId stream) override;
 
   // --- control, for tests and replay ---
-  // Completes every event recorded on `stream` so far.
+  // Completes every event recorded on `stream` so far, except those queued behind a
+  // stream_wait_event whose event has not completed: the device would not run them yet.
   void complete_stream(StreamId stream);
+  // Whether `stream` was last completed up to its latest event (false: work is queued).
+  bool stream_idle(StreamId stream) const;
   // With auto-completion, every event is complete as soon as it is recorded.
   void set_auto_complete(bool on);
   // Addresses for the next segment allocations, in order: a malloc of the front entry's size
@@ -82,10 +86,20 @@ class SimDevice : public Device {
   std::map<std::uintptr_t, std::size_t> segments_;
   std::unordered_map<PhysicalHandle, std::size_t> physical_;
   std::unordered_map<std::uintptr_t, PhysicalHandle> mappings_;
+  // Work recorded on a stream after position `after` waits on the device for stream `on` to
+  // reach `sequence` (stream_wait_event).
+  struct Wait {
+    std::uint64_t after;
+    StreamId on;
+    std::uint64_t sequence;
+  };
   struct StreamState {
     std::uint64_t recorded = 0;
     std::uint64_t completed = 0;
+    std::vector<Wait> waits;
   };
+  // Completes `stream` up to `sequence`, the streams it waits on first (the host waited).
+  void finish(StreamId stream, std::uint64_t sequence);
   std::unordered_map<StreamId, StreamState> streams_;
   struct EventState {
     StreamId stream;
