@@ -10,9 +10,10 @@ report the core's figures, since PyTorch raises for pluggable allocators.
 
 Settings, each layer overriding the keys it names: allocwatch's defaults, then the keys of
 ``PYTORCH_CUDA_ALLOC_CONF`` (so a job's existing settings keep working), then
-``ALLOCWATCH_ALLOC_CONF``, then the ``config`` argument. ``ALLOCWATCH_DISABLE=1``, an untested
-torch version, a CPU build of torch, a missing driver or ``backend:cudaMallocAsync`` leave
-PyTorch's allocator in place, with a warning that says why; the agent then reports PyTorch's
+``ALLOCWATCH_ALLOC_CONF``, then the ``config`` argument. ``ALLOCWATCH_DISABLE=1``, a torch
+release the native back end does not serve (allocator_ext/native/releases.py), a CPU build of
+torch, a missing driver or ``backend:cudaMallocAsync`` leave PyTorch's allocator in place, with
+a warning that says why; the agent then reports PyTorch's
 own allocator. ``TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK`` is switched off, with a warning,
 where NCCL's registrations could not follow the allocator (paged segments, the pluggable path).
 Nothing here calls the CUDA driver: the allocator is installed before CUDA starts, and CUDA
@@ -27,10 +28,7 @@ import warnings
 from typing import Any
 
 from allocator_ext import _core
-
-# Tested: 2.11 (+CUDA 13 on an H200) and 2.13 (CPU build). The pluggable path's hooks exist
-# since 2.3; versions outside this range fall back to PyTorch's allocator with a warning.
-SUPPORTED_TORCH = ((2, 11), (2, 14))
+from allocator_ext.native import releases
 
 _EXPORTS = {
     "set_init_fn": "allocwatch_torch_init",
@@ -69,11 +67,6 @@ def native() -> bool:
     return _native
 
 
-def _torch_version(torch: Any) -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
 def _layers(config: str | None) -> list[tuple[str, str]]:
     """The settings layers, lowest first, with where each came from."""
     layers = []
@@ -106,11 +99,8 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
 
     if os.environ.get("ALLOCWATCH_DISABLE", "") not in ("", "0"):
         return _fallback("ALLOCWATCH_DISABLE is set")
-    version = _torch_version(torch)
-    low, high = SUPPORTED_TORCH
-    if not (low <= version < high):
-        return _fallback(f"torch {torch.__version__} is not supported (supported: "
-                         f"{low[0]}.{low[1]} to {high[0]}.{high[1] - 1})")
+    if releases.supported(torch.__version__) is None:
+        return _fallback(unsupported_release(torch.__version__))
     if torch.cuda.is_initialized():
         raise InstallError(
             "allocwatch.install() must run before CUDA is initialised: call it at the top of "
@@ -136,6 +126,8 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
     if native is None:
         native = os.environ.get("ALLOCWATCH_NATIVE", "1") != "0"
     _native = native and _install_native(library, pytorch_only)
+    if _native and releases.parse(torch.__version__) < (2, 10):
+        route_set_allocator_settings(torch.cuda.memory)
     if not _native:
         try:
             _install_pluggable(torch, library)
@@ -156,6 +148,15 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
     _installed = True
     _start_agent_for_ours()
     return True
+
+
+def unsupported_release(version: str) -> str:
+    """Why a torch release outside allocator_ext/native/releases.py keeps PyTorch's allocator."""
+    newer = releases.parse(version) > releases.RELEASES[-1].line
+    return (f"torch {version} is {'newer than' if newer else 'older than'} the releases "
+            f"allocwatch's native back end is built for ({releases.supported_range()}): its "
+            f"allocator interface is not known to allocwatch, so allocwatch does not replace "
+            f"its allocator (the agent reports PyTorch's own)")
 
 
 NCCL_REGISTER_HOOK = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
@@ -208,6 +209,42 @@ def _install_native(library: str, pytorch_only: list[str]) -> bool:
         warnings.warn(f"allocwatch: native back end unavailable: {err}", stacklevel=3)
         return False
     return True
+
+
+def settings_items(text: str) -> list[str]:
+    """The "key:value" items of a settings string, split at the commas outside brackets
+    (roundup_power2_divisions:[256:1,512:2] is one item)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth <= 0:
+            if text[start:i].strip():
+                items.append(text[start:i].strip())
+            start = i + 1
+    return items
+
+
+def route_set_allocator_settings(memory: Any, apply: Any = None) -> None:
+    """torch 2.9's torch.cuda.memory._set_allocator_settings reaches its CUDA parser alone;
+    later releases call the parser hook the native back end registers (backend.cpp). On 2.9
+    the call is wrapped: PyTorch's parser gets the string without allocwatch's own keys (which
+    it refuses), then allocwatch's core gets all of it, as the hook would give it (`apply`:
+    native.set_allocator_settings)."""
+    if apply is None:
+        from allocator_ext import native
+
+        apply = native.set_allocator_settings
+    original = memory._set_allocator_settings
+    ours_only = {row["key"] for row in _core.SETTINGS if row["origin"] == "allocwatch"}
+
+    def _set_allocator_settings(env: str) -> None:
+        for_pytorch = [item for item in settings_items(env)
+                       if item.split(":", 1)[0].strip() not in ours_only]
+        original(",".join(for_pytorch))
+        apply(env)  # native.NativeError is the RuntimeError PyTorch's own parser raises
+
+    _set_allocator_settings.__doc__ = original.__doc__
+    memory._set_allocator_settings = _set_allocator_settings
 
 
 def _install_pluggable(torch: Any, library: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from allocator_ext.native.build import BuildError, library
 
-__all__ = ["BuildError", "NativeError", "apply_settings", "install"]
+__all__ = ["BuildError", "NativeError", "apply_settings", "install", "set_allocator_settings"]
 
 _loaded: ctypes.CDLL | None = None
 
@@ -53,3 +53,12 @@ def apply_settings(settings: str) -> None:
     if _loaded is None:
         raise NativeError("the native back end is not installed")
     _call(_loaded.allocwatch_native_apply_settings, settings.encode())
+
+
+def set_allocator_settings(settings: str) -> None:
+    """A _set_allocator_settings call with PyTorch's semantics (the keys it does not name that
+    PyTorch's parser resets return to their defaults), for releases whose call does not reach
+    the back end's parser hook (torch 2.9)."""
+    if _loaded is None:
+        raise NativeError("the native back end is not installed")
+    _call(_loaded.allocwatch_native_set_allocator_settings, settings.encode())

@@ -6,8 +6,9 @@
 //
 // Built on the machine that runs it, against the torch installed there (allocator_ext/native/
 // build.py: plain g++, torch's headers and the CUDA runtime headers), because PyTorch's
-// interface changes between releases; where a declaration differs, the code below is written
-// so that one source serves every supported release (see "Differences between releases").
+// interface changes between releases: one source serves every release of
+// allocator_ext/native/releases.py, each difference under ALLOCWATCH_TORCH_AT_LEAST (see
+// "Differences between releases"; docs/torch.md's version table lists them).
 // The core is reached through the one interface it exports for this (csrc/torch_backend.h),
 // in the core library whose path install() is given: this file never links against it.
 #include <dlfcn.h>
@@ -18,6 +19,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/impl/GPUTrace.h>
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -26,6 +28,7 @@
 #include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
+#include <torch/csrc/api/include/torch/version.h>
 
 #include <algorithm>
 #include <functional>
@@ -63,23 +66,26 @@
 #endif
 
 // --- Differences between releases -------------------------------------------------------------
-// A function a release may lack, or declares otherwise, is declared below without `override`
-// (several times where its parameters changed): where the release has it, it is overridden;
-// where not, it is an unused extra. The build's log says which are overridden
-// (-Wsuggest-override). A pure virtual function left out would leave the class abstract, and
-// the build would fail saying which.
-// A type a release may lack is found by name lookup: inside torch's namespace the release's own
-// type wins, outside it only this stand-in exists.
-struct OomRejectionObserver {};  // torch < 2.13 has none: then attachOomRejectionObserver is ours
-namespace c10::cuda::CUDACachingAllocator::allocwatch_lookup {
-using OomRejectionObserverOfThisRelease = OomRejectionObserver;
-}  // namespace c10::cuda::CUDACachingAllocator::allocwatch_lookup
+// Each function whose declaration differs between releases is defined for the releases that
+// declare it so, with `override`: a release whose interface moved again fails to build, saying
+// which function, rather than leaving PyTorch calling its own default. The differences:
+//   2.10: getExpandableSegmentSizes, setNoSplit, set/getUserMetadata; TraceEntry carries the
+//         user's metadata;
+//   2.11: snapshot(pool, include_traces), createOrIncrefPool takes a shared_ptr to the pool's
+//         allocator (a raw pointer before), setUseOnOOM(device, pool, bool) (no bool before),
+//         recordHistory's skip_actions;
+//   2.12: getContextForPointer, attachOomRejectionObserver;
+//   2.14: supportsUserMetadata (false unless overridden); its headers need C++20 (build.py).
+#define ALLOCWATCH_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+#if !ALLOCWATCH_TORCH_AT_LEAST(2, 9)
+#error "allocwatch's native back end serves torch 2.9 and later (allocator_ext/native/releases.py)"
+#endif
 
 namespace {
 
 namespace cca = c10::cuda::CUDACachingAllocator;
 namespace shim = allocwatch::torch_shim;
-using OomRejectionObserverType = cca::allocwatch_lookup::OomRejectionObserverOfThisRelease;
 using DeviceStats = cca::DeviceStats;
 // Named through members' types: their namespaces moved between releases.
 using StatArray = decltype(DeviceStats::allocation);
@@ -161,8 +167,11 @@ TorchTrace torch_trace(int device, const allocwatch::TraceEntry& e) {
   TorchTrace t(torch_action(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
                reinterpret_cast<cudaStream_t>(e.stream), MempoolId_t{0, 0},
                c10::getApproximateTime(), c ? c->stack : nullptr,
-               c && !c->compile_context.empty() ? c->compile_context : std::string("N/A"),
-               c ? c->user_metadata : std::string());
+               c && !c->compile_context.empty() ? c->compile_context : std::string("N/A")
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 10)
+               , c ? c->user_metadata : std::string()
+#endif
+  );
   // Snapshots report microseconds since the epoch here (PyTorch converts its clock likewise).
   t.time_.t_ = static_cast<time_t>(e.time_us);
   return t;
@@ -440,6 +449,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     fractions_[device] = fraction;
   }
 
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 10)
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override {
     std::map<std::pair<allocwatch::StreamId, bool>, std::size_t> sizes;
     for (const allocwatch::SegmentInfo& s : g_core->snapshot(device))
@@ -449,6 +459,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
       out.emplace_back(reinterpret_cast<cudaStream_t>(key.first), key.second, size);
     return out;
   }
+#endif
 
   void enable(bool value) override { enabled_.store(value); }
   bool isEnabled() const override { return enabled_.load(); }
@@ -490,12 +501,13 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   using cca::CUDAAllocator::recordStream;
 
   // --- snapshots -------------------------------------------------------------------------------
-  SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) /* torch >= 2.10 */ {
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 11)
+  SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
     return make_snapshot(mempool_id, include_traces);
   }
-  SnapshotInfo snapshot(MempoolId_t mempool_id) /* earlier releases */ {
-    return make_snapshot(mempool_id, true);
-  }
+#else
+  SnapshotInfo snapshot(MempoolId_t mempool_id) override { return make_snapshot(mempool_id, true); }
+#endif
 
   // --- private pools: CUDA graphs and torch.cuda.MemPool ---------------------------------------
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
@@ -523,12 +535,41 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     check(failure);
   }
 
-  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) {
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     return g_core->pool_use_count(device, pool_id(mempool_id));
   }
 
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 11)
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
-                          std::shared_ptr<cca::CUDAAllocator> allocator) {
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    create_or_incref_pool(device, mempool_id, std::move(allocator));
+  }
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
+    set_use_on_oom(device, mempool_id, use_on_oom);
+  }
+#else
+  // These releases hand the pool's allocator over as a plain pointer: it lives as long as its
+  // owner keeps it, as in PyTorch's own allocator.
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                          cca::CUDAAllocator* allocator) override {
+    create_or_incref_pool(device, mempool_id,
+                          std::shared_ptr<cca::CUDAAllocator>(allocator, [](cca::CUDAAllocator*) {}));
+  }
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    set_use_on_oom(device, mempool_id, true);
+  }
+#endif
+
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 10)
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    shim::Failure failure;
+    g_core->set_pool_no_split(device, pool_id(mempool_id), &failure);
+    check(failure);
+  }
+#endif
+
+  void create_or_incref_pool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                             std::shared_ptr<cca::CUDAAllocator> allocator) {
     TORCH_CHECK(allocator == nullptr || allocator.get() == this,
                 "allocwatch's allocator does not serve a torch.cuda.MemPool with an allocator "
                 "of its own (", allocator ? allocator->name() : std::string(),
@@ -541,16 +582,10 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
 
   // Out of memory elsewhere, PyTorch may take such a pool's free blocks; allocwatch keeps a
   // pool's memory to the pool (docs/torch.md).
-  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool) {}
-
-  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) {
-    shim::Failure failure;
-    g_core->set_pool_no_split(device, pool_id(mempool_id), &failure);
-    check(failure);
-  }
+  void set_use_on_oom(c10::DeviceIndex, MempoolId_t, bool) {}
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
-                                const std::unordered_set<void*>& expected) {
+                                const std::unordered_set<void*>& expected) override {
     std::vector<std::uintptr_t> pointers;
     pointers.reserve(expected.size());
     for (void* p : expected) pointers.push_back(reinterpret_cast<std::uintptr_t>(p));
@@ -659,11 +694,26 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   }
 
   // --- memory history --------------------------------------------------------------------------
-  bool isHistoryEnabled() { return history_enabled_.load(); }
+  bool isHistoryEnabled() override { return history_enabled_.load(); }
 
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 11)
   void recordHistory(bool enabled, CreateContextFn context_recorder,
                      std::size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
-                     const std::vector<std::string>& skip_actions) /* torch >= 2.10 */ {
+                     const std::vector<std::string>& skip_actions) override {
+    record_history(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory,
+                   skip_actions);
+  }
+#else
+  void recordHistory(bool enabled, CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, RecordContext when,
+                     bool clearHistory) override {
+    record_history(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory, {});
+  }
+#endif
+
+  void record_history(bool enabled, CreateContextFn context_recorder,
+                      std::size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
+                      const std::vector<std::string>& skip_actions) {
     TORCH_CHECK(when == RecordContext::NEVER || context_recorder != nullptr,
                 "recording stacks needs a context recorder");
     std::uint32_t skipped = 0;
@@ -684,19 +734,15 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     }
   }
 
-  void recordHistory(bool enabled, CreateContextFn context_recorder,
-                     std::size_t alloc_trace_max_entries, RecordContext when,
-                     bool clearHistory) /* earlier releases */ {
-    recordHistory(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory, {});
-  }
-
-  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) /* torch >= 2.13 */ {
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 12)
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
     std::lock_guard<std::mutex> lock(stacks_mutex_);
     auto it = stacks_.find(const_cast<void*>(ptr));
     return it == stacks_.end() ? nullptr : it->second;
   }
+#endif
 
-  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
     if (!history_enabled_.load()) return;
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
@@ -707,28 +753,33 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     annotations_.push_back(std::move(annotation));
   }
 
-  void pushCompileContext(std::string& md) {
+  void pushCompileContext(std::string& md) override {
     std::lock_guard<std::mutex> lock(metadata_mutex_);
     compile_contexts_.push_back(md);
     refresh_history_flag_locked();
   }
 
-  void popCompileContext() {
+  void popCompileContext() override {
     std::lock_guard<std::mutex> lock(metadata_mutex_);
     if (!compile_contexts_.empty()) compile_contexts_.pop_back();
     refresh_history_flag_locked();
   }
 
-  void setUserMetadata(const std::string& metadata) {
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 14)
+  bool supportsUserMetadata() override { return true; }
+#endif
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 10)
+  void setUserMetadata(const std::string& metadata) override {
     std::lock_guard<std::mutex> lock(metadata_mutex_);
     user_metadata_ = metadata;
     refresh_history_flag_locked();
   }
 
-  std::string getUserMetadata() {
+  std::string getUserMetadata() override {
     std::lock_guard<std::mutex> lock(metadata_mutex_);
     return user_metadata_;
   }
+#endif
 
   // --- observers -------------------------------------------------------------------------------
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
@@ -738,10 +789,12 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
 
   // allocwatch rejects no allocation in advance (PyTorch's throw_on_cudamalloc_oom): these
   // observers are kept, and never called.
-  void attachOomRejectionObserver(OomRejectionObserverType observer) /* torch >= 2.13 */ {
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 12)
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
     std::lock_guard<std::mutex> lock(observers_mutex_);
     oom_rejection_observers_.push_back(std::move(observer));
   }
+#endif
 
   // NCCL registers segments with these. Called under the device allocator's lock, as PyTorch
   // calls them.
@@ -1158,7 +1211,9 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
 
   std::mutex observers_mutex_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
-  std::vector<OomRejectionObserverType> oom_rejection_observers_;
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 12)
+  std::vector<cca::OomRejectionObserver> oom_rejection_observers_;
+#endif
 
   std::mutex ipc_mutex_;
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_;
@@ -1235,11 +1290,17 @@ __attribute__((visibility("default"))) int allocwatch_native_install(const char*
     auto* ours = new AllocwatchAllocator();
     // What PyTorch's BackendStaticInitializer does for its own: the allocator c10 hands out
     // for CUDA (torch.empty, torch.accelerator.*) and the one CUDACachingAllocator's functions
-    // call (torch.cuda.memory.*, cuDNN, NCCL, CUDA graphs).
-    c10::SetAllocator(c10::DeviceType::CUDA, ours, /*priority=*/0);
+    // call (torch.cuda.memory.*, cuDNN, NCCL, CUDA graphs). c10 replaces an allocator only at
+    // its priority or above, and releases register theirs at different ones (0 up to 2.11, 1
+    // from 2.12), which c10 does not tell: the lowest priority that takes is the one PyTorch
+    // used.
+    for (int priority = 0; priority <= 255; ++priority) {
+      c10::SetAllocator(c10::DeviceType::CUDA, ours, static_cast<std::uint8_t>(priority));
+      if (c10::GetAllocator(c10::DeviceType::CUDA) == ours) break;
+    }
     if (c10::GetAllocator(c10::DeviceType::CUDA) != ours) {
       delete ours;
-      TORCH_CHECK(false, "PyTorch keeps another CUDA allocator registered with a higher "
+      TORCH_CHECK(false, "PyTorch keeps another CUDA allocator registered with the highest "
                   "priority: allocwatch's was not installed");
     }
     g_allocator = ours;
@@ -1262,6 +1323,21 @@ __attribute__((visibility("default"))) int allocwatch_native_apply_settings(cons
   try {
     TORCH_CHECK(g_allocator != nullptr, "the native back end is not installed");
     g_allocator->apply_settings(settings, /*as_pytorch_call=*/false);
+    return 0;
+  } catch (const std::exception& e) {
+    copy_message(e.what(), error, capacity);
+    return -1;
+  }
+}
+
+// _set_allocator_settings on releases whose call reaches PyTorch's CUDA parser alone, not the
+// hook register_settings_hook installs (torch 2.9: install() routes it here): allocwatch's keys
+// as PyTorch's parser treats its own, those the call does not name returning to their defaults.
+__attribute__((visibility("default"))) int allocwatch_native_set_allocator_settings(
+    const char* settings, char* error, std::size_t capacity) {
+  try {
+    TORCH_CHECK(g_allocator != nullptr, "the native back end is not installed");
+    g_allocator->apply_settings(settings, /*as_pytorch_call=*/true);
     return 0;
   } catch (const std::exception& e) {
     copy_message(e.what(), error, capacity);

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from allocator_ext.native import releases
 from allocator_ext.protocol.files import write_whole
 
 HERE = Path(__file__).resolve().parent
@@ -225,7 +226,8 @@ def plan(torch: Any, extra_includes: Sequence[str] = (), link: bool = True,
     abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
     includes = [*extra_includes, str(torch_dir / "include"), *cuda_include_dirs(str(cuda)),
                 str(CSRC)]
-    command = [cxx, "-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden",
+    command = [cxx, f"-std={releases.cxx_standard(torch.__version__)}", "-O2", "-fPIC",
+               "-fvisibility=hidden",
                f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall", "-Wno-unused-parameter",
                "-Wsuggest-override"]
     command += [f"-I{d}" for d in includes]

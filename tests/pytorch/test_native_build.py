@@ -1,7 +1,8 @@
-"""Building the native back end (allocator_ext/native/build.py): against torch's headers (the ABI
-check CI runs here with torch 2.13's, a CPU build, and PyPI's CUDA runtime headers), once per
-torch build whatever the number of processes asking at once, with failures remembered, and a
-clear reason (never a crash) where it cannot be built."""
+"""Building the native back end (allocator_ext/native/build.py): against the headers and
+libraries of every release allocator_ext/native/releases.py lists (CI fetches them with
+.ci/torch_releases.py: each CUDA wheel's include/ and libc10, never installed), once per torch
+build whatever the number of processes asking at once, with failures remembered, and a clear
+reason (never a crash) where it cannot be built."""
 
 from __future__ import annotations
 
@@ -16,53 +17,50 @@ import threading
 from pathlib import Path
 
 import pytest
+from support import torch_releases
 
-from allocator_ext.native import build
+from allocator_ext.native import build, releases
 from allocator_ext.protocol.files import write_whole
 
 torch = pytest.importorskip("torch")
 
-
-def _cuda_headers() -> list[str] | None:
-    try:
-        return build.cuda_include_dirs("13.0")
-    except build.BuildError:
-        return None
-
-
-@pytest.fixture
-def cpu_build_stand_ins(tmp_path: Path) -> list[str]:
-    """CPU builds of torch lack c10/cuda/impl/cuda_cmake_macros.h, which CMake writes for CUDA
-    builds; its one line is what a CUDA build's says."""
-    macros = tmp_path / "stand_ins" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-    macros.parent.mkdir(parents=True)
-    macros.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    return [str(tmp_path / "stand_ins")]
+LOADS = textwrap.dedent("""\
+    import ctypes, os, sys
+    library = ctypes.CDLL(sys.argv[1], mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    print("install:", hasattr(library, "allocwatch_native_install"),
+          "settings:", hasattr(library, "allocwatch_native_apply_settings"))
+    """)
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
-@pytest.mark.skipif(_cuda_headers() is None,
-                    reason="no CUDA 13 runtime headers (.ci/run installs nvidia-cuda-runtime)")
-def test_the_back_end_compiles_against_this_torchs_interface(
-        tmp_path: Path, cpu_build_stand_ins: list[str]) -> None:
-    plan = build.plan(torch, extra_includes=cpu_build_stand_ins, link=False, cuda_version="13.0")
-    built = build.ensure_built(plan, root=tmp_path)
-    assert built.stat().st_size > 0
-    log = (built.parent / build.LOG_NAME).read_text()
-    # The functions some releases lack or declare otherwise are declared without `override`:
-    # on this release the compiler must see each override, or PyTorch would never call it.
-    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    overridden = {line.split("AllocwatchAllocator::")[1].split("(")[0]
-                  for line in log.splitlines()
-                  if "can be marked override" in line and "AllocwatchAllocator::" in line}
-    expected = {"snapshot", "getPoolUseCount", "createOrIncrefPool", "setUseOnOOM", "setNoSplit",
-                "checkPoolLiveAllocations", "isHistoryEnabled", "recordHistory",
-                "recordAnnotation", "pushCompileContext", "popCompileContext",
-                "setUserMetadata", "getUserMetadata"}
-    if (major, minor) >= (2, 13):
-        expected |= {"attachOomRejectionObserver", "getContextForPointer"}
-    assert expected <= overridden, sorted(expected - overridden)
-    assert " error" not in log
+@pytest.mark.parametrize("version", torch_releases.VERSIONS)
+def test_the_back_end_builds_and_loads_against_each_release(release_builds, version: str) -> None:
+    """Compiled with `override` on every function whose declaration differs between releases
+    (backend.cpp, "Differences between releases"): a release whose interface moved fails here,
+    naming the function. Linked against the release's libc10 and loaded with every symbol
+    bound at once, as install() loads it."""
+    library = release_builds.library(version)
+    log = (library.parent / build.LOG_NAME).read_text()
+    assert f"-std={releases.cxx_standard(version)}" in log.splitlines()[0]
+    # Every function the back end overrides says so, or the compiler names it here.
+    assert "can be marked override" not in log, log[-3000:]
+    assert " error" not in log and "warning" not in log, log[-3000:]
+    loaded = subprocess.run([sys.executable, "-c", LOADS, str(library)], capture_output=True,
+                            text=True, timeout=60)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.strip() == "install: True settings: True", loaded.stdout
+
+
+def test_every_release_of_the_table_is_one_install_serves() -> None:
+    from allocator_ext.torch_integration import unsupported_release
+
+    for release in releases.RELEASES:
+        assert releases.supported(release.version + "+cu130") == release
+    assert releases.supported("2.8.0") is None and releases.supported("2.15.0") is None
+    assert releases.supported_range() == "2.9 to 2.14"
+    newer, older = unsupported_release("2.15.0+cu130"), unsupported_release("2.8.0")
+    assert newer.startswith("torch 2.15.0+cu130 is newer than the releases allocwatch's native "
+                            "back end is built for (2.9 to 2.14)"), newer
+    assert "older than" in older and "the agent reports PyTorch's own" in older
 
 
 def _fake_plan(tmp_path: Path, body: str) -> build.Plan:

@@ -6,24 +6,24 @@ makes (native_sim/cuda_runtime_stand_in.c) and the core allocates on its simulat
 (ALLOCWATCH_SHIM_DEVICE=sim). So the paths a GPU run takes through backend.cpp, torch_backend.cpp
 and the core run here: out of memory, the memory fraction, private pools, raw allocations.
 
-Needs a C++ compiler and a CUDA build of torch's libraries: the installed torch where it is one,
-else the torch folder named by ALLOCWATCH_TEST_CUDA_TORCH (a CUDA wheel of torch unpacked, with
-include/, lib/libc10_cuda.so and version.py); skips saying so otherwise."""
+The torch libraries are those of the releases CI fetches (tests/support/torch_releases.py): every
+scenario runs against 2.11's, the release measured on the GPU; those whose interface differs
+between releases run against each release's."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
-import runpy
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
+from support import torch_releases
 
-from allocator_ext.native import build
+from allocator_ext.native import build, releases
 
 HERE = Path(__file__).resolve().parent / "native_sim"
 SCENARIOS = HERE / "scenarios.py"
@@ -38,61 +38,44 @@ NAMES = ["out_of_memory", "out_of_memory_under_fraction", "out_of_memory_in_a_pr
          "pytorchs_settings_tests_in_one_process"]
 
 
-def _cuda_torch() -> types.SimpleNamespace | None:
-    """What build.plan() reads of a torch module, for a CUDA build of torch on disk."""
-    configured = os.environ.get("ALLOCWATCH_TEST_CUDA_TORCH")
-    if configured:
-        folder = Path(configured)
-    else:
-        try:
-            import torch
-        except ImportError:
-            return None
-        if torch.version.cuda is None:
-            return None
-        folder = Path(torch.__file__).resolve().parent
-    if not (folder / "lib" / "libc10_cuda.so").is_file() or not (folder / "version.py").is_file():
-        return None
-    version = runpy.run_path(str(folder / "version.py"))
-    if not version.get("cuda"):
-        return None
-    return types.SimpleNamespace(
-        __file__=str(folder / "__init__.py"), __version__=version["__version__"],
-        version=types.SimpleNamespace(cuda=version["cuda"], git_version=version["git_version"]),
-        _C=types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True))
-
-
 def _compile(command: list[str]) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+_BUILT: dict[str, tuple[Path, Path, Path]] = {}
+
+
+def _built(release_builds, root: Path, version: str) -> tuple[Path, Path, Path]:
+    """The back end, allocator_calls.so and the runtime stand-in, for one release."""
+    if version in _BUILT:
+        return _BUILT[version]
+    backend = release_builds.library(version)
     cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    torch = _cuda_torch()
-    if torch is None:
-        pytest.skip("no CUDA build of torch's libraries (set ALLOCWATCH_TEST_CUDA_TORCH to an "
-                    "unpacked CUDA wheel of torch)")
-    try:
-        plan = build.plan(torch)
-    except build.BuildError as e:
-        pytest.skip(f"the native back end cannot be built here: {e}")
-    root = tmp_path_factory.mktemp("native_sim")
-    backend = build.ensure_built(plan, root=root)
-    torch_dir = Path(torch.__file__).parent
+    assert cxx is not None
+    plan = release_builds.plan(version)
+    lib = torch_releases.folder(version) / "torch" / "lib"
     includes = [arg for arg in plan.command if arg.startswith("-I")]
-    calls = root / "allocator_calls.so"
-    _compile([cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-D_GLIBCXX_USE_CXX11_ABI=1",
-              *includes, str(HERE / "allocator_calls.cpp"), "-o", str(calls),
-              f"-L{torch_dir / 'lib'}", "-lc10", "-lc10_cuda",
-              f"-Wl,-rpath,{torch_dir / 'lib'}"])
+    calls = root / f"allocator_calls-{version}.so"
+    _compile([cxx, f"-std={releases.cxx_standard(version)}", "-O1", "-fPIC", "-shared",
+              "-D_GLIBCXX_USE_CXX11_ABI=1", *includes, str(HERE / "allocator_calls.cpp"),
+              "-o", str(calls), f"-L{lib}", "-lc10", "-lc10_cuda", f"-Wl,-rpath,{lib}"])
     runtime = root / "cuda_runtime_stand_in.so"
-    _compile([cxx, "-x", "c", "-O1", "-fPIC", "-shared", str(HERE / "cuda_runtime_stand_in.c"),
-              "-o", str(runtime)])
-    return backend, calls, runtime
+    if not runtime.exists():
+        _compile([cxx, "-x", "c", "-O1", "-fPIC", "-shared",
+                  str(HERE / "cuda_runtime_stand_in.c"), "-o", str(runtime)])
+    _BUILT[version] = backend, calls, runtime
+    return _BUILT[version]
+
+
+@pytest.fixture(scope="module")
+def sim_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("native_sim")
+
+
+@pytest.fixture
+def built(release_builds, sim_root: Path) -> tuple[Path, Path, Path]:
+    return _built(release_builds, sim_root, torch_releases.GPU_RELEASE)
 
 
 def _run_scenario(backend: Path, calls: Path, runtime: Path, name: str) -> None:
@@ -111,8 +94,23 @@ def test_native_back_end_on_the_simulated_device(built: tuple[Path, Path, Path],
     _run_scenario(*built, name)
 
 
+# What every release runs, beyond building and loading (test_native_build.py): the calls whose
+# declarations differ between releases (snapshots, private pools, the settings' route) and the
+# out-of-memory path.
+EVERY_RELEASE = ["out_of_memory", "private_pools_have_plain_segments",
+                 "set_allocator_settings_as_torch_calls_it"]
+
+
+@pytest.mark.parametrize("version", torch_releases.VERSIONS)
+def test_each_release_serves_c10s_calls(release_builds, sim_root: Path, version: str) -> None:
+    built_for_release = _built(release_builds, sim_root, version)
+    for name in EVERY_RELEASE:
+        _run_scenario(*built_for_release, name)
+
+
 def test_a_compiler_that_links_its_own_libstdcxx_statically(
-        built: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        release_builds, built: tuple[Path, Path, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiler whose libstdc++ is an archive (as on the GPU machine, emulated here with
     -static-libstdc++) still gives a back end that runs on the process's C++ runtime and shows
     no copy of its own: with one visible, the process's runtime interposed on part of it and
@@ -126,9 +124,11 @@ def test_a_compiler_that_links_its_own_libstdcxx_statically(
                        f"-static-libstdc++\n")
     wrapper.chmod(0o755)
     monkeypatch.setenv("CXX", str(wrapper))
-    torch = _cuda_torch()
-    assert torch is not None
-    backend = build.ensure_built(build.plan(torch), root=tmp_path / "cache")
+    # The build links the C++ runtime the process runs on: torch's, in a process that imported
+    # it; this one's is loaded here as torch would load it.
+    ctypes.CDLL("libstdc++.so.6")
+    backend = build.ensure_built(release_builds.plan(torch_releases.GPU_RELEASE),
+                                 root=tmp_path / "cache")
     exported = subprocess.run([nm, "-D", "--defined-only", str(backend)], capture_output=True,
                               text=True, check=True).stdout
     # std::ostream's number insertion (the function that crashed), or any function of

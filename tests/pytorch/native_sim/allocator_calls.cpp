@@ -5,9 +5,11 @@
 // with its message.
 #include <c10/core/Allocator.h>
 #include <c10/core/AllocatorConfig.h>
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/version.h>
 
 #include <algorithm>
 #include <cstring>
@@ -100,6 +102,17 @@ int aw_settings(const char* text, char* message, std::size_t capacity) {
   return call([&] { c10::CachingAllocator::setAllocatorSettings(text); }, message, capacity);
 }
 
+// What torch.cuda.memory._set_allocator_settings calls in every release: on 2.9 PyTorch's
+// CUDA parser alone, later the accelerator parser and the back end's hook.
+int aw_cuda_settings(const char* text, char* message, std::size_t capacity) {
+  return call([&] { cca::setAllocatorSettings(text); }, message, capacity);
+}
+
+int aw_torch_minor() { return TORCH_VERSION_MINOR; }
+
+// What PyTorch's CUDA parser now holds.
+std::size_t aw_pytorch_max_split_size() { return cca::CUDAAllocatorConfig::max_split_size(); }
+
 int aw_raw_alloc(std::size_t bytes, void** out, char* message, std::size_t capacity) {
   return call([&] { *out = cca::raw_alloc(bytes); }, message, capacity);
 }
@@ -165,7 +178,11 @@ int aw_end_pool(unsigned long long first, unsigned long long second, char* messa
 // The pool's segments as torch.cuda.memory_snapshot(pool) counts them; `expandable` gets how
 // many of them are expandable.
 int aw_pool_segments(unsigned long long first, unsigned long long second, int* expandable) {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 11
   const cca::SnapshotInfo info = cca::get()->snapshot(pool(first, second), false);
+#else
+  const cca::SnapshotInfo info = cca::get()->snapshot(pool(first, second));
+#endif
   *expandable = static_cast<int>(std::count_if(info.segments.begin(), info.segments.end(),
                                                [](const cca::SegmentInfo& s) {
                                                  return s.is_expandable;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import runpy
 import sys
+import types
 from pathlib import Path
 
 from allocator_ext import _core, native
@@ -30,6 +31,7 @@ class Calls:
         self.lib.aw_name.restype = ctypes.c_char_p
         self.lib.aw_stat.restype = ctypes.c_longlong
         self.lib.aw_address.restype = ctypes.c_size_t
+        self.lib.aw_pytorch_max_split_size.restype = ctypes.c_size_t
         self.lib.aw_use_stream.argtypes = [ctypes.c_long]
         self.lib.aw_record_stream.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_char_p,
                                               ctypes.c_size_t]
@@ -407,6 +409,38 @@ def pytorchs_settings_tests_in_one_process(c: Calls) -> str:
     c.ok("aw_alloc", 120 * MiB)  # releases cached blocks, expandable ones among them
     c.ok("aw_set_fraction", 1.0)
     return "both pass"
+
+
+def set_allocator_settings_as_torch_calls_it(c: Calls) -> str:
+    """torch.cuda.memory._set_allocator_settings of this release (the C++ call its binding
+    makes: on 2.9 PyTorch's CUDA parser alone, which install() routes on to allocwatch; later
+    the parser hook the back end registers) changes PyTorch's settings and allocwatch's, its own
+    keys included, with PyTorch's semantics; a key no parser knows is refused."""
+    from allocator_ext import torch_integration
+
+    memory = types.SimpleNamespace(
+        _set_allocator_settings=lambda env: c.ok("aw_cuda_settings", env.encode()))
+    if c.lib.aw_torch_minor() < 10:
+        torch_integration.route_set_allocator_settings(memory)
+    c.ok("aw_alloc", MiB)  # device 0's allocator
+    memory._set_allocator_settings("max_split_size_mb:40,expandable_large_page_mb:4,"
+                                   "roundup_power2_divisions:[256:2,>:1]")
+    assert c.lib.aw_pytorch_max_split_size() == 40 * MiB
+    items = _items()
+    assert (items["max_split_size_mb"], items["expandable_large_page_mb"]) == ("40", "4"), items
+    memory._set_allocator_settings("garbage_collection_threshold:0.5")
+    items = _items()
+    native_items = dict(_core.config_items("native"))
+    assert items["max_split_size_mb"] == native_items["max_split_size_mb"], items  # reset
+    assert items["expandable_large_page_mb"] == "4", items  # allocwatch's key: kept
+    assert items["garbage_collection_threshold"] == "0.5", items
+    try:
+        memory._set_allocator_settings("expandable_large_page_mb:4,no_such_key:1")
+    except AssertionError as refused:
+        assert "no_such_key" in str(refused), refused
+    else:
+        raise AssertionError("an unknown key was accepted")
+    return f"torch 2.{c.lib.aw_torch_minor()}: PyTorch's and allocwatch's settings changed"
 
 
 if __name__ == "__main__":
