@@ -3,9 +3,9 @@ DistributedDataParallel and under FSDP (fully_shard), one process per GPU, launc
 `allocwatch run -- torchrun` with a sidecar beside it, under PyTorch's default allocator, its
 expandable segments and allocwatch's allocator.
 
-    python bench/gpu/distributed_train.py --nproc 8 --json OUT.json               (GPUs, NCCL)
-    python bench/gpu/distributed_train.py --nproc 1 --steps 20 --json OUT.json    (one GPU)
-    python bench/gpu/distributed_train.py --nproc 2 --backend gloo --device cpu --json OUT.json
+    python -m bench.gpu.distributed_train --nproc 8 --json OUT.json               (GPUs, NCCL)
+    python -m bench.gpu.distributed_train --nproc 1 --steps 20 --json OUT.json    (one GPU)
+    python -m bench.gpu.distributed_train --nproc 2 --backend gloo --device cpu --json OUT.json
 
 For each mode (ddp, fsdp), round (--repeats, the allocators' order rotating from round to
 round) and allocator, the driver starts a sidecar and then
@@ -53,11 +53,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib.allocators import ALLOCATORS, Counters  # noqa: E402
-from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
+from bench.lib.allocators import ALLOCATORS, Counters
+from bench.lib.sidecar_process import SidecarProcess
 
-SCRIPT = Path(__file__).resolve()
 SIDES = ("pytorch", "expandable", "allocwatch")
 # allocwatch without paged segments: where NCCL's registration hook stays on (docs/torch.md).
 PLAIN = "allocwatch-plain"
@@ -179,7 +177,7 @@ def launch_command(*, nproc: int, mode: str, allocator: str, target: str, out: P
     else:
         worker_args += ["--publish", target]
     return [*run, "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), str(SCRIPT), *worker_args]
+            "--nproc-per-node", str(nproc), "-m", __spec__.name, *worker_args]
 
 
 def launch_environment(allocator: str, job: str, interval: float,

@@ -36,6 +36,7 @@
 # workloads.jsonl, kernel.txt, peer_allocwatch.txt (or peer_comparison.txt), peer.tar.gz (the
 # peer run's folder), logs.tar.gz (every part's log).
 set -u -o pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set /s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$repo"
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -149,10 +150,10 @@ do_workloads() {
   local w
   for w in timm_cudnn hf_reduce_overhead hf_compile lightning multiprocessing; do
     if [ "$(left)" -lt $(( PEER_RESERVE + 40 )) ]; then note "workload $w: SKIPPED (time kept for peer)"; continue; fi
-    part "w_${w}_allocwatch" 80 "$PYTHON" -m exporter.cli run -- "$PYTHON" bench/gpu/dropin_workloads.py \
+    part "w_${w}_allocwatch" 80 "$PYTHON" -m exporter.cli run -- "$PYTHON" -m bench.gpu.dropin_workloads \
       "$w" --steps 8 --json "$jsonl"
     part "w_${w}_expandable" 60 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      "$PYTHON" bench/gpu/dropin_workloads.py "$w" --steps 8 --json "$jsonl"
+      "$PYTHON" -m bench.gpu.dropin_workloads "$w" --steps 8 --json "$jsonl"
   done
   "$PYTHON" - "$jsonl" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
@@ -223,7 +224,7 @@ do_peer() {
     --allocwatch-cmd "$PYTHON -m exporter.cli run" --budget "$budget" --out "$dir" \
     --per-test-timeout 60 --watchdog 100 --env PYTORCH_CUDA_ALLOC_CONF= --env PYTORCH_ALLOC_CONF= \
     --env ALLOCWATCH_RUN= --env ALLOCWATCH_TARGET= --env ALLOCWATCH_DISABLE= --env ALLOCWATCH_ALLOC_CONF=
-  "$PYTHON" bench/gpu/peer_failures.py "$dir/allocwatch.xml" > "$OUT/peer_allocwatch.txt" 2>&1
+  "$PYTHON" -m bench.gpu.peer_failures "$dir/allocwatch.xml" > "$OUT/peer_allocwatch.txt" 2>&1
   note "peer: $(head -1 "$OUT/peer_allocwatch.txt")"
   grep -E "^  (FAIL|ERROR) " "$OUT/peer_allocwatch.txt" | cut -c1-200 | tee -a "$SUMMARY"
   resolve_crashes "$dir/allocwatch.log" peer

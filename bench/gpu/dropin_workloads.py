@@ -3,7 +3,7 @@ the process has (start it under `allocwatch run`, or plain with PYTORCH_CUDA_ALL
 PyTorch's): each workload trains a few steps of a model built from a configuration (no weights
 are downloaded) and prints one JSON line with peak reserved ÷ peak requested.
 
-    python bench/gpu/dropin_workloads.py WORKLOAD [--steps N] [--json FILE]
+    python -m bench.gpu.dropin_workloads WORKLOAD [--steps N] [--json FILE]
 
 Workloads: timm_cudnn (timm ResNet-50, cudnn.benchmark = True), hf_compile (a Hugging Face
 GPT-2 under torch.compile, default mode), hf_reduce_overhead (the same under

@@ -4,7 +4,7 @@
 #   OUT=/some/folder bash bench/gpu/gpu_checks.sh PART...
 # Parts (each prints its command; a part that fails is reported and the next still runs):
 #   install      python -m pip install --no-build-isolation --no-deps -e .
-#   tests        the gpu-marked tests (tests/*/test_*gpu*.py; the torchrun ones need 2 GPUs)
+#   tests        the pluggable path's and the agent's GPU tests (the torchrun ones need 2 GPUs)
 #   torchrun     only the torchrun tests (2 GPUs)
 #   soak-start   starts bench/gpu/gpu_soak.py (10 min, sidecar SIGKILLed every 60 s) in its own process
 #                group on the last GPU, so other parts can use GPU 0 meanwhile
@@ -13,16 +13,11 @@
 #                PyTorch's
 #   hotpath      bench/gpu/torch_bench.py hotpath --rounds 31
 #   corehotpath  bench/native/run_hotpath.sh: the core's hot path on the simulated device, on this
-#                host's CPU (the bar of 100 ns a pair holds on the H200 machine's host)
+#                host's CPU (the bar of 100 ns a pair applies on the GPU machine's host)
 #   train        bench/gpu/torch_bench.py train (transformer), then the convnet
-#   steptime     step times against expandable segments, 6 rounds each (mean step time, paired
-#                by round): transformer, then convnet
 #   lockstep     bench/gpu/step_lockstep.py --suite: transformer, moe and convnet against
 #                expandable segments, uncapped and at 1.03 x, on fresh shapes after warm-up:
-#                the two processes take turns step by step (steadier than steptime)
-#   convnetlockstep  bench/gpu/step_lockstep.py --model convnet, 8 rounds of 12 steps, uncapped
-#                then at 1.03 x, against expandable segments (about 3 minutes): the suite's
-#                convnet alone
+#                the two processes take turns step by step
 #   convnetprofile  bench/gpu/host_profile.py --fresh --model convnet: where the convnet's host time
 #                goes on fresh shapes, allocwatch against expandable segments and then expandable
 #                against itself (per op, per kernel, and one cudaMemGetInfo's cost; about 4 minutes)
@@ -44,13 +39,10 @@
 #   convnetloaded  convnetcontrols' second pair alone: expandable segments with allocwatch's
 #                libraries loaded but not installed, against expandable segments, in both process
 #                orders, pooled (about 2 minutes)
-#   caplockstep  bench/gpu/step_lockstep.py --fraction-of-peak 1.03 (transformer): step time against
-#                expandable segments, both capped at 1.03 x the workload's peak requested bytes
 #   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
 #                (one unmap over several mappings; pieces of one allocation mapped by offset)
 #   agentcpu     bench/sidecar/agent_cpu_cost.py --source pytorch, then allocwatch: the agent's CPU
 #                share and its sample's time with CUDA tensors and NVML
-#   cap          bench/gpu/torch_bench.py train --fraction-of-peak 1.03 (transformer)
 #   policy       bench/gpu/policy_under_cap.py --fraction-of-peak 1.03 (POLICY_FRACTION overrides)
 #   native       allocwatch native build (ahead of the parts below, so no launch pays for it)
 #   distributed1 bench/gpu/distributed_train.py --nproc 1: DDP and FSDP, one rank on GPU 0 (NCCL),
@@ -61,6 +53,7 @@
 #   distributedtests tests/distributed/test_distributed_gpu.py (1 GPU for one test, 2 for the others)
 # Everything printed is also in $OUT/checks.log.
 set -u -o pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set /s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$repo"
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -75,13 +68,13 @@ last_gpu() { echo $(( $(nvidia-smi -L | wc -l) - 1 )); }
 
 soak_start() {
   rm -rf "$SOAK_DIR" && mkdir -p "$SOAK_DIR"
-  CUDA_VISIBLE_DEVICES="$(last_gpu)" setsid "$PYTHON" bench/gpu/gpu_soak.py --minutes 10 \
+  CUDA_VISIBLE_DEVICES="$(last_gpu)" setsid "$PYTHON" -m bench.gpu.gpu_soak --minutes 10 \
     --kill-every 60 --json "$SOAK_DIR/soak.json" >"$SOAK_DIR/soak.log" 2>&1 < /dev/null &
   echo "soak running on GPU $(last_gpu), pid $!, log $SOAK_DIR/soak.log"
 }
 
 soak_wait() {
-  while pgrep -f "bench/gpu/gpu_soak.py" >/dev/null; do sleep 5; done
+  while pgrep -f "bench.gpu.gpu_soak" >/dev/null; do sleep 5; done
   cp "$SOAK_DIR/soak.log" "$OUT/soak.log"; tail -30 "$SOAK_DIR/soak.log"
   cp "$SOAK_DIR/soak.json" "$OUT/soak.json"
 }
@@ -97,52 +90,42 @@ run_part() {
     soak-start) part soak-start soak_start ;;
     soak-wait) part soak-wait soak_wait ;;
     overhead)
-      part "overhead allocwatch" "$PYTHON" bench/sidecar/agent_overhead.py --blocks 80 --steps 50 \
+      part "overhead allocwatch" "$PYTHON" -m bench.sidecar.agent_overhead --blocks 80 --steps 50 \
         --allocator allocwatch --json "$OUT/overhead_allocwatch.json"
-      part "overhead pytorch" "$PYTHON" bench/sidecar/agent_overhead.py --blocks 80 --steps 50 \
+      part "overhead pytorch" "$PYTHON" -m bench.sidecar.agent_overhead --blocks 80 --steps 50 \
         --allocator pytorch --json "$OUT/overhead_pytorch.json" ;;
-    hotpath) part hotpath "$PYTHON" bench/gpu/torch_bench.py hotpath --rounds 31 \
+    hotpath) part hotpath "$PYTHON" -m bench.gpu.torch_bench hotpath --rounds 31 \
         --json "$OUT/hotpath.json" ;;
     corehotpath) part corehotpath bash bench/native/run_hotpath.sh --json "$OUT/hotpath_core.json" ;;
     train)
-      part "train transformer" "$PYTHON" bench/gpu/torch_bench.py train --rounds 2 --steps 40 \
+      part "train transformer" "$PYTHON" -m bench.gpu.torch_bench train --rounds 2 --steps 40 \
         --json "$OUT/train_transformer.json"
-      part "train convnet" "$PYTHON" bench/gpu/torch_bench.py train --model convnet --rounds 2 \
+      part "train convnet" "$PYTHON" -m bench.gpu.torch_bench train --model convnet --rounds 2 \
         --steps 40 --json "$OUT/train_convnet.json" ;;
-    steptime)
-      part "steptime transformer" "$PYTHON" bench/gpu/torch_bench.py train --rounds 6 --steps 30 \
-        --allocators expandable,allocwatch --json "$OUT/steptime_transformer.json"
-      part "steptime convnet" "$PYTHON" bench/gpu/torch_bench.py train --model convnet --rounds 6 \
-        --steps 30 --allocators expandable,allocwatch --json "$OUT/steptime_convnet.json" ;;
     lockstep)
-      part "lockstep suite" "$PYTHON" bench/gpu/step_lockstep.py --suite "$OUT/lockstep" ;;
-    convnetlockstep)
-      part "convnet lockstep, uncapped" "$PYTHON" bench/gpu/step_lockstep.py --model convnet \
-        --rounds 8 --steps 12 --json "$OUT/lockstep_convnet.json"
-      part "convnet lockstep at 1.03x" "$PYTHON" bench/gpu/step_lockstep.py --model convnet \
-        --rounds 8 --steps 12 --fraction-of-peak 1.03 --json "$OUT/lockstep_convnet_cap103.json" ;;
+      part "lockstep suite" "$PYTHON" -m bench.gpu.step_lockstep --suite "$OUT/lockstep" ;;
     convnetprofile)
-      part "convnet host profile, fresh shapes" "$PYTHON" bench/gpu/host_profile.py --model convnet \
+      part "convnet host profile, fresh shapes" "$PYTHON" -m bench.gpu.host_profile --model convnet \
         --ours allocwatch --against expandable --reps 2 --steps 12 --fresh \
         --json "$OUT/host_profile_convnet_fresh.json"
       part "convnet host profile, fresh shapes, expandable against itself" "$PYTHON" \
-        bench/gpu/host_profile.py --model convnet --ours expandable --against expandable --reps 2 \
+        -m bench.gpu.host_profile --model convnet --ours expandable --against expandable --reps 2 \
         --steps 12 --fresh --json "$OUT/host_profile_convnet_fresh_aa.json" ;;
     convnetbar)
       for cap in "" 1.03; do
         tag="${cap:+_cap${cap/./}}"
         part "convnet lockstep${cap:+ at ${cap}x}, allocwatch first" "$PYTHON" \
-          bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12 \
+          -m bench.gpu.step_lockstep --model convnet --rounds 16 --steps 12 \
           ${cap:+--fraction-of-peak "$cap"} --json "$OUT/bar_convnet${tag}_allocwatch_first.json"
         part "convnet lockstep${cap:+ at ${cap}x}, expandable first" "$PYTHON" \
-          bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12 --ours expandable \
+          -m bench.gpu.step_lockstep --model convnet --rounds 16 --steps 12 --ours expandable \
           --against allocwatch ${cap:+--fraction-of-peak "$cap"} \
           --json "$OUT/bar_convnet${tag}_expandable_first.json"
       done
-      part "convnet step-time bar, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+      part "convnet step-time bar, pooled" "$PYTHON" -m bench.gpu.lockstep_pool \
         "$OUT"/bar_convnet*_first.json --json "$OUT/bar_convnet_pooled.json" ;;
     convnetsplit)
-      local lockstep=(bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12)
+      local lockstep=(-m bench.gpu.step_lockstep --model convnet --rounds 16 --steps 12)
       part "convnet, our core under PyTorch's rules against PyTorch's allocator, ours first" \
         env ALLOCWATCH_ALLOC_CONF=native "$PYTHON" "${lockstep[@]}" --ours allocwatch \
         --against pytorch --json "$OUT/split_rules_allocwatch_first.json"
@@ -155,12 +138,12 @@ run_part() {
       part "convnet, the same, pluggable first" "$PYTHON" "${lockstep[@]}" \
         --ours allocwatch-pluggable --against allocwatch \
         --json "$OUT/split_backends_pluggable_first.json"
-      part "convnet, PyTorch's rules on both sides, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+      part "convnet, PyTorch's rules on both sides, pooled" "$PYTHON" -m bench.gpu.lockstep_pool \
         "$OUT"/split_rules_*_first.json --json "$OUT/split_rules_pooled.json"
-      part "convnet, native against pluggable, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+      part "convnet, native against pluggable, pooled" "$PYTHON" -m bench.gpu.lockstep_pool \
         "$OUT"/split_backends_*_first.json --json "$OUT/split_backends_pooled.json" ;;
     convnetcontrols)
-      local lockstep=(bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12) pair
+      local lockstep=(-m bench.gpu.step_lockstep --model convnet --rounds 16 --steps 12) pair
       for round in 1 2; do
         for pair in allocwatch:expandable expandable-loaded:expandable expandable:expandable \
                     allocwatch:allocwatch; do
@@ -170,43 +153,39 @@ run_part() {
             --json "$OUT/control_${pair/:/_vs_}_$round.json"
         done
       done
-      part "convnet, allocwatch against expandable, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+      part "convnet, allocwatch against expandable, pooled" "$PYTHON" -m bench.gpu.lockstep_pool \
         "$OUT"/control_allocwatch_vs_expandable_*.json --json "$OUT/control_bar_pooled.json"
-      part "convnet, the libraries loaded, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+      part "convnet, the libraries loaded, pooled" "$PYTHON" -m bench.gpu.lockstep_pool \
         --judged expandable-loaded "$OUT"/control_expandable-loaded_vs_expandable_*.json \
         --json "$OUT/control_loaded_pooled.json" ;;
     convnetloaded)
-      local lockstep=(bench/gpu/step_lockstep.py --model convnet --rounds 16 --steps 12)
+      local lockstep=(-m bench.gpu.step_lockstep --model convnet --rounds 16 --steps 12)
       part "convnet, expandable-loaded against expandable" "$PYTHON" "${lockstep[@]}" \
         --ours expandable-loaded --against expandable --json "$OUT/loaded_1.json"
       part "convnet, expandable against expandable-loaded" "$PYTHON" "${lockstep[@]}" \
         --ours expandable --against expandable-loaded --json "$OUT/loaded_2.json"
-      part "convnet, the libraries loaded, pooled" "$PYTHON" bench/gpu/lockstep_pool.py \
+      part "convnet, the libraries loaded, pooled" "$PYTHON" -m bench.gpu.lockstep_pool \
         --judged expandable-loaded "$OUT"/loaded_[12].json --json "$OUT/loaded_pooled.json" ;;
-    caplockstep) part "lockstep under a 1.03x cap" "$PYTHON" bench/gpu/step_lockstep.py \
-        --fraction-of-peak 1.03 --json "$OUT/lockstep_cap103.json" ;;
     probes)  # never a binary left from an earlier call: the run needs this build
       rm -rf build/native_probes
       part "build device_call_costs" bash bench/native/build_native.sh build/native_probes
       part probes build/native_probes/device_call_costs --quick --json "$OUT/device_costs_quick.json" ;;
     agentcpu)
-      part "agentcpu pytorch" "$PYTHON" bench/sidecar/agent_cpu_cost.py --seconds 20 --source pytorch \
+      part "agentcpu pytorch" "$PYTHON" -m bench.sidecar.agent_cpu_cost --seconds 20 --source pytorch \
         --json "$OUT/agent_cpu_pytorch.json"
-      part "agentcpu allocwatch" "$PYTHON" bench/sidecar/agent_cpu_cost.py --seconds 20 \
+      part "agentcpu allocwatch" "$PYTHON" -m bench.sidecar.agent_cpu_cost --seconds 20 \
         --source allocwatch --json "$OUT/agent_cpu_allocwatch.json" ;;
-    cap) part cap "$PYTHON" bench/gpu/torch_bench.py train --rounds 1 --steps 40 \
-        --fraction-of-peak 1.03 --allocators expandable,allocwatch --json "$OUT/cap.json" ;;
-    policy) part policy "$PYTHON" bench/gpu/policy_under_cap.py --fraction-of-peak "${POLICY_FRACTION:-1.03}" --steps 40 \
+    policy) part policy "$PYTHON" -m bench.gpu.policy_under_cap --fraction-of-peak "${POLICY_FRACTION:-1.03}" --steps 40 \
         --json "$OUT/policy.json" ;;
     native) part "native build" "$PYTHON" -m exporter.cli native build ;;
     distributed1) part "distributed, 1 GPU" env CUDA_VISIBLE_DEVICES=0 "$PYTHON" \
-        bench/gpu/distributed_train.py --nproc 1 --steps 15 --warmup 2 --interval 0.5 \
+        -m bench.gpu.distributed_train --nproc 1 --steps 15 --warmup 2 --interval 0.5 \
         --out-dir /tmp/allocwatch-distributed1 --json "$OUT/distributed_1gpu.json" ;;
-    distributed) part "distributed, every GPU" "$PYTHON" bench/gpu/distributed_train.py \
+    distributed) part "distributed, every GPU" "$PYTHON" -m bench.gpu.distributed_train \
         --nproc "$(nvidia-smi -L | wc -l)" --repeats 2 --out-dir /tmp/allocwatch-distributed \
         --json "$OUT/distributed.json" ;;
     distributedhook) part "distributed, NCCL registration hook" "$PYTHON" \
-        bench/gpu/distributed_train.py --nproc "$(nvidia-smi -L | wc -l)" \
+        -m bench.gpu.distributed_train --nproc "$(nvidia-smi -L | wc -l)" \
         --allocators pytorch,allocwatch,allocwatch-plain --nccl-register-hook --out-dir /tmp/allocwatch-distributed-hook \
         --json "$OUT/distributed_nccl_hook.json" ;;
     distributedtests) part "distributed tests" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \

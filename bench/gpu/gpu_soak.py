@@ -1,8 +1,8 @@
 """The long fault run: a multi-stream training loop under allocwatch's allocator, data checked
 every step, while the sidecar it reports to is killed (SIGKILL) and restarted again and again.
 
-    python bench/gpu/gpu_soak.py --minutes 10 --kill-every 60 --json OUT.json    (on a GPU)
-    python bench/gpu/gpu_soak.py --self-check                            (CPU: the plumbing)
+    python -m bench.gpu.gpu_soak --minutes 10 --kill-every 60 --json OUT.json    (on a GPU)
+    python -m bench.gpu.gpu_soak --self-check                            (CPU: the plumbing)
 
 The worker produces a buffer on the main stream, consumes it on a side stream after
 record_stream and frees it while the consumer may still run, then checks the consumer's sum;
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,11 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-
+from bench import REPO
+from bench.lib.sidecar_process import SidecarProcess
 
 # ------------------------------------------------------------------------------- the worker
 
@@ -124,12 +120,11 @@ def main() -> int:
     sidecar = SidecarProcess("allocwatch-soak-", agents_yaml="  expiry_seconds: 120\n",
                              extra_yaml="admin:\n  enabled: false\n").start()
     url = sidecar.metrics_url
-    cmd = [sys.executable, __file__, "--worker", sidecar.target, "--minutes", str(args.minutes)]
+    cmd = [sys.executable, "-m", __spec__.name, "--worker", sidecar.target, "--minutes",
+           str(args.minutes)]
     if args.self_check:
         cmd.append("--self-check")
-    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    work = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
+    work = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     # No kill so late that the worker could end before its agent is back: that would count as
     # an agent that never returned (the worker's clock starts after this one, so this is safe).
     last_kill_at = time.monotonic() + args.minutes * 60 - min(30.0, 1.5 * args.kill_every)

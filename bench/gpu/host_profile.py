@@ -1,9 +1,9 @@
 """Where a training step's host time goes under two allocators, operator by operator.
 
-    python bench/gpu/host_profile.py [--model convnet] [--ours allocwatch]
+    python -m bench.gpu.host_profile [--model convnet] [--ours allocwatch]
                                      [--against allocwatch-pluggable] [--reps 2] [--steps 12]
                                      [--cores 2] [--fresh] [--json FILE]          (on a GPU)
-    python bench/gpu/host_profile.py --self-check [--fresh] [--json FILE]         (on the CPU)
+    python -m bench.gpu.host_profile --self-check [--fresh] [--json FILE]         (on the CPU)
 
 step_lockstep.py says whether one allocator's steps are slower; this says where the host spends
 the difference. Each allocator runs in fresh processes, --reps of each, alternating (ours,
@@ -38,11 +38,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child  # noqa: E402
+from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child
 
 WARMUP_SEED = 1
 FRESH_SEED = 1000  # --fresh: the phases' seeds, never the warm-up's
@@ -131,7 +129,7 @@ def device_time(work: Any, steps: int, seed: int) -> dict[str, dict[str, float]]
 
 def run_child(allocator: str, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, **ALLOCATORS[allocator])
-    command = [sys.executable, __file__, "--child", "--model", args.model, "--steps",
+    command = [sys.executable, "-m", __spec__.name, "--child", "--model", args.model, "--steps",
                str(args.steps), "--cores", args.cores]
     if args.self_check:
         command.append("--self-check")

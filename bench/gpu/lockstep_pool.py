@@ -1,6 +1,6 @@
 """Pools the per-step ratios of several step_lockstep.py runs into one verdict per workload and cap.
 
-    python bench/gpu/lockstep_pool.py FILE [FILE ...] [--judged allocwatch] [--json OUT]
+    python -m bench.gpu.lockstep_pool FILE [FILE ...] [--judged allocwatch] [--json OUT]
 
 One lockstep run of 8 rounds spreads by about a percent either way, as much as the differences
 sought, so the verdict on the step-time bar (median per-step ratio <= 1.00 at two decimals)
@@ -18,7 +18,7 @@ interval over the rounds resampled (a round's steps share a seed and a spell of 
 the round, not the step, is the unit drawn; the draws are seeded, so a rerun gives the same
 interval), and whether the verdict holds at both ends of it (`settled`). Two processes of one
 allocator differ too, by about as much as the rounds of one run (the harness against itself
-gives 0.994-1.002 run by run), so where a setting has several runs there is a second, wider
+shows it), so where a setting has several runs there is a second, wider
 interval that draws the runs (each a pair of processes) before their rounds, and whether the
 verdict holds at both of its ends (`settled_across_processes`); and the median over
 the steps whose shape is new to the run against those of a shape it timed before (with

@@ -1,9 +1,9 @@
 """A long training run under allocwatch's allocator with the agent publishing to a real sidecar:
 does peak reserved memory stay flat once the run has met its shapes?
 
-    python bench/gpu/long_run.py --out DIR [--minutes 8] [--model transformer]     (on a GPU)
-    python bench/gpu/long_run.py --self-check --out DIR              (CPU: the plumbing, ~40 s)
-    python bench/gpu/long_run.py --replot DIR/long_run.json --plot FILE.png     (draws it again)
+    python -m bench.gpu.long_run --out DIR [--minutes 8] [--model transformer]     (on a GPU)
+    python -m bench.gpu.long_run --self-check --out DIR              (CPU: the plumbing, ~40 s)
+    python -m bench.gpu.long_run --replot DIR/long_run.json --plot FILE.png     (draws it again)
 
 The driver starts a sidecar (`python -m exporter.cli sidecar`) and the training worker through
 `python -m exporter.cli run --target SIDECAR -- python long_run.py --worker ...`: the user's
@@ -58,11 +58,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib import source_tree  # noqa: E402
-from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+from bench import REPO
+from bench.lib import source_tree
+from bench.lib.sidecar_process import SidecarProcess
 
 BAR = 0.002            # peak reserved after minute SETTLE within this share of minute SETTLE's
 SETTLE = 2             # minute marks given to the run to meet its shapes
@@ -333,7 +331,7 @@ def write_plot(result: dict[str, Any], path: Path) -> str | None:
     try:
         plot(result, path)
     except ImportError as e:
-        return (f"no plot ({e}): `python bench/gpu/long_run.py --replot JSON --plot {path.name}` "
+        return (f"no plot ({e}): `python -m bench.gpu.long_run --replot JSON --plot {path.name}` "
                 "draws it where matplotlib is installed")
     return None
 
@@ -357,7 +355,7 @@ def worker_command(args: argparse.Namespace, target: str, stop_at: float) -> lis
     run = [sys.executable, "-m", "exporter.cli", "run"]
     if not args.self_check:
         run += ["--target", target]
-    inner = [sys.executable, "-u", str(Path(__file__).resolve()), "--worker", "--model",
+    inner = [sys.executable, "-u", "-m", __spec__.name, "--worker", "--model",
              args.model, "--minutes", repr(args.minutes), "--mark-s", repr(args.mark_s),
              "--stop-at", repr(stop_at)]
     if args.self_check:
@@ -381,8 +379,6 @@ def drive(args: argparse.Namespace) -> int:
     # out, except where the native back end is cached.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ALLOCWATCH_") or k == "ALLOCWATCH_NATIVE_DIR"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                        if p)
     if args.config:
         env["ALLOCWATCH_ALLOC_CONF"] = args.config
     launched = time.time()

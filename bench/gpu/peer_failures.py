@@ -1,10 +1,10 @@
-"""The failures of one run of PyTorch's own allocator tests (the junit XML of .peer's
+"""Prints the failures of one run of PyTorch's own allocator tests (the junit XML of .peer's
 peer_runner.py), each with the line that says what went wrong, and the count of each outcome.
 Failures that PyTorch's allocator has too on the GPU machine are marked: an API newer than the
 installed torch, or a download the machine cannot make (no network). Run by
 bench/gpu/dropin_check.sh's peer part:
 
-    python bench/gpu/peer_failures.py allocwatch.xml
+    python -m bench.gpu.peer_failures allocwatch.xml
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Remote tuning rescuing a capped training run, on the H200.
+"""Remote tuning rescuing a capped training run, on a GPU.
 
-    python bench/gpu/policy_under_cap.py --fraction-of-peak 1.10 --steps 40 [--json FILE]
+    python -m bench.gpu.policy_under_cap --fraction-of-peak 1.10 --steps 40 [--json FILE]
 
 bench/gpu/torch_bench.py's transformer runs under a per-process memory cap of F x its peak requested
 bytes, with PyTorch's default settings, for each source allocator (PyTorch's own, and
@@ -8,7 +8,9 @@ allocwatch's with `native` settings):
   fixed  — no sidecar: with PyTorch's defaults this runs out of memory or retries heavily;
   tuned  — the agent publishes to a sidecar whose policy switches the running process to
            expandable segments as soon as fragmentation shows (a set_config sent while it runs).
-Reported per run: steps completed, the out-of-memory error if any, retries.
+Reported per run (printed; with --json also written as one JSON object): steps completed, the
+out-of-memory error if any, retries, peak reserved, allocated and requested bytes, device calls;
+and how many policy actions the sidecar logged.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
+from bench import REPO
+from bench.lib.sidecar_process import SidecarProcess
 
-REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "gpu" / "torch_bench.py"
 POLICY = """\
 policy:
@@ -58,9 +59,10 @@ def child(allocator: str, steps: int, fraction: float, peak: int, agent: str | N
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fraction-of-peak", type=float, default=1.03)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--fraction-of-peak", type=float, default=1.03,
+                   help="the cap, as a multiple of the workload's peak requested bytes")
+    p.add_argument("--steps", type=int, default=40, help="training steps a run tries")
+    p.add_argument("--json", metavar="FILE", help="also write every run's figures here")
     args = p.parse_args()
 
     reference = child("pytorch", args.steps, 0.0, 0, None)

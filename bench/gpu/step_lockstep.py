@@ -1,25 +1,24 @@
 """Step time of allocwatch's allocator against another, two training processes in lockstep, on
 shapes neither has seen.
 
-    python bench/gpu/step_lockstep.py [--model transformer|moe|convnet] [--against expandable]
+    python -m bench.gpu.step_lockstep [--model transformer|moe|convnet] [--against expandable]
                                       [--ours allocwatch] [--fixed-shapes]
                                       [--rounds 8] [--steps 12] [--fraction-of-peak F]
                                       [--json FILE]                               (on a GPU)
-    python bench/gpu/step_lockstep.py --suite DIR [--rounds 8] [--steps 12]       (on a GPU)
+    python -m bench.gpu.step_lockstep --suite DIR [--rounds 8] [--steps 12]       (on a GPU)
         every workload (transformer, moe, convnet), uncapped and then under a 1.03 x memory
         fraction, against expandable segments: DIR/lockstep_<workload>.json each
 
-Runs of one allocator in separate processes, one after another, differ by 10-25 % on the H200
-hosts: the host and the GPU drift between runs, far more than the effect sought. Here two
+Runs of one allocator in separate processes, one after another, differ by far more than the
+effect sought: the host and the GPU drift between runs. Here two
 processes, one per allocator, train the same allocator_ext.workloads workload and take turns
 step by step on the same GPU and the same CPU core: step i of one runs right before or after
 step i of the other (who goes first alternates), each alone on the device, so both see the
 same drift and the same shapes. One core, not several: these steps are bound by the host
-(cuDNN's plans for each new shape, the MoE's routing), and on four shared cores the same
-allocator against itself gave rounds from 0.81 to 1.15 (median per-step ratio 0.977 MoE,
-1.063 convnet), the scheduler placing each process on cores of different speed for seconds at
-a time; on one core, 0.94-1.08 (1.003, 0.992; docs/benchmarks.md). The parent runs on the
-other cores.
+(cuDNN's plans for each new shape, the MoE's routing), and on several shared cores the
+scheduler places each process on cores of different speed for seconds at a time, which moves
+the same allocator against itself (--ours and --against alike) far more than one core does.
+The parent runs on the other cores.
 
 Each process first warms up untimed: two steps at the workload's largest shapes (the second with
 the optimizer's state in place), then --steps steps of the warm-up sequence (cuBLAS/cuDNN plans,
@@ -75,11 +74,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from allocator_ext.protocol.files import write_whole  # noqa: E402
-from bench.lib import source_tree  # noqa: E402
-from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child  # noqa: E402
-from bench.lib.stats import mean_and_stderr  # noqa: E402
+from allocator_ext.protocol.files import write_whole
+from bench.lib import source_tree
+from bench.lib.allocators import ALLOCATORS, Counters, setup_in_child
+from bench.lib.stats import mean_and_stderr
 
 TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
 SUITE_FRACTION = 1.03
@@ -203,7 +201,7 @@ class Trainer:
                  self_check: bool, name: str = "", fixed_shapes: bool = False) -> None:
         self.name = name or allocator
         env = dict(os.environ, **ALLOCATORS[allocator])
-        argv = [sys.executable, __file__, "--child", model, str(steps), cores,
+        argv = [sys.executable, "-m", __spec__.name, "--child", model, str(steps), cores,
                 "1" if self_check else "0", "1" if fixed_shapes else "0"]
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)

@@ -1,15 +1,15 @@
 """allocwatch's allocator inside PyTorch on the GPU, beside PyTorch's own allocators.
 
-    python bench/gpu/torch_bench.py hotpath [--rounds N] [--json FILE]
+    python -m bench.gpu.torch_bench hotpath [--rounds N] [--json FILE]
         alloc + free pairs through torch's C++ raw_alloc/raw_delete (512 B, 64 KiB, 4 MiB,
         64 MiB, and a mix with 1,000 blocks in use), and torch.empty from Python, under
         PyTorch's allocator and allocwatch's (native back end, and pluggable path); ns per pair.
         One process per allocator, all three alive at once and taking turns batch by batch
-        (who goes first rotates), since the H200 hosts' CPUs change pace by up to 2x within
-        seconds: each ratio to PyTorch's compares batches run moments apart. Reported: per
+        (who goes first rotates), since a host's CPU can change pace within seconds: each
+        ratio to PyTorch's compares batches run moments apart. Reported: per
         pattern the median over rounds of those ratios, and their geometric mean over the
         five C++ patterns.
-    python bench/gpu/torch_bench.py train [--model transformer|moe|convnet] [--rounds N]
+    python -m bench.gpu.torch_bench train [--model transformer|moe|convnet] [--rounds N]
                                           [--steps N] [--fraction-of-peak F] [--json FILE]
         One of allocator_ext.workloads' training workloads (random shapes every step; its
         docstring says which). Under PyTorch's default, its expandable segments,
@@ -29,11 +29,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib.allocators import ALLOCATORS, setup_in_child  # noqa: E402
-from bench.lib.stats import mean_and_stderr  # noqa: E402
+from bench.lib.allocators import ALLOCATORS, setup_in_child
+from bench.lib.stats import mean_and_stderr
 
 TRAINED = ("transformer", "moe", "convnet")  # allocator_ext.workloads' training workloads
 
@@ -100,9 +98,9 @@ class HotpathServer:
     def __init__(self, allocator: str):
         self.allocator = allocator
         env = dict(os.environ, **ALLOCATORS[allocator])
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", "hotpath-server"],
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __spec__.name, "--child", "hotpath-server"], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def wait_ready(self) -> None:
         # Anything the set-up printed (a build's messages) comes before "ready".
@@ -232,7 +230,7 @@ def compare_step_times(runs: list[dict], ours: str) -> dict:
 
 def run_child(kind: str, allocator: str, extra: list[str]) -> dict:
     env = dict(os.environ, **ALLOCATORS[allocator])
-    cmd = [sys.executable, __file__, "--child", kind, *extra]
+    cmd = [sys.executable, "-m", __spec__.name, "--child", kind, *extra]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout)[-600:]}

@@ -1,4 +1,4 @@
-# Shared by the GPU session scripts (bench/gpu/gpu_session.sh, bench/gpu/gpu_checks.sh): run parts that
+# Shared by the GPU check scripts (bench/gpu/gpu_checks.sh): run parts that
 # may fail without stopping the rest, then a summary whose status says whether all passed.
 #   source bench/lib/parts.sh; part NAME COMMAND...; ...; parts_summary
 declare -a PART_NAMES=() PART_RESULTS=()

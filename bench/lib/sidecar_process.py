@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench import REPO
+
 # A Unix socket's path must fit sockaddr_un (108 bytes with its terminator on Linux).
 MAX_SOCKET_PATH = 100
 

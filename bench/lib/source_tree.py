@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from bench import REPO
 
 
 def _git(repo: Path, *args: str, env: dict[str, str] | None = None) -> str | None:

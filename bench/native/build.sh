@@ -9,6 +9,7 @@
 # the core included, with -O1 -g and assertions on. A build folder keeps one configuration.
 # Executables land in BUILD_DIR (the stand-in driver in BUILD_DIR/fake_libcuda).
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set /s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 flags=(-DCMAKE_BUILD_TYPE=Release)
 case "${1:-}" in

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The core's hot path built from two source trees and run in alternating rounds on one host,
-# so that a host whose speed drifts slows both alike (DESIGN.md: comparisons interleave).
+# so that a host whose speed drifts slows both alike.
 #
 #   bash bench/native/compare_hotpath.sh OLD_TREE NEW_TREE [--runs N] [--rounds R] [--json FILE]
 #
@@ -12,6 +12,7 @@
 # new / old, and the spread of the run-by-run ratios (p10-p90); then the geometric mean of the
 # ratios. Absolute figures count only on an otherwise idle host (the H200 machine's).
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set /s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 usage() { echo "usage: $0 OLD_TREE NEW_TREE [--runs N] [--rounds R] [--json FILE]" >&2; exit 2; }

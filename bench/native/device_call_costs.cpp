@@ -7,6 +7,9 @@
 // that trace replay prices device calls with.
 //
 //   bash bench/native/build_native.sh && build/native/device_call_costs --json device_costs.json
+// Printed: a table of each call and size (p10, median, p90 and the fit, µs); --quick times
+// fewer sizes and adds the driver probes (one unmap over several mappings; pieces of one
+// allocation mapped at offsets).
 //
 // Every driver call is checked: CudaDevice throws on any error, and an out-of-memory answer
 // (false) is turned into an error here, since the sizes are chosen to fit.

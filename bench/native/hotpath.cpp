@@ -2,12 +2,11 @@
 //
 // Every pattern first warms its cache (so every pair is served from cached blocks, no device
 // call). Then the patterns take turns, one batch of pairs each per round, for `--rounds`
-// rounds: a host whose speed drifts (a shared VM's CPU changes pace by up to 2x within
-// seconds, seen on the H200 hosts) slows every pattern alike instead of whichever ran then.
+// rounds: a host whose speed drifts (a shared VM's CPU can change pace within seconds) slows
+// every pattern alike instead of whichever ran then.
 // Reported: each pattern's median over its batches (ns a pair), p10 and p90, and the ratio of
 // 100,000 to 1,000 blocks in use taken round by round (adjacent batches), then its median.
-// Absolute figures are meaningful only on an otherwise idle host (the H200 machine's), per
-// DESIGN.md.
+// Absolute figures are meaningful only on an otherwise idle host (the GPU machine's).
 //
 //   bash bench/native/run_hotpath.sh   builds it (bench/CMakeLists.txt, Release) and runs it
 //   hotpath [--rounds N] [--json FILE]

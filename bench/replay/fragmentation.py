@@ -1,6 +1,6 @@
 """Fragmentation and device-call cost of allocator settings, replayed on recorded traces.
 
-    python bench/replay/fragmentation.py [--config STR ...] [--traces GLOB ...] [--json FILE]
+    python -m bench.replay.fragmentation [--config STR ...] [--traces GLOB ...] [--json FILE]
 
 For every trace (the project's H200 recordings in tests/data/traces and, where present, the
 shared traces beside the checkout) and every setting (default: allocwatch's defaults, PyTorch's
@@ -11,6 +11,9 @@ device with set_per_process_memory_fraction at 1.03 x that peak (the fraction is
 before the device is asked, so retries there come from the allocator's own rule). Figures are
 counts and ratios
 from deterministic replays on the simulated device: the same on any machine.
+
+Printed: one row per trace and setting, then each setting's worst ratio, worst call share and
+total out-of-memory errors and retries; --json FILE writes the rows and the command.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from pathlib import Path
 
 from allocator_ext.replay import load_trace, replay
 from allocator_ext.replay.trace import peak_requested_bytes
+from bench import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = [str(REPO / "tests/data/traces/*.pickle.gz"),
                   str(REPO.parent / "shared/traces/*.pickle.gz")]
 H200_BYTES = 141 << 30  # the fraction-capped replays' device
@@ -38,8 +41,10 @@ def main() -> int:
     p.add_argument("--config", action="append", metavar="STR",
                    help="a setting to measure (repeatable); default: allocwatch, pytorch, "
                         "expandable")
-    p.add_argument("--traces", action="append", metavar="GLOB")
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--traces", action="append", metavar="GLOB",
+                   help="traces to replay (repeatable); default: tests/data/traces and the shared "
+                        "traces")
+    p.add_argument("--json", metavar="FILE", help="write the rows here as JSON")
     args = p.parse_args()
     configs = {c: c for c in args.config} if args.config else PEERS
     paths = sorted(f for g in (args.traces or DEFAULT_TRACES) for f in glob.glob(g))

@@ -1,6 +1,6 @@
 """Where reserved memory grows in one replay of a trace, under each of several settings.
 
-    python bench/replay/growth_timeline.py TRACE [--config SETTINGS ...] [--near 0.99]
+    python -m bench.replay.growth_timeline TRACE [--config SETTINGS ...] [--near 0.99]
                                            [--fixed-layout-bound] [--json FILE]
 
 Replays TRACE once per --config (default: allocwatch's defaults and settle_page_moves:False) and
@@ -30,9 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout
-from allocator_ext.replay.replayer import Replayer  # noqa: E402
-from allocator_ext.replay.trace import (  # noqa: E402
+from allocator_ext.replay.replayer import Replayer
+from allocator_ext.replay.trace import (
     Lifetime,
     Trace,
     TraceError,

@@ -1,8 +1,8 @@
 """Record PyTorch memory traces of varied workloads under varied allocator settings, on a GPU.
 
-    python bench/replay/record_traces.py --out DIR [--only NAME...] [--steps N]
-    python bench/replay/record_traces.py --oom --out DIR [--only NAME...]  # runs out of memory
-    python bench/replay/record_traces.py --self-check     # no GPU needed: torch's CPU build will do
+    python -m bench.replay.record_traces --out DIR [--only NAME...] [--steps N]
+    python -m bench.replay.record_traces --oom --out DIR [--only NAME...]  # runs out of memory
+    python -m bench.replay.record_traces --self-check     # no GPU needed: torch's CPU build will do
 
 Writes DIR/<workload>__<setting>.pickle.gz (torch.cuda.memory._snapshot(), no stack frames) and
 DIR/manifest.json. Each trace is recorded in a fresh process, with PYTORCH_CUDA_ALLOC_CONF set
@@ -378,7 +378,7 @@ def run_child(workload: str, setting: str, steps: int, out_dir: Path, timeout_s:
     name = trace_name(workload, setting, bool(max_ooms))
     result_path = out_dir / (name + ("" if save else ".measure") + RESULT_SUFFIX)
     result_path.unlink(missing_ok=True)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(out_dir),
+    argv = [sys.executable, "-m", __spec__.name, "--child", "--out", str(out_dir),
             "--workload", workload, "--setting", setting, "--steps", str(steps),
             "--max-events", str(max_events)]
     if fraction is not None:
@@ -664,7 +664,8 @@ def _self_check_oom_mode(torch: Any, workloads: Any) -> None:
 # ---- command line
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder for the traces and manifest.json")
     parser.add_argument("--only", nargs="+", metavar="NAME",
                         help="workloads, settings or <workload>__<setting> to record")

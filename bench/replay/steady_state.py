@@ -1,7 +1,7 @@
 """Reserved memory and device calls once a workload repeats: each trace's program replayed in
 passes on one allocator, as the steps of a long training run repeat.
 
-    python bench/replay/steady_state.py [--passes 200] [--long-passes 2000] [--config STR]
+    python -m bench.replay.steady_state [--passes 200] [--long-passes 2000] [--config STR]
                                         [--cap F] [--traces GLOB ...] [--jobs N] [--json FILE]
 
 Every trace (the shipped example, the shared traces beside the checkout, tests/data/traces) is
@@ -41,8 +41,8 @@ from typing import Any
 from allocator_ext.replay import load_trace, replay
 from allocator_ext.replay.progress import progress_bar
 from allocator_ext.replay.trace import peak_requested_bytes
+from bench import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "allocator_ext/data/example_trace.pickle.gz"
 DEFAULT_TRACES = [str(EXAMPLE), str(REPO.parent / "shared/traces/*.pickle.gz"),
                   str(REPO / "tests/data/traces/*.pickle.gz")]

@@ -1,10 +1,10 @@
 """A recorded trace's program for bench/native/trace_ops: its allocations and frees in order.
 
-    python bench/replay/trace_program.py TRACE OUT [--device N]
+    python -m bench.replay.trace_program TRACE OUT [--device N]
 
 The replay stepper (allocator_ext/replay/replayer.py) drives the allocator from Python, whose
-own cost per event (about 350 ns) hides the allocator's; trace_ops replays the same sequence
-from C++. Each allocation gets an id; a free names the id of the live allocation at its
+own cost per event hides the allocator's; trace_ops replays the same sequence from C++. Writes
+the program to OUT and prints how many operations and allocations it holds. Each allocation gets an id; a free names the id of the live allocation at its
 address, at its request (`free_requested`). The first line is `allocwatch-program 1 OPS IDS`,
 then one line an operation: `a ID SIZE STREAM` or `f ID`. What the program leaves out: the
 recorded out-of-memory errors, and the waits of a free for other streams (every free is
@@ -39,7 +39,7 @@ def program(trace: Trace) -> tuple[list[str], int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="a snapshot with memory history (.pickle or .pickle.gz)")
     parser.add_argument("out", type=Path, help="where the program is written")

@@ -1,6 +1,6 @@
 """The agent's own CPU time: an upper bound on what it can take from a training loop.
 
-    python bench/sidecar/agent_cpu_cost.py [--seconds 30] [--interval 1.0]
+    python -m bench.sidecar.agent_cpu_cost [--seconds 30] [--interval 1.0]
                                            [--source sim|pytorch|allocwatch] [--json FILE]
 
 A process holds 1,000 blocks in use and runs the agent publishing to a real sidecar (its own
@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
+from bench.lib.sidecar_process import SidecarProcess
 
 MiB = 1 << 20
 
@@ -107,7 +106,7 @@ def main() -> int:
     runs = {}
     try:
         for name, target in (("without", "-"), ("with", sidecar.target)):
-            out = subprocess.run([sys.executable, __file__, "--child", str(args.seconds),
+            out = subprocess.run([sys.executable, "-m", __spec__.name, "--child", str(args.seconds),
                                   str(args.interval), target, "--source", args.source],
                                  capture_output=True, text=True,
                                  timeout=args.seconds + 120, env=dict(os.environ))

@@ -2,10 +2,10 @@
 allocator (or PyTorch's with --allocator pytorch), with and without the agent publishing to a
 running sidecar every second.
 
-    python bench/sidecar/agent_overhead.py --blocks 12 --steps 30 [--allocator allocwatch|pytorch]
+    python -m bench.sidecar.agent_overhead --blocks 12 --steps 30 [--allocator allocwatch|pytorch]
                                    [--model transformer|convnet] [--json FILE]     (on a GPU)
 
-The bar (DESIGN.md): overhead <= 0.5 %. Step times of identical runs in separate processes
+The bar (docs/benchmarks.md): overhead <= 0.5 %. Step times of identical runs in separate processes
 differ by several per cent on a shared host, far more than the effect sought, so the comparison
 is made inside one process: blocks of STEPS steps alternate without and with the agent
 (ABBA order), every block replaying the same sequence of batch shapes, seen once before timing
@@ -28,9 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, for bench.lib
-from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
-from bench.lib.stats import mean_and_stderr  # noqa: E402
+from bench.lib.sidecar_process import SidecarProcess
+from bench.lib.stats import mean_and_stderr
 
 
 def child(steps: int, blocks: int, target: str, allocator: str, model_name: str) -> dict:
@@ -107,7 +106,7 @@ def main() -> int:
     time.sleep(3)
     try:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="")
-        out = subprocess.run([sys.executable, __file__, "--child", sidecar.target,
+        out = subprocess.run([sys.executable, "-m", __spec__.name, "--child", sidecar.target,
                               "--steps", str(args.steps), "--blocks", str(args.blocks),
                               "--allocator", args.allocator, "--model", args.model],
                              env=env, stdout=subprocess.PIPE, text=True, timeout=900)

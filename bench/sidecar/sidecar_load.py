@@ -12,8 +12,8 @@ sidecar cannot keep up), the sidecar's CPU share and largest RSS; over the run, 
 (sent by agents but never received: must be 0) and dropped by agents, and the ratio the
 2-core bar reads: crowd p99 / single p99 (≤ 2). A phase of 0 seconds is skipped.
 
-    python bench/sidecar/sidecar_load.py --json                      # 30 + 60 + 60 s
-    python bench/sidecar/sidecar_load.py --single-seconds 600 --duration 0 --json  # the soak
+    python -m bench.sidecar.sidecar_load --json                      # 30 + 60 + 60 s
+    python -m bench.sidecar.sidecar_load --single-seconds 600 --duration 0 --json  # the soak
 
 The sidecar runs as its own process (`allocwatch sidecar`), so its CPU time and RSS (read from
 /proc) are its own; agents run in --workers processes (the real agent code, each agent with a
@@ -43,8 +43,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from bench import REPO
+from bench.lib import source_tree
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,"
                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
@@ -337,22 +337,6 @@ def run_phase(name: str, seconds: float, port: int, scrapers: int, interval: flo
     return result
 
 
-# Another tree's sidecar: its packages first, past an editable install's redirecting finder.
-_FOREIGN_TREE = """import runpy, sys
-tree = sys.argv.pop(1)
-sys.path.insert(0, tree)
-sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
-sys.argv[0] = "allocwatch"
-runpy.run_module("exporter.cli", run_name="__main__", alter_sys=True)
-"""
-
-
-def _sidecar_command(tree: Path) -> list[str]:
-    if tree == ROOT:
-        return [sys.executable, "-m", "exporter.cli"]
-    return [sys.executable, "-c", _FOREIGN_TREE, str(tree)]
-
-
 def _raise_descriptor_limit(wanted: int) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
@@ -375,10 +359,6 @@ def main() -> int:
                         help="connections held open in the last phase (0: no such phase)")
     parser.add_argument("--scrape-interval", type=float, default=0.5)
     parser.add_argument("--workers", type=int, default=4, help="agent processes")
-    parser.add_argument("--sidecar-tree", type=Path, default=ROOT,
-                        help="run the sidecar of this source tree (another commit's, for a "
-                             "comparison: git archive COMMIT | tar -x -C DIR); agents and "
-                             "scrapers stay this tree's")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--worker", nargs=4, metavar=("TARGET", "FIRST", "COUNT", "RATE"),
                         help=argparse.SUPPRESS)
@@ -403,9 +383,8 @@ def main() -> int:
         """))
     # The sidecar under the machine's usual descriptor limit, whatever this process raised.
     sidecar = subprocess.Popen(
-        [*_sidecar_command(args.sidecar_tree.resolve()), "sidecar", "--config",
-         str(tmp / "sidecar.yaml")],
-        cwd=args.sidecar_tree, preexec_fn=lambda: resource.setrlimit(
+        [sys.executable, "-m", "exporter.cli", "sidecar", "--config", str(tmp / "sidecar.yaml")],
+        cwd=REPO, preexec_fn=lambda: resource.setrlimit(
             resource.RLIMIT_NOFILE, (min(1024, hard), hard)))
     usage = SidecarUsage(sidecar.pid)
     workers: list[subprocess.Popen] = []
@@ -426,9 +405,9 @@ def main() -> int:
         first = 0
         for count in per_worker:
             workers.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", f"unix://{socket_path}", str(first),
-                 str(count), str(args.rate)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
+                [sys.executable, "-m", __spec__.name, "--worker", f"unix://{socket_path}",
+                 str(first), str(count), str(args.rate)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO))
             first += count
         deadline = time.monotonic() + 60
         while _figures(port, wanted).get("allocwatch_agents_connected", 0) < args.agents:
@@ -478,7 +457,7 @@ def main() -> int:
 
     result = {
         "agents": args.agents, "rate_per_agent": args.rate, "cpu_count": os.cpu_count(),
-        "descriptor_limit": descriptors, "sidecar_tree": str(args.sidecar_tree),
+        "descriptor_limit": descriptors, "source": source_tree.label(),
         "phases": phases,
         "crowd_p99_over_single_p99": ratio("crowd"), "idle_p99_over_single_p99": ratio("idle"),
         "scrape_failures": sum(p["scrape_failures"] for p in phases),

@@ -18,12 +18,14 @@ from support.waiting import wait_for
 
 from allocator_ext.replay import load_trace
 from allocator_ext.replay.engine import replay
+from bench.gpu.torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
+from bench.replay.growth_timeline import packed_span
 
 
 def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out_file = tmp_path / "soak.json"
-    out = subprocess.run([sys.executable, "bench/gpu/gpu_soak.py", "--self-check", "--json",
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.gpu_soak", "--self-check", "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads(out_file.read_text())
@@ -35,7 +37,7 @@ def test_gpu_soak_self_check_kills_and_restarts_the_sidecar_without_loss(tmp_pat
 
 def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_path: Path) -> None:
     out_file = tmp_path / "agent_cpu.json"
-    out = subprocess.run([sys.executable, "bench/sidecar/agent_cpu_cost.py", "--seconds", "3",
+    out = subprocess.run([sys.executable, "-m", "bench.sidecar.agent_cpu_cost", "--seconds", "3",
                           "--interval", "0.5", "--json", str(out_file)], cwd=REPO,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -45,23 +47,44 @@ def test_agent_cpu_cost_publishes_to_a_real_sidecar_and_reports_its_share(tmp_pa
     assert "agent_cpu_share_of_one_core" in result
 
 
-@pytest.mark.parametrize("script", ["sidecar/agent_overhead.py", "gpu/torch_bench.py",
-                                    "gpu/gpu_soak.py", "replay/fragmentation.py",
-                                    "gpu/policy_under_cap.py", "sidecar/agent_cpu_cost.py",
-                                    "gpu/step_lockstep.py", "replay/steady_state.py",
-                                    "gpu/long_run.py", "gpu/distributed_train.py",
-                                    "gpu/host_profile.py", "replay/growth_timeline.py",
-                                    "gpu/lockstep_pool.py"])
-def test_bench_scripts_explain_themselves(script: str) -> None:
-    out = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO,
+BENCH_MODULES = sorted(".".join(p.relative_to(REPO).with_suffix("").parts)
+                       for p in (REPO / "bench").glob("*/*.py")
+                       if p.parent.name != "lib" and p.name != "__init__.py")
+BENCH_SHELLS = sorted(str(p.relative_to(REPO)) for p in (REPO / "bench").glob("*/*.sh")
+                      if p.parent.name != "lib")
+
+
+def test_every_benchmark_is_found() -> None:
+    # The lists below come from the tree: a search that finds nothing would check nothing.
+    assert {"bench.gpu.step_lockstep", "bench.replay.fragmentation",
+            "bench.sidecar.sidecar_load"} <= set(BENCH_MODULES)
+    assert {"bench/gpu/gpu_checks.sh", "bench/native/run_hotpath.sh"} <= set(BENCH_SHELLS)
+
+
+@pytest.mark.parametrize("module", BENCH_MODULES)
+def test_each_benchmark_runs_as_a_module_and_its_help_says_what_it_measures_and_writes(
+        module: str) -> None:
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "usage:" in out.stdout
+    assert out.returncode == 0 and out.stdout.startswith("usage:"), out.stderr[-2000:]
+    description = out.stdout.split("\n\n", 1)[1]
+    assert len(description.split()) >= 40, description  # what it measures, not a title
+    assert f"python -m {module}" in description  # how to run it, as a module
+    assert re.search(r"[Rr]eport|[Pp]rint|[Ww]rite|[Ww]ritten|--json", description)
+
+
+@pytest.mark.parametrize("script", BENCH_SHELLS)
+def test_each_benchmark_shell_explains_itself(script: str) -> None:
+    out = subprocess.run(["bash", script, "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"bash {script}" in out.stdout and len(out.stdout.split()) >= 20, out.stdout
 
 
 def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles(
         tmp_path: Path) -> None:
     out_file = tmp_path / "steady.json"
-    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", "--passes", "3",
+    out = subprocess.run([sys.executable, "-m", "bench.replay.steady_state", "--passes", "3",
                           "--traces", "tests/data/traces/convnet__default.pickle.gz", "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -81,7 +104,7 @@ def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles
 def test_growth_timeline_traces_each_settings_peak_to_its_requests(tmp_path: Path) -> None:
     trace = "tests/data/traces/convnet__default.pickle.gz"
     out_file = tmp_path / "timeline.json"
-    out = subprocess.run([sys.executable, "bench/replay/growth_timeline.py", trace, "--config",
+    out = subprocess.run([sys.executable, "-m", "bench.replay.growth_timeline", trace, "--config",
                           "", "--config", "native", "--json", str(out_file)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -100,28 +123,17 @@ def test_growth_timeline_traces_each_settings_peak_to_its_requests(tmp_path: Pat
     assert result["peak_reserved_over_requested"][1] > result["peak_reserved_over_requested"][0]
 
 
-def _growth_timeline_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "growth_timeline", REPO / "bench/replay/growth_timeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_fixed_layout_bound_packs_requests_that_never_meet_into_the_same_bytes() -> None:
     from allocator_ext.replay.trace import Lifetime
 
-    gt = _growth_timeline_module()
     # 4 bytes alive throughout; two 2-byte requests one after the other share their place;
     # a 3-byte one overlapping both in time needs a place of its own.
-    assert gt.packed_span([Lifetime(0, 10, 4, 0), Lifetime(0, 5, 2, 0),
+    assert packed_span([Lifetime(0, 10, 4, 0), Lifetime(0, 5, 2, 0),
                            Lifetime(5, 10, 2, 0)]) == 6
-    assert gt.packed_span([Lifetime(0, 10, 4, 0), Lifetime(0, 5, 2, 0), Lifetime(5, 10, 2, 0),
+    assert packed_span([Lifetime(0, 10, 4, 0), Lifetime(0, 5, 2, 0), Lifetime(5, 10, 2, 0),
                            Lifetime(4, 6, 3, 0)]) == 9
     # On a recorded trace it cannot go below what the program holds at once.
-    out = subprocess.run([sys.executable, "bench/replay/growth_timeline.py",
+    out = subprocess.run([sys.executable, "-m", "bench.replay.growth_timeline",
                           "tests/data/traces/convnet__default.pickle.gz", "--config", "native",
                           "--fixed-layout-bound"], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
@@ -131,14 +143,14 @@ def test_the_fixed_layout_bound_packs_requests_that_never_meet_into_the_same_byt
 
 
 def test_growth_timeline_refuses_a_bad_setting_naming_it() -> None:
-    out = subprocess.run([sys.executable, "bench/replay/growth_timeline.py",
+    out = subprocess.run([sys.executable, "-m", "bench.replay.growth_timeline",
                           "tests/data/traces/convnet__default.pickle.gz", "--config",
                           "bogus_key:1"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "bogus_key" in out.stderr and not out.stdout
 
 
 def test_step_lockstep_refuses_a_cap_below_the_workload() -> None:
-    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--fraction-of-peak",
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.step_lockstep", "--fraction-of-peak",
                           "0.9"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--fraction-of-peak must be at least 1.0" in out.stderr
 
@@ -147,7 +159,7 @@ def lockstep_self_check(tmp_path: Path, *args: str) -> dict:
     """step_lockstep's protocol on the CPU (tiny convnet) with `args`: its JSON result."""
     pytest.importorskip("torch")
     out_file = tmp_path / "lockstep.json"
-    out = subprocess.run([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.step_lockstep", "--self-check",
                           "--model", "convnet", *args, "--json", str(out_file)], cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -207,7 +219,7 @@ def test_step_lockstep_a_run_stopped_midway_keeps_every_round_it_timed(tmp_path:
             if out_file.exists() else 0
 
     with log.open("w") as stderr:
-        run = subprocess.Popen([sys.executable, "bench/gpu/step_lockstep.py", "--self-check",
+        run = subprocess.Popen([sys.executable, "-m", "bench.gpu.step_lockstep", "--self-check",
                                 "--model", "convnet", "--rounds", "100000", "--steps", "2",
                                 "--json", str(out_file)], cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=stderr, start_new_session=True)
@@ -241,7 +253,7 @@ def test_host_profile_compares_the_same_steps_op_by_op(tmp_path: Path) -> None:
     # profiles the same steps, so both sides see the same ops the same number of times, and the
     # totals are the sums of the per-op figures.
     out_json = tmp_path / "profile.json"
-    out = subprocess.run([sys.executable, "bench/gpu/host_profile.py", "--self-check", "--reps",
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.host_profile", "--self-check", "--reps",
                           "2", "--steps", "2", "--json", str(out_json)], cwd=REPO,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -266,7 +278,7 @@ def test_host_profile_compares_the_same_steps_op_by_op(tmp_path: Path) -> None:
 
 def test_host_profile_fresh_times_shapes_the_warm_up_never_drew(tmp_path: Path) -> None:
     out_json = tmp_path / "profile.json"
-    out = subprocess.run([sys.executable, "bench/gpu/host_profile.py", "--self-check", "--fresh",
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.host_profile", "--self-check", "--fresh",
                           "--reps", "1", "--steps", "3", "--json", str(out_json)], cwd=REPO,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -279,10 +291,12 @@ def test_host_profile_fresh_times_shapes_the_warm_up_never_drew(tmp_path: Path) 
 
 
 def pool_lockstep(*args: str | Path) -> subprocess.CompletedProcess:
-    """bench/gpu/lockstep_pool.py run where the raw lockstep results are kept."""
-    command = [sys.executable, str(REPO / "bench/gpu/lockstep_pool.py"), *map(str, args)]
-    return subprocess.run(command, cwd=REPO / "docs/results", capture_output=True, text=True,
-                          timeout=60)
+    """bench.gpu.lockstep_pool run where the raw lockstep results are kept."""
+    command = [sys.executable, "-m", "bench.gpu.lockstep_pool", *map(str, args)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run(command, cwd=REPO / "docs/results", env=env, capture_output=True,
+                          text=True, timeout=60)
 
 
 CONVNET_RUNS = [f"end_to_end_h100_convnet_{call}_{order}.json" for call in ("a", "b", "c")
@@ -424,7 +438,7 @@ def test_gpu_checks_documents_every_part_it_runs_and_runs_every_part_it_document
 
 
 def test_host_profile_refuses_zero_steps() -> None:
-    out = subprocess.run([sys.executable, "bench/gpu/host_profile.py", "--self-check", "--steps",
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.host_profile", "--self-check", "--steps",
                           "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--reps and --steps must be at least 1" in out.stderr
 
@@ -453,11 +467,6 @@ def test_core_hot_path_benchmark_refuses_an_unknown_option() -> None:
 
 
 def test_hotpath_ratios_compare_batches_of_the_same_round() -> None:
-    sys.path.append(str(REPO))
-    try:
-        from bench.gpu.torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
-    finally:
-        sys.path.remove(str(REPO))
     samples = []
     # The host is twice as slow in round 1: within each round allocwatch takes half the time.
     for rnd, pace in [(0, 1.0), (1, 2.0), (2, 1.0)]:
@@ -478,7 +487,7 @@ SMALL_TRACE = REPO / "tests" / "data" / "traces" / "convnet_fixed__default.pickl
 
 def test_a_trace_program_frees_only_what_it_allocated(tmp_path: Path) -> None:
     out = tmp_path / "program.txt"
-    done = subprocess.run([sys.executable, "bench/replay/trace_program.py", str(SMALL_TRACE),
+    done = subprocess.run([sys.executable, "-m", "bench.replay.trace_program", str(SMALL_TRACE),
                            str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     header, *lines = out.read_text().splitlines()
@@ -534,7 +543,7 @@ def test_trace_program_refuses_a_corrupt_trace_and_writes_nothing(tmp_path: Path
     corrupt = tmp_path / "corrupt.pickle.gz"
     corrupt.write_bytes(b"\x1f\x8b not a gzip stream")
     out = tmp_path / "program.txt"
-    done = subprocess.run([sys.executable, "bench/replay/trace_program.py", str(corrupt),
+    done = subprocess.run([sys.executable, "-m", "bench.replay.trace_program", str(corrupt),
                            str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.startswith(f"trace_program: {corrupt}")
     assert not out.exists()

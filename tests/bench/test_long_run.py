@@ -15,13 +15,9 @@ from typing import Any
 import pytest
 from support.paths import REPO
 
-sys.path.append(str(REPO))
-try:
-    from bench.gpu.long_run import per_minute, verdict
-finally:
-    sys.path.remove(str(REPO))
+from bench.gpu.long_run import per_minute, verdict
 
-SCRIPT = REPO / "bench" / "gpu" / "long_run.py"
+MODULE = "bench.gpu.long_run"
 
 
 def sample(t: float, peak: int, mallocs: int = 0) -> dict[str, Any]:
@@ -65,7 +61,7 @@ def test_the_worker_stops_at_its_deadline_however_long_it_was_asked_to_train() -
     # "minutes", far past the deadline however fast the worker starts.
     pytest.importorskip("torch")
     started = time.time()
-    out = subprocess.run([sys.executable, str(SCRIPT), "--worker", "--minutes", "100",
+    out = subprocess.run([sys.executable, "-m", MODULE, "--worker", "--minutes", "100",
                           "--mark-s", "1", "--stop-at", repr(started + 12),
                           "--publish-to", "unix:///nonexistent/agent.sock"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -83,7 +79,7 @@ def test_the_self_check_publishes_through_a_real_sidecar_and_leaves_everything_i
     pytest.importorskip("matplotlib")
     out_dir = tmp_path / "run"
     started = time.monotonic()
-    out = subprocess.run([sys.executable, str(SCRIPT), "--self-check", "--out", str(out_dir)],
+    out = subprocess.run([sys.executable, "-m", MODULE, "--self-check", "--out", str(out_dir)],
                          cwd=REPO, capture_output=True, text=True, timeout=240)
     took = time.monotonic() - started
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
@@ -116,8 +112,9 @@ def test_the_self_check_publishes_through_a_real_sidecar_and_leaves_everything_i
                                                   "worker.log"} == {
         next(p.name for p in out_dir.iterdir() if p.name.startswith("sidecar-"))}
     # The picture can be drawn again from the JSON alone.
-    again = subprocess.run([sys.executable, str(SCRIPT), "--replot", str(out_dir / "long_run.json"),
-                            "--plot", str(tmp_path / "again.png")], cwd=REPO,
+    again = subprocess.run([sys.executable, "-m", MODULE, "--replot",
+                            str(out_dir / "long_run.json"), "--plot", str(tmp_path / "again.png")],
+                           cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and (tmp_path / "again.png").stat().st_size > 10_000
 
@@ -127,7 +124,7 @@ def test_a_worker_without_allocwatchs_allocator_fails_the_run_saying_why(tmp_pat
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: this checks the path where allocwatch cannot install")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--minutes",
+    out = subprocess.run([sys.executable, "-m", MODULE, "--out", str(tmp_path), "--minutes",
                           "0.2"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     result = json.loads((tmp_path / "long_run.json").read_text())
@@ -141,6 +138,6 @@ def test_long_run_refuses_what_it_cannot_run() -> None:
                           (["--out", "x", "--minutes", "0"], "--minutes must be above 0"),
                           (["--minutes", "1"], "--out DIR is required"),
                           (["--replot", "x.json"], "--replot needs --plot")):
-        out = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=REPO,
+        out = subprocess.run([sys.executable, "-m", MODULE, *argv], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and message in out.stderr, (argv, out.stderr)

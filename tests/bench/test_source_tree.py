@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from support.paths import REPO
 
-sys.path.append(str(REPO))
-try:
-    from bench.lib import source_tree
-finally:
-    sys.path.remove(str(REPO))
+from bench.lib import source_tree
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

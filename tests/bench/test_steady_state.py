@@ -20,7 +20,7 @@ OTHER = REPO / "tests/data/traces/convnet__roundup.pickle.gz"
 
 def run_bench(tmp_path: Path, *args: str) -> dict:
     out_file = tmp_path / "steady.json"
-    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", *args, "--json",
+    out = subprocess.run([sys.executable, "-m", "bench.replay.steady_state", *args, "--json",
                           str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads(out_file.read_text())
@@ -70,7 +70,7 @@ def test_the_long_run_of_the_example_is_a_run_of_its_own(tmp_path: Path) -> None
 
 
 def test_too_few_passes_are_refused() -> None:
-    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", "--passes", "2"],
+    out = subprocess.run([sys.executable, "-m", "bench.replay.steady_state", "--passes", "2"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--passes must be at least 3" in out.stderr
 
@@ -91,6 +91,6 @@ def test_under_a_cap_each_pass_counts_what_ran_out_of_memory(tmp_path: Path) -> 
 
 
 def test_a_cap_below_the_traces_own_peak_is_refused() -> None:
-    out = subprocess.run([sys.executable, "bench/replay/steady_state.py", "--cap", "0.9"],
+    out = subprocess.run([sys.executable, "-m", "bench.replay.steady_state", "--cap", "0.9"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--cap must be at least 1.0" in out.stderr

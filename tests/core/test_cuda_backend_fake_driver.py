@@ -3,7 +3,7 @@
 tests/native/fake_libcuda.cpp implements the driver functions the back end loads, over host
 memory, and checks the structures it is passed at the real cuda.h offsets. This proves the
 loading, context handling, error paths and event pool; the real driver's behaviour is proved
-on the GPU by bench/gpu/gpu_session.sh.
+on the GPU by `bash bench/gpu/gpu_checks.sh probes` (device_call_costs on the real driver).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def needs(count: int) -> pytest.MarkDecorator:
 
 def drive(tmp_path: Path, *options: str) -> dict[str, Any]:
     out_file = tmp_path / "distributed.json"
-    out = subprocess.run([sys.executable, "bench/gpu/distributed_train.py", "--steps", "6",
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.distributed_train", "--steps", "6",
                           "--warmup", "2", "--interval", "0.5", "--out-dir",
                           str(tmp_path / "ranks"), "--json", str(out_file), *options],
                          cwd=REPO, capture_output=True, text=True, timeout=840)

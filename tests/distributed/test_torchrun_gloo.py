@@ -23,9 +23,8 @@ from support.paths import REPO
 from support.waiting import wait_for
 
 pytest.importorskip("torch", reason="torch is not installed")
-sys.path.insert(0, str(REPO))  # the checkout, for the benchmark's launch helpers
-from bench.gpu import distributed_train as dt  # noqa: E402
-from bench.lib.sidecar_process import SidecarProcess  # noqa: E402
+from bench.gpu import distributed_train as dt
+from bench.lib.sidecar_process import SidecarProcess
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,7 +75,7 @@ def test_each_gloo_rank_has_its_own_series_and_a_reclaim_by_rank_reaches_that_ra
 
 
 def test_the_driver_refuses_an_unknown_mode_before_launching_anything(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "bench/gpu/distributed_train.py", "--modes",
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.distributed_train", "--modes",
                           "ddp,zero3", "--backend", "gloo", "--device", "cpu", "--out-dir",
                           str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
@@ -86,6 +85,6 @@ def test_the_driver_refuses_an_unknown_mode_before_launching_anything(tmp_path: 
 
 
 def test_nccl_on_the_cpu_is_refused_with_the_way_out() -> None:
-    out = subprocess.run([sys.executable, "bench/gpu/distributed_train.py", "--device", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.distributed_train", "--device", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "use --backend gloo" in out.stderr

@@ -15,15 +15,10 @@ from typing import Any
 import pytest
 from support.paths import REPO
 
-SCRIPT = REPO / "bench" / "replay" / "record_traces.py"
+import bench.replay.record_traces as rt
+
+MODULE = "bench.replay.record_traces"
 RECORDED_MANIFEST = REPO / "tests" / "data" / "traces" / "oom_manifest.json"
-
-
-sys.path.append(str(REPO))
-try:
-    import bench.replay.record_traces as rt
-finally:
-    sys.path.remove(str(REPO))
 
 
 class Recorder:
@@ -83,8 +78,9 @@ def test_re_recording_one_trace_keeps_the_other_entries_of_the_folders_manifest(
         pytest.skip(f"{RECORDED_MANIFEST} is absent: no earlier recording to keep entries from")
     earlier = json.loads(RECORDED_MANIFEST.read_text())
     (tmp_path / "oom_manifest.json").write_text(json.dumps(earlier))
-    out = subprocess.run([sys.executable, str(SCRIPT), "--oom", "--out", str(tmp_path),
-                          "--only", "convnet__gc"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", MODULE, "--oom", "--out", str(tmp_path),
+                          "--only", "convnet__gc"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 1, out.stderr  # no CUDA here: the one recording failed
     manifest = json.loads((tmp_path / "oom_manifest.json").read_text())
     by_name = {(t["workload"], t["setting"]): t for t in manifest["traces"]}
@@ -107,8 +103,9 @@ def test_oom_mode_without_a_gpu_writes_a_manifest_of_failures(tmp_path: Path) ->
     torch = pytest.importorskip("torch", reason="torch is not installed (CPU build suffices)")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: this checks the no-GPU path")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--oom", "--out", str(tmp_path),
-                          "--only", "convnet"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", MODULE, "--oom", "--out", str(tmp_path),
+                          "--only", "convnet"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 1, out.stderr
     manifest = json.loads((tmp_path / "oom_manifest.json").read_text())
     traces = manifest["traces"]
@@ -122,6 +119,6 @@ def test_oom_mode_without_a_gpu_writes_a_manifest_of_failures(tmp_path: Path) ->
 
 
 def test_oom_mode_refuses_workloads_it_does_not_record() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--oom", "--out", "unused", "--only",
-                          "decode"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", MODULE, "--oom", "--out", "unused", "--only",
+                          "decode"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "nothing to record" in out.stderr

@@ -15,12 +15,12 @@ from support.paths import REPO
 
 from exporter.shared.bounded_http import HttpLimits
 
-BENCH = REPO / "bench" / "sidecar" / "sidecar_load.py"
+MODULE = "bench.sidecar.sidecar_load"
 
 
 def _run(*args: str, timeout: float) -> dict:
-    result = subprocess.run([sys.executable, str(BENCH), "--json", *args], capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run([sys.executable, "-m", MODULE, "--json", *args], cwd=REPO,
+                            capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
