@@ -364,6 +364,8 @@ PYBIND11_MODULE(_core, m) {
       .def("synchronize", &SimDevice::synchronize, "Complete every event on every stream.")
       .def("set_auto_complete", &SimDevice::set_auto_complete, py::arg("on"),
            "With True, every event completes as soon as it is recorded.")
+      .def("set_stream_auto_complete", &SimDevice::set_stream_auto_complete, py::arg("stream"),
+           py::arg("on"), "The same for the events of one stream.")
       .def("counters", &counters_dict, "Count and bytes of every kind of device call.")
       .def("reset_counters", &SimDevice::reset_counters, "Set every call counter to 0.");
 

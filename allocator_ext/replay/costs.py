@@ -30,6 +30,7 @@ COUNTER_TO_KIND = {
     "synchronize": "synchronize",
     "stream_synchronize": "synchronize",
     "event_synchronize": "synchronize",
+    "stream_wait_event": "stream_wait_event",
 }
 
 

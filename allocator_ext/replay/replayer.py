@@ -188,6 +188,11 @@ class Replayer:
         # Best fit breaks ties by address, so the recorded segment addresses are reused.
         self.device.plan_addresses(
             [(e.size, e.addr) for e in trace.events if e.action == "segment_alloc"])
+        # The recorded streams' own work is taken to keep up with the program (events recorded
+        # on them complete at once); frees that waited on other streams have streams of their
+        # own, completed where the trace says the wait ended.
+        for stream in {e.stream for e in trace.events}:
+            self.device.set_stream_auto_complete(stream, True)
         self.allocator = ae.Allocator(self.device, config)
         if memory_fraction is not None:
             self.allocator.set_memory_fraction(memory_fraction)

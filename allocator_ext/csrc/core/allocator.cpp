@@ -480,10 +480,7 @@ void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   if (stream == block->stream) return;
   auto& uses = block->stream_uses;
   if (std::find(uses.begin(), uses.end(), stream) == uses.end()) uses.push_back(stream);
-  if (std::find(recorded_streams_.begin(), recorded_streams_.end(), stream) ==
-      recorded_streams_.end()) {
-    recorded_streams_.push_back(stream);
-  }
+
   if (!captures_underway_.empty()) {
     auto& during = block_to_capture_stream_uses_[block];
     if (std::find(during.begin(), during.end(), stream) == during.end()) during.push_back(stream);

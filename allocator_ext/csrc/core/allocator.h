@@ -286,8 +286,8 @@ class CachingAllocator {
   void host_wait_device();
   void host_wait_stream(StreamId stream);
   void host_wait_event(EventId event);
-  // The streams whose work may still touch memory of this allocator: those of its expandable
-  // segments and those named by record_stream.
+  // The streams that allocate from this allocator's expandable segments: those whose work may
+  // still touch a free block's pages (Note [moving pages]).
   std::vector<StreamId> streams_in_use() const;
 
   // Blocks come from an arena: the hot path never calls the system allocator.
@@ -362,7 +362,6 @@ class CachingAllocator {
     std::vector<EventId> events;      // not yet seen complete
   };
   std::deque<PageMove> page_moves_;
-  std::vector<StreamId> recorded_streams_;  // every stream record_stream named
   TraceRing trace_;
 };
 

@@ -105,14 +105,15 @@
 //   for an event recorded on the donor's stream (cudaStreamWaitEvent), as cudaMallocAsync
 //   orders cross-stream reuse: the kernels that will use the pages queue behind those that
 //   used them;
-// - the old mapping is unmapped once events recorded at the move on every stream in use (the
-//   segments' streams and those record_stream named) have completed, found by polling them on
-//   later allocations as pending frees are; until then its address space is neither free nor
+// - the old mapping is unmapped once events recorded at the move on every stream that
+//   allocates here (the segments' streams) have completed, found by polling them on later
+//   allocations as pending frees are; until then its address space is neither free nor
 //   reusable. An unmap must wait for the device (unlike cudaFree, cuMemUnmap does not), and a
-//   kernel of a third stream may still read the old address where its tensor was used there
+//   kernel of another stream may still read the old address where its tensor was used there
 //   without record_stream (PyTorch's allocator tolerates that: it never unmaps a block it
-//   caches), hence every stream in use. Such a read races with the new owner's writes exactly
-//   as it would race with PyTorch's reuse of the block on its own stream.
+//   caches), hence more than the donor's stream. Uses that record_stream named were over before
+//   the block was free. Such an unrecorded read races with the new owner's writes exactly as
+//   it would race with PyTorch's reuse of the block on its own stream.
 // Pages released rather than moved (the large pool taking small pages of another page size)
 // must be free before the growth creates its own, so that path still waits on the host, once;
 // allocwatch's defaults never take it (both page sizes are 2 MiB). Every host wait is counted
@@ -425,7 +426,7 @@ std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
 }
 
 std::vector<StreamId> CachingAllocator::streams_in_use() const {
-  std::vector<StreamId> streams = recorded_streams_;
+  std::vector<StreamId> streams;
   for (const auto& es : expandable_segments_) streams.push_back(es->stream());
   std::sort(streams.begin(), streams.end());
   streams.erase(std::unique(streams.begin(), streams.end()), streams.end());

@@ -154,7 +154,7 @@ EventId SimDevice::record_event(StreamId stream) {
   count("event_record", 0);
   StreamState& s = streams_[stream];
   s.recorded += 1;
-  if (auto_complete_) s.completed = s.recorded;
+  if (auto_complete_ || s.auto_complete) s.completed = s.recorded;
   EventId id = next_event_++;
   events_[id] = EventState{stream, s.recorded};
   return id;
@@ -244,6 +244,13 @@ void SimDevice::set_auto_complete(bool on) {
       s.completed = s.recorded;
       s.waits.clear();
     }
+}
+
+void SimDevice::set_stream_auto_complete(StreamId stream, bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  StreamState& s = streams_[stream];
+  s.auto_complete = on;
+  if (on) s.completed = s.recorded;
 }
 
 void SimDevice::set_capacity(std::size_t bytes) {

@@ -56,6 +56,8 @@ class SimDevice : public Device {
   bool stream_idle(StreamId stream) const;
   // With auto-completion, every event is complete as soon as it is recorded.
   void set_auto_complete(bool on);
+  // The same for one stream: a device that keeps up with it (replay's recorded streams).
+  void set_stream_auto_complete(StreamId stream, bool on);
   // Addresses for the next segment allocations, in order: a malloc of the front entry's size
   // returns its address. Replay passes the recorded segment addresses, because best fit breaks
   // ties between equally sized free blocks by address: only the recorded addresses reproduce
@@ -97,6 +99,7 @@ class SimDevice : public Device {
     std::uint64_t recorded = 0;
     std::uint64_t completed = 0;
     std::vector<Wait> waits;
+    bool auto_complete = false;
   };
   // Completes `stream` up to `sequence`, the streams it waits on first (the host waited).
   void finish(StreamId stream, std::uint64_t sequence);
