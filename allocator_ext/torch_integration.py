@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -340,8 +341,41 @@ def _patch_statistics(torch: Any) -> None:
     c._cuda_memorySnapshot = memory_snapshot
 
 
+def start_agent_at_first_cuda_use(torch: Any, start: Any) -> None:
+    """Calls `start` (which starts the agent) when this process first uses CUDA: PyTorch runs
+    the calls queued with torch.cuda._lazy_call right after its lazy initialisation has
+    initialised CUDA, which every first use passes through, from Python or C++ callers (or at
+    once, where CUDA is initialised already). A launcher that imports torch and starts the
+    trainers, or a DataLoader worker that never touches CUDA, starts no agent and does not even
+    import it. Only with ALLOCWATCH_TARGET set; ALLOCWATCH_AGENT_CONNECT=start starts it at once.
+    """
+    if not os.environ.get("ALLOCWATCH_TARGET"):
+        return
+
+    def guarded() -> None:
+        # Raised here, an exception would fail the program's CUDA initialisation.
+        try:
+            start()
+        except Exception as err:  # noqa: BLE001 - the training process comes first
+            print(f"allocwatch: the agent did not start in pid {os.getpid()}: {err}",
+                  file=sys.stderr)
+
+    lazy_call = getattr(getattr(torch, "cuda", None), "_lazy_call", None)
+    if os.environ.get("ALLOCWATCH_AGENT_CONNECT") == "start" or lazy_call is None:
+        guarded()
+    else:
+        lazy_call(guarded)
+
+
 def _start_agent_for_ours() -> None:
-    """With ALLOCWATCH_TARGET set, the agent publishes this allocator's counters."""
+    """With ALLOCWATCH_TARGET set, the agent publishes this allocator's counters, from the
+    process's first CUDA use."""
+    import torch
+
+    start_agent_at_first_cuda_use(torch, _start_agent_now)
+
+
+def _start_agent_now() -> None:
     try:
         from allocator_ext.agent import maybe_start_from_env, set_default_source_factory
         from allocator_ext.agent.sources import AllocatorSource
@@ -373,8 +407,14 @@ def _start_agent_for_ours() -> None:
 
 def install_at_startup() -> None:
     """For `allocwatch run`, right after the program imported torch: install, and start the
-    agent either way (with PyTorch's allocator as its source where allocwatch's is not in)."""
+    agent either way at the process's first CUDA use (with PyTorch's allocator as its source
+    where allocwatch's is not in)."""
     if os.environ.get("ALLOCWATCH_ALLOCATOR", "1") == "0" or not install():
-        from allocator_ext.agent import maybe_start_from_env
+        import torch
 
-        maybe_start_from_env(source="pytorch")
+        def start_for_pytorchs() -> None:
+            from allocator_ext.agent import maybe_start_from_env
+
+            maybe_start_from_env(source="pytorch")
+
+        start_agent_at_first_cuda_use(torch, start_for_pytorchs)

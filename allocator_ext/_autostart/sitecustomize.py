@@ -7,7 +7,7 @@ starts when the program first uses it (as PyTorch's own test_lazy_init checks). 
 break the user's program: failures become one line on stderr.
 
 The environment (documented in docs/torch.md): ALLOCWATCH_RUN=1 turns this on; ALLOCWATCH_TARGET
-the sidecar (the agent connects at the process's first GPU use; ALLOCWATCH_AGENT_CONNECT);
+the sidecar (the agent starts at the process's first CUDA use; ALLOCWATCH_AGENT_CONNECT);
 ALLOCWATCH_ALLOC_CONF the settings; ALLOCWATCH_ALLOCATOR=0 keeps PyTorch's allocator;
 ALLOCWATCH_DISABLE=1 keeps it and says so; ALLOCWATCH_NATIVE=0 asks for the pluggable path;
 ALLOCWATCH_NATIVE_DIR where the native back end is cached."""
