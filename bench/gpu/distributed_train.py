@@ -49,12 +49,11 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench.lib.allocators import ALLOCATORS, Counters
-from bench.lib.sidecar_process import SidecarProcess
+from bench.lib.sidecar_process import SidecarProcess, scrape
 
 SIDES = ("pytorch", "expandable", "allocwatch")
 # allocwatch without paged segments: where NCCL's registration hook stays on (docs/torch.md).
@@ -194,20 +193,9 @@ def launch_environment(allocator: str, job: str, interval: float,
     return env
 
 
-def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-    except OSError:
-        return []
-    return [(s.name, dict(s.labels), s.value)
-            for family in text_string_to_metric_families(text) for s in family.samples]
-
-
 def rank_series(url: str) -> dict[str, dict[str, Any]]:
     """Each rank's own series on /metrics (all pools): {rank: {labels, series, nvml_joined}}."""
-    samples = scrape(url)
+    samples = scrape(url) or []
     nvml_uuids = {ls.get("gpu_uuid") for name, ls, _ in samples
                   if name == "allocwatch_gpu_memory_total_bytes"}
     ranks: dict[str, dict[str, Any]] = {}

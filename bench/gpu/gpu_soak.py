@@ -22,11 +22,10 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from bench import REPO
-from bench.lib.sidecar_process import SidecarProcess
+from bench.lib.sidecar_process import SidecarProcess, scrape
 
 # ------------------------------------------------------------------------------- the worker
 
@@ -82,14 +81,8 @@ def worker(target: str, seconds: float, self_check: bool) -> int:
 # ------------------------------------------------------------------------------- the driver
 
 def allocations_total(url: str) -> float | None:
-    try:
-        text = urllib.request.urlopen(url, timeout=2).read().decode()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("torch_cuda_allocator_allocations_total"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return next((value for name, _, value in scrape(url, timeout=2) or []
+                 if name == "torch_cuda_allocator_allocations_total"), None)
 
 
 def wait_for_agent(url: str, timeout: float) -> float | None:

@@ -54,12 +54,11 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench import REPO
-from bench.lib import source_tree
+from bench.lib import sidecar_process, source_tree
 from bench.lib.sidecar_process import SidecarProcess
 
 BAR = 0.002            # peak reserved after minute SETTLE within this share of minute SETTLE's
@@ -171,22 +170,18 @@ def worker(model: str, seconds: float, stop_at: float, mark_s: float, target: st
 
 def scrape(url: str) -> dict[str, Any] | None:
     """The worker's figures from one scrape of the sidecar, or None while it shows none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = urllib.request.urlopen(url, timeout=2).read().decode()
-    except OSError:
+    samples = sidecar_process.scrape(url, timeout=2)
+    if samples is None:
         return None
     wanted = {ALLOC + name for name in (*GAUGES, *COUNTERS)}
     got: dict[str, Any] = {}
     series: set[tuple] = set()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                series.add(tuple(sorted(sample.labels.items())))
-                got.setdefault(sample.name.removeprefix(ALLOC), sample.value)
-            elif sample.name == ALLOC + "info":
-                got.setdefault("backend", sample.labels.get("backend"))
+    for name, labels, value in samples:
+        if name in wanted:
+            series.add(tuple(sorted(labels.items())))
+            got.setdefault(name.removeprefix(ALLOC), value)
+        elif name == ALLOC + "info":
+            got.setdefault("backend", labels.get("backend"))
     if any(name not in got for name in (*GAUGES, *COUNTERS)):
         return None
     got["series"] = len(series)  # one worker: one series; more would mean another publisher

@@ -5,7 +5,7 @@
 
 Its settings file, agents' socket and log live in a fresh folder (under `parent` where given, else
 in the temporary directory); metrics on a free loopback port. `extra_yaml` adds top-level
-sections (a policy, say).
+sections (a policy, say). `scrape(sidecar.metrics_url)` reads its /metrics as Prometheus would.
 """
 
 from __future__ import annotations
@@ -16,9 +16,25 @@ import socket
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from bench import REPO
+
+Sample = tuple[str, dict[str, str], float]  # name, labels, value
+
+
+def scrape(url: str, timeout: float = 5.0) -> list[Sample] | None:
+    """Every sample of one scrape of `url`, or None where the sidecar does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(url, timeout=timeout).read().decode()
+    except OSError:
+        return None
+    return [(s.name, dict(s.labels), s.value)
+            for family in text_string_to_metric_families(text) for s in family.samples]
+
 
 # A Unix socket's path must fit sockaddr_un (108 bytes with its terminator on Linux).
 MAX_SOCKET_PATH = 100

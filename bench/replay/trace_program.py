@@ -4,8 +4,9 @@
 
 The replay stepper (allocator_ext/replay/replayer.py) drives the allocator from Python, whose
 own cost per event hides the allocator's; trace_ops replays the same sequence from C++. Writes
-the program to OUT and prints how many operations and allocations it holds. Each allocation gets an id; a free names the id of the live allocation at its
-address, at its request (`free_requested`). The first line is `allocwatch-program 1 OPS IDS`,
+the program to OUT and prints how many operations and allocations it holds. Each allocation
+gets an id; a free names the id of the live allocation at its address, at its request
+(`free_requested`). The first line is `allocwatch-program 1 OPS IDS`,
 then one line an operation: `a ID SIZE STREAM` or `f ID`. What the program leaves out: the
 recorded out-of-memory errors, and the waits of a free for other streams (every free is
 reused at once, as a block freed on its own stream is).
