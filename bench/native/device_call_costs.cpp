@@ -54,7 +54,7 @@ const std::vector<std::string> kTableKinds = {"segment_alloc", "segment_free", "
                                               "unmap",         "release",      "reserve",
                                               "address_free",  "synchronize"};
 const std::vector<std::string> kExtraKinds = {"synchronize_stream", "event_record",
-                                              "event_query"};
+                                              "event_query", "stream_wait_event"};
 
 struct Options {
   int device = 0;
@@ -241,6 +241,9 @@ void time_sizeless_calls(CudaDevice& device, Samples* out) {
   bool done = false;
   (*out)["event_query"][0].push_back(seconds_of([&] { done = device.query_event(event); }));
   require(done, "a completed event queried as not ready");
+  // A page moved from another stream: the receiving stream waits for it on the device.
+  (*out)["stream_wait_event"][0].push_back(
+      seconds_of([&] { device.stream_wait_event(0, event); }));
   device.release_event(event);
 }
 
