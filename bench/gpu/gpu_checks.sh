@@ -6,46 +6,46 @@
 #   install      python -m pip install --no-build-isolation --no-deps -e .
 #   tests        the pluggable path's and the agent's GPU tests (the torchrun ones need 2 GPUs)
 #   torchrun     only the torchrun tests (2 GPUs)
-#   soak-start   starts bench/gpu/gpu_soak.py (10 min, sidecar SIGKILLed every 60 s) in its own process
+#   soak-start   starts bench.gpu.gpu_soak (10 min, sidecar SIGKILLed every 60 s) in its own process
 #                group on the last GPU, so other parts can use GPU 0 meanwhile
 #   soak-wait    waits for it and copies its JSON and log to $OUT
-#   overhead     bench/sidecar/agent_overhead.py (in-process A/B blocks) for allocwatch's allocator and
+#   overhead     bench.sidecar.agent_overhead (in-process A/B blocks) for allocwatch's allocator and
 #                PyTorch's
-#   hotpath      bench/gpu/torch_bench.py hotpath --rounds 31
+#   hotpath      bench.gpu.torch_bench hotpath --rounds 31
 #   corehotpath  bench/native/run_hotpath.sh: the core's hot path on the simulated device, on this
 #                host's CPU (the bar of 100 ns a pair applies on the GPU machine's host)
-#   train        bench/gpu/torch_bench.py train (transformer), then the convnet
-#   lockstep     bench/gpu/step_lockstep.py --suite: transformer, moe and convnet against
+#   train        bench.gpu.torch_bench train (transformer), then the convnet
+#   lockstep     bench.gpu.step_lockstep --suite: transformer, moe and convnet against
 #                expandable segments, uncapped and at 1.03 x, on fresh shapes after warm-up:
 #                the two processes take turns step by step
-#   convnetprofile  bench/gpu/host_profile.py --fresh --model convnet: where the convnet's host time
+#   convnetprofile  bench.gpu.host_profile --fresh --model convnet: where the convnet's host time
 #                goes on fresh shapes, allocwatch against expandable segments and then expandable
 #                against itself (per op, per kernel, and one cudaMemGetInfo's cost; about 4 minutes)
-#   convnetbar   the convnet's step-time bar in one verdict: bench/gpu/step_lockstep.py --model
+#   convnetbar   the convnet's step-time bar in one verdict: bench.gpu.step_lockstep --model
 #                convnet, 16 rounds of 12 steps, uncapped and at 1.03 x, each once with allocwatch's
-#                process first and once with expandable's, pooled by bench/gpu/lockstep_pool.py
+#                process first and once with expandable's, pooled by bench.gpu.lockstep_pool
 #                (about 5 minutes)
 #   convnetsplit where the convnet's gap goes, 16 rounds of 12 steps each, in both process orders:
 #                our core under PyTorch's page rules (ALLOCWATCH_ALLOC_CONF=native) against PyTorch's
 #                allocator, the same layout on both sides; then the native back end against the
-#                pluggable path, the same core; each pair pooled by bench/gpu/lockstep_pool.py
+#                pluggable path, the same core; each pair pooled by bench.gpu.lockstep_pool
 #                (about 4 minutes)
 #   convnetcontrols  the convnet's gap against its controls, 16 rounds of 12 steps each, every pair
 #                twice (once in each process order): allocwatch against expandable segments;
 #                expandable segments with allocwatch's libraries loaded but not installed against
 #                expandable segments (what the libraries' presence costs); and each allocator
 #                against itself (how far two processes of one allocator differ); the first two
-#                pooled by bench/gpu/lockstep_pool.py (about 6 minutes)
+#                pooled by bench.gpu.lockstep_pool (about 6 minutes)
 #   convnetloaded  convnetcontrols' second pair alone: expandable segments with allocwatch's
 #                libraries loaded but not installed, against expandable segments, in both process
 #                orders, pooled (about 2 minutes)
 #   probes       bench/native/device_call_costs --quick: the cost table's calls plus the driver probes
 #                (one unmap over several mappings; pieces of one allocation mapped by offset)
-#   agentcpu     bench/sidecar/agent_cpu_cost.py --source pytorch, then allocwatch: the agent's CPU
+#   agentcpu     bench.sidecar.agent_cpu_cost --source pytorch, then allocwatch: the agent's CPU
 #                share and its sample's time with CUDA tensors and NVML
-#   policy       bench/gpu/policy_under_cap.py --fraction-of-peak 1.03 (POLICY_FRACTION overrides)
+#   policy       bench.gpu.policy_under_cap --fraction-of-peak 1.03 (POLICY_FRACTION overrides)
 #   native       allocwatch native build (ahead of the parts below, so no launch pays for it)
-#   distributed1 bench/gpu/distributed_train.py --nproc 1: DDP and FSDP, one rank on GPU 0 (NCCL),
+#   distributed1 bench.gpu.distributed_train --nproc 1: DDP and FSDP, one rank on GPU 0 (NCCL),
 #                under PyTorch's allocator, its expandable segments and allocwatch's
 #   distributed  the same with every GPU of the host (2 at least), 2 rounds
 #   distributedhook  TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, every GPU: PyTorch's allocator,

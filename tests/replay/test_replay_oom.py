@@ -312,7 +312,8 @@ def test_the_recorded_settings_are_a_candidate_of_their_own() -> None:
 # --- out-of-memory traces recorded on the H200 (bench/replay/record_traces.py --oom) ------------
 
 NO_OOM_TRACES = (f"no out-of-memory traces recorded on a GPU yet ({OOM_MANIFEST} is absent; "
-                 "bench/replay/record_traces.py --oom --out tests/data/traces records them)")
+                 "python -m bench.replay.record_traces --oom --out tests/data/traces records "
+                 "them)")
 
 
 def _oom_manifest() -> dict[str, Any] | None:

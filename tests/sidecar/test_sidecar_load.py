@@ -1,7 +1,7 @@
 """The load benchmark, small: many agents into one sidecar, scraped by one and by several
 scrapers, then with idle connections held open: nothing lost, no scrape failed, and the
 sidecar holds no more connections than its limit. The full run (64 agents, 4 scrapers, 1,000
-idle connections) and the 10-minute soak are `python bench/sidecar/sidecar_load.py` (marked
+idle connections) and the 10-minute soak are `python -m bench.sidecar.sidecar_load` (marked
 slow here)."""
 
 from __future__ import annotations
