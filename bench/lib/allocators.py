@@ -16,9 +16,6 @@ ALLOCATORS = {
     "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     # install()'s default: the native back end built against this torch (allocator_ext/native/).
     "allocwatch": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1"},
-    # allocwatch without settle_page_moves (a page move that recurs moves its pages again).
-    "allocwatch-moving": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
-                          "ALLOCWATCH_ALLOC_CONF": "settle_page_moves:False"},
     # The same core through PyTorch's CUDAPluggableAllocator, install()'s fallback.
     "allocwatch-pluggable": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
                              "ALLOCWATCH_NATIVE": "0"},
@@ -42,9 +39,9 @@ def setup_in_child() -> Any:
         from allocator_ext import _core
         from allocator_ext.native import library
 
-        # Loaded and never installed. The core goes into the process's global scope, as the
-        # back end once opened it (it now opens it locally): the stricter case, where anything
-        # the core still exported would be bindable by the libraries loaded after it.
+        # Loaded and never installed. The core goes into the process's global scope (the
+        # native back end opens it locally): the stricter case, where anything the core
+        # exported would be bindable by the libraries loaded after it.
         ctypes.CDLL(_core.__file__, mode=ctypes.RTLD_GLOBAL)
         ctypes.CDLL(str(library()))
     elif os.environ.get("ALLOCWATCH_BENCH_INSTALL") == "1":

@@ -3,11 +3,11 @@
     python -m bench.replay.growth_timeline TRACE [--config SETTINGS ...] [--near 0.99]
                                            [--fixed-layout-bound] [--json FILE]
 
-Replays TRACE once per --config (default: allocwatch's defaults and settle_page_moves:False) and
-prints every event where one of them changes reserved memory while it is within --near of its
-peak: the event's index in the trace, the request, the bytes requested then and each setting's
-reserved bytes, both over the trace's peak requested bytes: so two settings' peaks can be
-traced to the requests that make them differ.
+Replays TRACE once per --config (default: allocwatch's defaults and PyTorch's expandable
+segments) and prints every event where one of them changes reserved memory while it is within
+--near of its peak: the event's index in the trace, the request, the bytes requested then and
+each setting's reserved bytes, both over the trace's peak requested bytes: so two settings'
+peaks can be traced to the requests that make them differ.
 
 Also printed: the sum over the trace's streams of each stream's own peak of bytes requested,
 over the trace's peak requested. Without moving pages between streams an allocator holds at
@@ -40,7 +40,7 @@ from allocator_ext.replay.trace import (
     peak_requested_by_stream,
 )
 
-DEFAULT_CONFIGS = ("", "settle_page_moves:False")
+DEFAULT_CONFIGS = ("", "native,expandable_segments:True")
 
 
 def per_stream_peak_sum(trace: Trace) -> int:
