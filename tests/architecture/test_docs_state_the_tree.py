@@ -5,6 +5,7 @@ no doc's prose carries a commit hash: history lives in git, the docs state the p
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shutil
 import subprocess
@@ -142,3 +143,29 @@ def test_no_commit_hash_in_the_docs() -> None:
                                                 strict=True)
                    if answer.split()[1:2] == ["commit"] or answer.endswith("ambiguous")]
         assert commits == [], f"commits named in the docs: {commits}"
+
+
+def cited_names(span: str) -> list[str]:
+    """The result files a span names: not the files a command writes (after --json, --plot)."""
+    words = [w for w in re.split(r"[\s,;()'\"]+", span) if w]
+    return [w for before, w in zip(["", *words], words, strict=False)
+            if re.search(r"\.(json|jsonl|txt|log|png|xml)$", w) and not before.startswith("-")
+            and before != ">" and "/" not in w.removeprefix("docs/results/").removeprefix(
+                "results/")]
+
+
+def test_docs_results_holds_the_raw_files_the_docs_cite_and_only_those() -> None:
+    # A figure cites its raw file by name, or a set of them by a pattern (`*`).
+    results = REPO / "docs" / "results"
+    cited = {word.removeprefix("docs/results/").removeprefix("results/")
+             for doc in DOCS for span in spans(doc.read_text()) for word in cited_names(span)}
+    files = {p.name for p in results.iterdir() if p.is_file()} - {"README.md"}
+    assert len(files) >= 20, "docs/results was not found"
+    uncited = sorted(f for f in files if not any(fnmatch.fnmatch(f, c) for c in cited))
+    assert uncited == [], f"raw files in docs/results that no doc cites: {uncited}"
+    # A cited name is a file (of docs/results, or of the tree: device_costs.json); a pattern
+    # matches at least one raw file.
+    names = tree_names()
+    dangling = sorted(c for c in cited if not (fnmatch.filter(files, c) if "*" in c
+                                               else c in files or c in names))
+    assert dangling == [], f"raw files cited that do not exist: {dangling}"
