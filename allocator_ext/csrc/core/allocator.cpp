@@ -133,13 +133,24 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemo
             (captures_underway_.empty() && (release_cached_blocks(), true) &&
              alloc_block(p, true));
   }
+  // About to run out of memory: a request outside private pools may take a free block of a
+  // pool marked use_on_oom, as a last resort (PyTorch's order: after every retry).
+  if (!found && owner == nullptr && !use_on_oom_pools_.empty()) {
+    AllocParams in_pool = p;
+    found = get_free_block_of_use_on_oom_pools(in_pool);
+    if (found) p = in_pool;
+  }
   if (!found) {
     OutOfMemoryReport report = out_of_memory(p);
     if (oom == nullptr) throw OutOfMemoryError(std::move(report));
     *oom = std::move(report);
     return nullptr;
   }
-  const bool split = should_split(p.block, size) && !(owner != nullptr && owner->no_split);
+  // The rules of the pool that serves: a use_on_oom pool's may differ from the request's.
+  const PrivatePool* served = p.pool->owner;
+  const ScopedFlagOff plain_served(config_.expandable_segments,
+                                   served != owner && served != nullptr && served->plain_segments);
+  const bool split = should_split(p.block, size) && !(served != nullptr && served->no_split);
   return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
 }
 
@@ -219,7 +230,7 @@ bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
   }
 
   void* ptr = nullptr;
-  if (!device_->malloc(p.alloc_size, &ptr)) return false;
+  if (!segments_device(*p.pool).malloc(p.alloc_size, &ptr)) return false;
   p.block = new_block(p.stream, p.alloc_size, p.pool, reinterpret_cast<std::uintptr_t>(ptr));
   count_reserved(*p.pool, TraceAction::segment_alloc, p.block->ptr, p.block->size, p.stream);
   return true;
@@ -230,7 +241,7 @@ void CachingAllocator::count_reserved(BlockPool& pool, TraceAction how, std::uin
   const bool segment = how == TraceAction::segment_alloc;  // else pages mapped
   const PoolKind kind = pool.kind();
   total_allocated_memory_ += size;
-  reserved_high_water_ = std::max(reserved_high_water_, total_allocated_memory_);
+  page_policy_.reserved(total_allocated_memory_);
   stats_.reserved_bytes.increase(kind, static_cast<std::int64_t>(size));
   stats_.interval_peaks.reserved_bytes = std::max(
       stats_.interval_peaks.reserved_bytes, stats_.reserved_bytes.by_pool[kAggregate].current);

@@ -28,6 +28,7 @@
 #include "config.h"
 #include "device.h"
 #include "expandable_segment.h"
+#include "page_policy.h"
 #include "pointer_map.h"
 #include "stats.h"
 #include "trace.h"
@@ -149,9 +150,16 @@ class CachingAllocator {
   // --- private pools for torch.cuda.MemPool (pools.cpp) ---
   // Makes the pool, or shares an existing one (its use count + 1); begin_allocate_to_pool
   // then routes a thread's or stream's allocations to it. plain_segments: PrivatePool's.
-  void create_or_incref_pool(MempoolId id, bool plain_segments);
+  // segments: the device its segments come from (PrivatePool::segments; nullptr: this
+  // allocator's), for a new pool only.
+  void create_or_incref_pool(MempoolId id, bool plain_segments,
+                             std::shared_ptr<Device> segments = nullptr);
   int pool_use_count(MempoolId id) const;  // 0 for a pool that does not exist
   void set_pool_no_split(MempoolId id);
+  // PyTorch's use_on_oom: a request outside private pools that found no room anywhere else
+  // takes a free block of such a pool (in the order the pools were marked) before it fails.
+  // A pool released by all its users is no longer used so.
+  void set_pool_use_on_oom(MempoolId id, bool use_on_oom);
   // Releases the cached blocks of a pool that nothing uses any more (PyTorch's
   // emptyCache(pool)); nothing for a pool still in use, or while a capture is underway.
   std::size_t empty_pool_cache(MempoolId id);
@@ -244,10 +252,14 @@ class CachingAllocator {
                                      std::size_t page) const;
   std::size_t growth_chunk_pages(const BlockPool& pool, std::size_t size,
                                  std::size_t page) const;
-  bool near_growth_ceiling(std::size_t bytes) const;
   bool should_take_back(std::size_t bytes) const;
-  bool repeats_page_move();
-  void create_or_incref_pool_locked(MempoolId id, bool plain_segments);  // mutex_ held
+  void create_or_incref_pool_locked(MempoolId id, bool plain_segments,
+                                    std::shared_ptr<Device> segments = nullptr);  // mutex_ held
+  bool get_free_block_of_use_on_oom_pools(AllocParams& p);
+  // The device a pool's segments come from (PrivatePool::segments).
+  Device& segments_device(const BlockPool& pool) const {
+    return pool.owner != nullptr && pool.owner->segments ? *pool.owner->segments : *device_;
+  }
   void release_spares_beyond(std::size_t keep_pages, std::size_t page);
   void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
@@ -313,6 +325,7 @@ class CachingAllocator {
   std::vector<std::pair<MempoolId, std::function<bool(StreamId)>>> captures_underway_;
   std::map<MempoolId, std::unique_ptr<PrivatePool>> graph_pools_;
   std::map<MempoolId, PrivatePool*> graph_pools_freeable_;
+  std::vector<MempoolId> use_on_oom_pools_;
   std::vector<Block*> needs_events_deferred_until_no_capture_;
   std::unordered_map<Block*, std::vector<StreamId>> block_to_capture_stream_uses_;
   std::shared_ptr<CaptureGraphs> capture_graphs_;
@@ -331,24 +344,12 @@ class CachingAllocator {
     std::size_t free = 0;
     std::int64_t reserved = 0;
   } device_free_asked_;
-  // The most reserved since the start or the last explicit reclaim (empty_cache, an operator's
-  // garbage_collect): below it, expandable segments grow with new pages rather than moving
-  // free ones (expandable.cpp, Note [page policy]).
-  std::size_t reserved_high_water_ = 0;
-  // With settle_page_moves: the growths that took pages back, by (stream, request, bytes
-  // allocated), since the start or the last explicit reclaim; and the growth being served, with
-  // whether it took pages back already (Note [page policy], repeated moves).
-  using Growth = std::tuple<StreamId, std::size_t, std::size_t>;
-  std::set<Growth> growths_that_moved_pages_;
-  Growth growth_ {};
-  bool growth_moved_pages_ = false;
+  // What the page policy remembers between growths (page_policy.h).
+  PagePolicy page_policy_;
   // The run of free and unmapped blocks the growth being served will occupy: no donor of its
   // pages (a free block inside the run is part of the request, and one whose pages moved
   // cannot be mapped again before they are unmapped).
   Range growing_ {};
-  // Reserved memory plus what was left when the device or the memory fraction last refused
-  // growth (0: never): near it the large pool grows by single pages (Note [page policy]).
-  std::size_t growth_ceiling_ = 0;
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;
   std::size_t device_total_ = 0;

@@ -130,11 +130,6 @@ namespace {
 // policy], small-pool reserve).
 constexpr std::size_t kSmallPagesKept = 2;
 
-// Large-pool growth creates single pages, not chunks, once reserved memory would pass this share
-// of the ceiling at which the device or the memory fraction last refused growth (Note [page
-// policy], page size and chunks).
-constexpr double kNearCeiling = 0.95;
-
 constexpr std::size_t kNoRoom = static_cast<std::size_t>(-1);
 
 bool allocatable(const Block* b) {
@@ -224,17 +219,10 @@ std::size_t CachingAllocator::growth_chunk_pages(const BlockPool& pool, std::siz
   // and chunks). The small pool maps its 2 MiB pages one by one, as PyTorch does.
   if (pool.is_small) return 1;
   if (config_.expandable_grow > 0) return whole_pages(size, page) / page;
-  if (config_.expandable_chunk > page && !near_growth_ceiling(size))
+  if (config_.expandable_chunk > page &&
+      !page_policy_.near_ceiling(total_allocated_memory_ + size))
     return config_.expandable_chunk / page;
   return 1;
-}
-
-bool CachingAllocator::near_growth_ceiling(std::size_t bytes) const {
-  // Within kNearCeiling of the reserved memory at which growth was last refused (Note [page
-  // policy], page size and chunks).
-  return growth_ceiling_ > 0 &&
-         static_cast<double>(total_allocated_memory_ + bytes) >
-             kNearCeiling * static_cast<double>(growth_ceiling_);
 }
 
 bool CachingAllocator::should_take_back(std::size_t bytes) const {
@@ -242,18 +230,8 @@ bool CachingAllocator::should_take_back(std::size_t bytes) const {
   // pass the memory fraction; never during a capture (Note [page policy], high-water mark and
   // captures). A device with no memory left is map_block's second try.
   return config_.reuse_free_pages && !captures_underway() &&
-         (total_allocated_memory_ + bytes > reserved_high_water_ ||
+         (page_policy_.above_high_water(total_allocated_memory_ + bytes) ||
           over_fraction_when_mapping(bytes));
-}
-
-bool CachingAllocator::repeats_page_move() {
-  // A growth that took pages back once and needs to again is a cycle: the pages it moves will
-  // be moved back before it recurs. Creating them instead ends it (Note [page policy],
-  // repeated moves). Two calls for one request count as one growth.
-  if (!config_.settle_page_moves || growth_moved_pages_) return false;
-  if (!growths_that_moved_pages_.insert(growth_).second) return true;
-  growth_moved_pages_ = true;
-  return false;
 }
 
 void CachingAllocator::release_spares_beyond(std::size_t keep_pages, std::size_t page) {
@@ -294,13 +272,17 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   } release_spares_on_exit{*this, page};
 
   // Past the memory fraction pages move regardless: they are the only room left.
-  const bool took_back = should_take_back(rounded) &&
-                         (over_fraction_when_mapping(rounded) || !repeats_page_move());
+  // A growth that took pages back once and needs to again is a cycle: the pages it moves will
+  // be moved back before it recurs, so it creates them (Note [page policy], repeated moves).
+  const bool took_back =
+      should_take_back(rounded) &&
+      (over_fraction_when_mapping(rounded) || !config_.settle_page_moves ||
+       !page_policy_.repeats_page_move());
   if (took_back) take_back_free_pages(to_map->pool, to_map, rounded);
   if (over_fraction_when_mapping(rounded)) {
     // Still over the memory fraction: pages taken back go to the device, and the caller's
     // out-of-memory path frees cached blocks and retries. The fraction is the ceiling.
-    growth_ceiling_ = allowed_memory_maximum_;
+    page_policy_.growth_refused(allowed_memory_maximum_);
     release_spares_beyond(0, page);
     return false;
   }
@@ -316,7 +298,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
       device_free = device_->memory_info().free;
     } catch (...) {
     }
-    growth_ceiling_ = total_allocated_memory_ + device_free;
+    page_policy_.growth_refused(total_allocated_memory_ + device_free);
     chunk_pages = growth_chunk_pages(*to_map->pool, size, page);
   }
   // The device had no memory left for pages below the high-water mark: take back after all.
@@ -333,7 +315,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   count_reserved(*to_map->pool, TraceAction::segment_map, mapped.ptr, mapped.size,
                  to_map->stream);
   // Memory past the ceiling was there after all (another process freed some): forget it.
-  if (total_allocated_memory_ > growth_ceiling_) growth_ceiling_ = 0;
+  page_policy_.mapped(total_allocated_memory_);
   return true;
 }
 
@@ -359,12 +341,11 @@ void CachingAllocator::adopt_mapped(Block* to_map, Range mapped) {
 
 Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPool* pool,
                                                        std::size_t size) {
-  growth_ = Growth{stream, size,
-                   static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current)};
-  growth_moved_pages_ = false;
+  page_policy_.begin_growth(
+      stream, size, static_cast<std::size_t>(stats_.allocated_bytes.by_pool[kAggregate].current));
   // A growth that will create the pages it once moved grows where it needs the fewest (Note
   // [page policy], repeated moves).
-  const bool settled = config_.settle_page_moves && growths_that_moved_pages_.count(growth_) > 0;
+  const bool settled = config_.settle_page_moves && page_policy_.growth_moved_before();
   Block* candidate = find_expandable_block(stream, pool, size, settled);
   growing_ = Range{candidate->ptr, size};
   // The candidate starts a run of free and unmapped blocks with at least `size` bytes:

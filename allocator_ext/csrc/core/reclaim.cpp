@@ -91,7 +91,7 @@ std::size_t CachingAllocator::release_blocks(BlockPool& pool) {
 }
 
 void CachingAllocator::release_block(Block* block) {
-  device_->free(reinterpret_cast<void*>(block->ptr), block->size);
+  segments_device(*block->pool).free(reinterpret_cast<void*>(block->ptr), block->size);
   count_released(*block->pool, TraceAction::segment_free, block->ptr, block->size, block->stream);
   block->pool->blocks.erase(block);
   delete_block(block);
@@ -151,8 +151,7 @@ std::size_t CachingAllocator::empty_cache() {
   const std::size_t released = release_cached_blocks();
   // An explicit reclaim asks for less memory from now on: growth moves free pages again
   // before it raises reserved above what is left.
-  reserved_high_water_ = total_allocated_memory_;
-  growths_that_moved_pages_.clear();
+  page_policy_.reclaimed(total_allocated_memory_);
   return released;
 }
 
@@ -164,8 +163,7 @@ std::size_t CachingAllocator::garbage_collect() {
   struct LowerMark {
     CachingAllocator& a;
     ~LowerMark() {
-      a.reserved_high_water_ = a.total_allocated_memory_;
-      a.growths_that_moved_pages_.clear();
+      a.page_policy_.reclaimed(a.total_allocated_memory_);
     }
   } lower_mark{*this};
   if (!set_fraction_ || config_.garbage_collection_threshold <= 0.0) return 0;

@@ -1,0 +1,81 @@
+// The page policy's memory: what allocwatch's rules for expandable segments remember between
+// growths, and the decisions that depend on nothing else (expandable.cpp, Note [page policy],
+// has the rules and why). The allocator owns one and asks it; the block logic stays there.
+//
+// It remembers three things, each forgotten by an explicit reclaim (empty_cache, an operator's
+// garbage_collect) or a new memory limit, as the note says:
+// - the high-water mark: the most reserved since the start or the last explicit reclaim;
+// - the ceiling: reserved memory plus what was left when the device or the memory fraction
+//   last refused growth;
+// - the growths that moved pages, by (stream, request, bytes allocated): a recurring one is a
+//   cycle, settled by creating its pages once (settle_page_moves).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <set>
+#include <tuple>
+
+#include "device.h"
+
+namespace allocwatch {
+
+class PagePolicy {
+ public:
+  // Large-pool growth creates single pages, not chunks, once reserved memory would pass this
+  // share of the ceiling.
+  static constexpr double kNearCeiling = 0.95;
+
+  // --- the high-water mark ---
+  void reserved(std::size_t total) { high_water_ = std::max(high_water_, total); }
+  std::size_t high_water() const { return high_water_; }
+  // Growing to `reserved_after` raises no peak below the mark: new pages then, no moves.
+  bool above_high_water(std::size_t reserved_after) const { return reserved_after > high_water_; }
+
+  // --- the ceiling ---
+  void growth_refused(std::size_t ceiling) { ceiling_ = ceiling; }
+  void forget_ceiling() { ceiling_ = 0; }
+  std::size_t ceiling() const { return ceiling_; }
+  bool near_ceiling(std::size_t reserved_after) const {
+    return ceiling_ > 0 &&
+           static_cast<double>(reserved_after) > kNearCeiling * static_cast<double>(ceiling_);
+  }
+  // Reserved memory passed the ceiling after all (another process freed memory): forget it.
+  void mapped(std::size_t reserved_now) {
+    if (reserved_now > ceiling_) ceiling_ = 0;
+  }
+
+  // --- growths that moved pages ---
+  // A growth starts: the request of `size` bytes on `stream` with `allocated` bytes in use.
+  void begin_growth(StreamId stream, std::size_t size, std::size_t allocated) {
+    growth_ = Growth{stream, size, allocated};
+    growth_moved_pages_ = false;
+  }
+  // This growth moved pages at an earlier recurrence.
+  bool growth_moved_before() const { return moved_.count(growth_) > 0; }
+  // About to move pages for the current growth: true where that repeats an earlier move of the
+  // same growth (a cycle: create the pages instead). Two calls for one growth count as one.
+  bool repeats_page_move() {
+    if (growth_moved_pages_) return false;
+    if (!moved_.insert(growth_).second) return true;
+    growth_moved_pages_ = true;
+    return false;
+  }
+
+  // An explicit reclaim asked for less memory from now on: the mark drops to what is left,
+  // and the growths seen are forgotten.
+  void reclaimed(std::size_t reserved_now) {
+    high_water_ = reserved_now;
+    moved_.clear();
+  }
+
+ private:
+  using Growth = std::tuple<StreamId, std::size_t, std::size_t>;
+  std::size_t high_water_ = 0;
+  std::size_t ceiling_ = 0;
+  std::set<Growth> moved_;
+  Growth growth_{};
+  bool growth_moved_pages_ = false;
+};
+
+}  // namespace allocwatch

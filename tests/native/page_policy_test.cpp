@@ -1,0 +1,71 @@
+// PagePolicy on its own (core/page_policy.h): what it remembers and when it forgets.
+// Built and run by tests/core/test_page_policy.py; prints one line per check and exits non-zero
+// at the first that fails.
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/page_policy.h"
+
+using allocwatch::PagePolicy;
+
+namespace {
+
+int checks = 0;
+
+void expect(bool ok, const char* what) {
+  ++checks;
+  std::printf("%s %s\n", ok ? "ok  " : "FAIL", what);
+  if (!ok) std::exit(1);
+}
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+}  // namespace
+
+int main() {
+  {
+    PagePolicy p;
+    p.reserved(100 * MiB);
+    p.reserved(60 * MiB);
+    expect(p.high_water() == 100 * MiB, "the mark is the most ever reserved");
+    expect(!p.above_high_water(100 * MiB), "growth up to the mark raises no peak");
+    expect(p.above_high_water(101 * MiB), "growth past the mark does");
+    p.reclaimed(40 * MiB);
+    expect(p.high_water() == 40 * MiB && p.above_high_water(41 * MiB),
+           "an explicit reclaim lowers the mark to what it leaves");
+  }
+  {
+    PagePolicy p;
+    expect(!p.near_ceiling(1000 * MiB), "no refusal yet: no ceiling");
+    p.growth_refused(1000 * MiB);
+    expect(!p.near_ceiling(950 * MiB) && p.near_ceiling(951 * MiB),
+           "within 5 % of where growth was refused is near the ceiling");
+    p.mapped(900 * MiB);
+    expect(p.ceiling() == 1000 * MiB, "growth below the ceiling keeps it");
+    p.mapped(1001 * MiB);
+    expect(p.ceiling() == 0, "growth past the ceiling forgets it");
+    p.growth_refused(500 * MiB);
+    p.forget_ceiling();
+    expect(!p.near_ceiling(499 * MiB), "a new memory limit forgets the ceiling");
+  }
+  {
+    PagePolicy p;
+    p.begin_growth(7, 64 * MiB, 300 * MiB);
+    expect(!p.growth_moved_before(), "a first growth has not moved pages before");
+    expect(!p.repeats_page_move(), "its first move is no repetition");
+    expect(!p.repeats_page_move(), "a second move within the same growth counts as one");
+    p.begin_growth(7, 64 * MiB, 300 * MiB);
+    expect(p.growth_moved_before(), "the same request with the same bytes allocated recurs");
+    expect(p.repeats_page_move(), "moving again for it repeats a move: a cycle");
+    p.begin_growth(7, 64 * MiB, 301 * MiB);
+    expect(!p.repeats_page_move(), "another moment of the step is another growth");
+    p.begin_growth(8, 64 * MiB, 300 * MiB);
+    expect(!p.growth_moved_before(), "another stream is another growth");
+    p.reclaimed(0);
+    p.begin_growth(7, 64 * MiB, 300 * MiB);
+    expect(!p.growth_moved_before() && !p.repeats_page_move(),
+           "an explicit reclaim forgets the growths seen");
+  }
+  std::printf("%d checks passed\n", checks);
+  return 0;
+}
