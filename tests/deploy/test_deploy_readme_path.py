@@ -7,7 +7,8 @@ allocator figures.
 
 What this machine cannot be, and how the test stands in for it:
 - no network: the install uses `--no-build-isolation` (the build tools are already here, in the
-  environment the fresh virtual environment sees through --system-site-packages, as torch is);
+  environment the tests run in, which the fresh virtual environment sees, as it sees torch:
+  support.venv says how, whether the tests run in a system Python or in a venv of their own);
 - no cluster: the pod's volumes are directories, its containers processes (support.pod), run
   as this test's user (tests/deploy/test_deploy_pod_users.py runs them as the manifests'
   users), and the port-forward is a direct connection to the sidecar;
@@ -23,7 +24,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -34,6 +34,7 @@ from support.deploy import require_binary
 from support.net import free_port
 from support.paths import REPO
 from support.pod import LocalPod, stop
+from support.venv import make_venv
 from support.waiting import wait_for
 
 parser = pytest.importorskip("prometheus_client.parser",
@@ -79,9 +80,7 @@ def installed() -> Iterator[tuple[Path, Path]]:
     root = Path(tempfile.mkdtemp(prefix="allocwatch-readme-", dir="/tmp"))
     try:
         clone = fresh_clone(root / "allocwatch")
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages",
-                        str(root / "venv")], check=True, timeout=120)
-        python = root / "venv" / "bin" / "python"
+        python = make_venv(root / "venv")
         install = subprocess.run([str(python), "-m", "pip", "install", "-q",
                                   "--no-build-isolation", "-e", "."], cwd=clone,
                                  capture_output=True, text=True, timeout=800)
@@ -89,6 +88,21 @@ def installed() -> Iterator[tuple[Path, Path]]:
         yield clone, python
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_fresh_venv_sees_the_packages_of_the_venv_the_tests_run_in(tmp_path) -> None:
+    """The user's venv holds what its base interpreter lacks (torch, there): a venv made for a
+    test from inside it must see it (`venv --system-site-packages` would see the base's)."""
+    outer = make_venv(tmp_path / "users-venv")
+    purelib = subprocess.run([str(outer), "-c", "import sysconfig; "
+                              "print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib) / "only_in_the_users_venv.py").write_text("HERE = True\n")
+    inner = make_venv(tmp_path / "fresh", python=str(outer))
+    seen = subprocess.run([str(inner), "-c", "import sys, only_in_the_users_venv as m; "
+                           "print(m.HERE, sys.prefix)"], capture_output=True, text=True)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.split() == ["True", str(tmp_path / "fresh")]
 
 
 def test_from_a_fresh_clone_to_a_scrape_of_the_example_job(installed) -> None:
