@@ -533,6 +533,41 @@ def trace_trackers() -> str:
             f"a {z_size >> 20} MiB segment")
 
 
+def page_moves() -> str:
+    """Free pages of a side stream's block move to the main stream's growth while the side
+    stream still writes them: the main stream waits on the device (its result is never
+    overwritten by the side stream's late writes), the host waits for nothing, and the old
+    mapping goes once the side stream is done (Note [moving pages] in core/expandable.cpp)."""
+    side = torch.cuda.Stream()
+    checked = 0
+    for i in range(20):
+        before = core_stats()
+        with torch.cuda.stream(side):
+            x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+            torch.cuda._sleep(20_000_000)                # the side stream is slow
+            x.fill_(7)                                   # its last write lands late
+        del x                                            # free on its own stream at once
+        # Past the most ever reserved: the growth takes the side stream's free pages back.
+        grow = 64 * MiB + (i + 1) * 64 * MiB
+        y = torch.empty(grow, dtype=torch.uint8, device="cuda")
+        y.fill_(1)
+        moved = core_stats()
+        assert moved["num_stream_waits"] > before["num_stream_waits"], (i, moved)
+        for scope in ("device", "stream", "event"):
+            key = f"num_host_waits.{scope}"
+            assert moved[key] == before[key], (i, key, moved[key], before[key])
+        torch.cuda.synchronize()
+        assert int((y != 1).sum().item()) == 0, f"pass {i}: the side stream's writes reached y"
+        del y
+        checked += 1
+    torch.empty(512, device="cuda")                      # polls: the old mappings go
+    after = core_stats()
+    assert after["pending_unmap_bytes"] == 0, after["pending_unmap_bytes"]
+    return (f"{checked} moves checked; stream waits {after['num_stream_waits']}, host waits "
+            f"{after['num_host_waits.device']}/{after['num_host_waits.stream']}/"
+            f"{after['num_host_waits.event']}")
+
+
 # Set before install(), which reads them (a scenario's own settings).
 ENVIRONMENT = {
     "trace_trackers": {"ALLOCWATCH_ALLOC_CONF": "expandable_segments:False",
