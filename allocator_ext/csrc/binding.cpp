@@ -485,7 +485,14 @@ PYBIND11_MODULE(_core, m) {
            "Release the private pool `pool_id`: its free blocks become releasable.")
       .def("create_or_incref_pool", &CachingAllocator::create_or_incref_pool,
            py::arg("pool_id"), py::arg("plain_segments") = false,
-           "Make a private pool (torch.cuda.MemPool's), or share it: its use count + 1.")
+           py::arg("segments") = py::none(),
+           "Make a private pool (torch.cuda.MemPool's), or share it: its use count + 1. "
+           "segments: the device a new pool's segments come from (a MemPool with an allocator "
+           "of its own; default: this allocator's device).")
+      .def("set_pool_use_on_oom", &CachingAllocator::set_pool_use_on_oom, py::arg("pool_id"),
+           py::arg("use_on_oom"),
+           "Let requests about to run out of memory take the pool's free blocks (PyTorch's "
+           "MemPool option), or stop them.")
       .def("pool_use_count", &CachingAllocator::pool_use_count, py::arg("pool_id"),
            "How many users share the pool `pool_id`; 0 for a pool that does not exist.")
       .def("set_pool_no_split", &CachingAllocator::set_pool_no_split, py::arg("pool_id"),

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "core/config.h"
+#include "devices/pool_segments_device.h"
 #include "torch_shim.h"
 
 namespace allocwatch::torch_shim {
@@ -157,8 +158,24 @@ class CoreTorchBackend final : public TorchBackend {
     guarded(failure, [&] { hot(device).release_pool(pool); });
   }
 
-  void create_or_incref_pool(int device, MempoolId pool, Failure* failure) override {
-    guarded(failure, [&] { hot(device).create_or_incref_pool(pool, /*plain_segments=*/true); });
+  void create_or_incref_pool(int device, MempoolId pool, std::shared_ptr<PoolSegments> segments,
+                             Failure* failure) override {
+    guarded(failure, [&] {
+      CachingAllocator& allocator = hot(device);
+      std::shared_ptr<Device> from;
+      if (segments) {
+        from = std::make_shared<PoolSegmentsDevice>(
+            allocator.device(),
+            [segments](std::size_t size, void** ptr) {
+              Failure failed;
+              *ptr = segments->allocate(size, &failed);
+              if (failed) throw DeviceError(failed.message);
+              return *ptr != nullptr;
+            },
+            [segments](void* ptr, std::size_t size) { segments->release(ptr, size); });
+      }
+      allocator.create_or_incref_pool(pool, /*plain_segments=*/true, std::move(from));
+    });
   }
 
   int pool_use_count(int device, MempoolId pool) override {
@@ -168,6 +185,11 @@ class CoreTorchBackend final : public TorchBackend {
 
   void set_pool_no_split(int device, MempoolId pool, Failure* failure) override {
     guarded(failure, [&] { hot(device).set_pool_no_split(pool); });
+  }
+
+  void set_pool_use_on_oom(int device, MempoolId pool, bool use_on_oom,
+                           Failure* failure) override {
+    guarded(failure, [&] { hot(device).set_pool_use_on_oom(pool, use_on_oom); });
   }
 
   bool check_pool_live_allocations(int device, MempoolId pool,

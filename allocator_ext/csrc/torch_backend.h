@@ -29,7 +29,7 @@
 namespace allocwatch::torch_shim {
 
 // Bumped whenever TorchBackend changes: a back end built for another version is refused.
-constexpr int kTorchBackendVersion = 3;
+constexpr int kTorchBackendVersion = 4;
 
 // Text copied into a fixed buffer, cut to fit: errors cross between the libraries as plain
 // bytes, never as objects whose memory one library allocates and the other frees.
@@ -63,6 +63,18 @@ struct OutOfMemory {
   std::size_t requested = 0, alloc_size = 0, device_free = 0, device_total = 0;
   std::size_t allocated = 0, reserved = 0, limit = 0;
   char advice[1024];  // set with the rest, on out of memory
+};
+
+// The segments of a torch.cuda.MemPool made with an allocator of its own (NCCL's
+// ncclMemAlloc, any CUDAPluggableAllocator): the back end asks that allocator for them. Its
+// functions throw nothing, as the rest of this interface.
+class PoolSegments {
+ public:
+  virtual ~PoolSegments() = default;
+  // A segment of `size` bytes; nullptr where the allocator has no room, nullptr with `failure`
+  // set where it failed otherwise.
+  virtual void* allocate(std::size_t size, Failure* failure) = 0;
+  virtual void release(void* ptr, std::size_t size) = 0;
 };
 
 // The settings an allocator runs with, as PyTorch's snapshots report them.
@@ -115,9 +127,14 @@ class TorchBackend {
                                       std::function<bool(StreamId)> filter, Failure* failure) = 0;
   virtual void end_allocate_to_pool(int device, MempoolId pool, Failure* failure) = 0;
   virtual void release_pool(int device, MempoolId pool, Failure* failure) = 0;
-  virtual void create_or_incref_pool(int device, MempoolId pool, Failure* failure) = 0;
+  // segments: where a new pool's segments come from (nullptr: the device, as for any pool).
+  virtual void create_or_incref_pool(int device, MempoolId pool,
+                                     std::shared_ptr<PoolSegments> segments,
+                                     Failure* failure) = 0;
   virtual int pool_use_count(int device, MempoolId pool) = 0;
   virtual void set_pool_no_split(int device, MempoolId pool, Failure* failure) = 0;
+  virtual void set_pool_use_on_oom(int device, MempoolId pool, bool use_on_oom,
+                                   Failure* failure) = 0;
   virtual bool check_pool_live_allocations(int device, MempoolId pool,
                                            const std::vector<std::uintptr_t>& expected,
                                            Failure* failure) = 0;

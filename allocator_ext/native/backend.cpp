@@ -352,6 +352,39 @@ class TorchCaptureGraphs final : public allocwatch::CaptureGraphs {
 
 std::shared_ptr<TorchCaptureGraphs> g_capture_graphs;
 
+// The segments of a torch.cuda.MemPool made with an allocator of its own, from that allocator,
+// asked as PyTorch's allocator asks it (raw_alloc, raw_delete). Held by the pool while it has
+// segments, which keeps the allocator alive after its user dropped it (PyTorch's
+// test_tensor_delete_after_allocator_delete).
+class UserAllocatorSegments final : public shim::PoolSegments {
+ public:
+  explicit UserAllocatorSegments(std::shared_ptr<cca::CUDAAllocator> allocator)
+      : allocator_(std::move(allocator)) {}
+
+  void* allocate(std::size_t size, shim::Failure* failure) override {
+    try {
+      return allocator_->raw_alloc(size);  // null: no room, as PyTorch reads it
+    } catch (const c10::OutOfMemoryError&) {
+      return nullptr;
+    } catch (const std::exception& e) {
+      failure->set(shim::Failure::other, e.what());
+      return nullptr;
+    }
+  }
+
+  void release(void* ptr, std::size_t) override {
+    try {
+      allocator_->raw_delete(ptr);
+    } catch (const std::exception& e) {  // nothing may cross into the core: said, not thrown
+      TORCH_WARN("allocwatch: the allocator of a torch.cuda.MemPool (", allocator_->name(),
+                 ") failed to free a segment at ", ptr, ": ", e.what());
+    }
+  }
+
+ private:
+  std::shared_ptr<cca::CUDAAllocator> allocator_;
+};
+
 void delete_block(void* ptr);
 void delete_uncached(void* ptr);
 
@@ -568,21 +601,22 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   }
 #endif
 
+  // A pool with an allocator of its own (not this one) takes its segments from it.
   void create_or_incref_pool(c10::DeviceIndex device, MempoolId_t mempool_id,
                              std::shared_ptr<cca::CUDAAllocator> allocator) {
-    TORCH_CHECK(allocator == nullptr || allocator.get() == this,
-                "allocwatch's allocator does not serve a torch.cuda.MemPool with an allocator "
-                "of its own (", allocator ? allocator->name() : std::string(),
-                "): create the pool without one, or run without allocwatch's allocator "
-                "(ALLOCWATCH_DISABLE=1 or allocwatch run --keep-pytorch-allocator)");
+    std::shared_ptr<shim::PoolSegments> segments;
+    if (allocator != nullptr && allocator.get() != this)
+      segments = std::make_shared<UserAllocatorSegments>(std::move(allocator));
     shim::Failure failure;
-    g_core->create_or_incref_pool(device, pool_id(mempool_id), &failure);
+    g_core->create_or_incref_pool(device, pool_id(mempool_id), std::move(segments), &failure);
     check(failure);
   }
 
-  // Out of memory elsewhere, PyTorch may take such a pool's free blocks; allocwatch keeps a
-  // pool's memory to the pool (docs/torch.md).
-  void set_use_on_oom(c10::DeviceIndex, MempoolId_t, bool) {}
+  void set_use_on_oom(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) {
+    shim::Failure failure;
+    g_core->set_pool_use_on_oom(device, pool_id(mempool_id), use_on_oom, &failure);
+    check(failure);
+  }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected) override {

@@ -1,6 +1,7 @@
-"""The native back end built against every release allocator_ext/native/releases.py lists, once
+"""The native back end built against the releases allocator_ext/native/releases.py lists, once
 per test session and in parallel (a build takes tens of seconds), for the tests that compile,
-load and drive it (test_native_build.py, test_native_sim.py)."""
+load and drive it (test_native_build.py, test_native_sim.py): the releases those tests of the
+session ask for, all of them at the first test's request."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from allocator_ext.native import build
 
 class ReleaseBuilds:
     """Each release's back end, built exactly as install() builds it (build.plan, linked against
-    the release's own libc10), the first time any of them is asked for."""
+    the release's own libc10)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, wanted: list[str]) -> None:
         self.root = root
+        self.wanted = wanted
         self._lock = threading.Lock()
         self._futures: dict[str, Future[Path]] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1))
@@ -37,21 +39,30 @@ class ReleaseBuilds:
             pytest.skip("no C++ compiler")
         self.plan(version)  # skips (or fails) here where the release is not fetched
         with self._lock:
-            if not self._futures:
-                for v in torch_releases.VERSIONS:
-                    try:
-                        p = self.plan(v)
-                    except (pytest.skip.Exception, pytest.fail.Exception):
-                        continue  # that release's own test says so
-                    self._futures[v] = self._pool.submit(build.ensure_built, p, self.root)
+            for v in [version, *self.wanted]:
+                if v in self._futures:
+                    continue
+                try:
+                    p = self.plan(v)
+                except (pytest.skip.Exception, pytest.fail.Exception):
+                    continue  # that release's own test says so
+                self._futures[v] = self._pool.submit(build.ensure_built, p, self.root)
         return self._futures[version].result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
-def release_builds(tmp_path_factory: pytest.TempPathFactory):
-    builds = ReleaseBuilds(tmp_path_factory.mktemp("release_builds"))
+def release_builds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    wanted = []
+    for item in request.session.items:
+        if "release_builds" in getattr(item, "fixturenames", ()):
+            callspec = getattr(item, "callspec", None)
+            version = callspec.params.get("version") if callspec else None
+            version = version or torch_releases.GPU_RELEASE
+            if version not in wanted:
+                wanted.append(version)
+    builds = ReleaseBuilds(tmp_path_factory.mktemp("release_builds"), wanted)
     yield builds
     builds.close()

@@ -167,6 +167,99 @@ def test_empty_pool_cache_releases_only_a_pool_nothing_uses() -> None:
     assert a.check_invariants() == ""
 
 
+def test_a_pool_with_an_allocator_of_its_own_takes_its_segments_from_it_and_gives_them_back(
+) -> None:
+    # torch.cuda.MemPool(allocator=...): here the pool's allocator is a second simulated
+    # device, in an address range of its own, whose counters show what it was asked.
+    gpu, users = ae.SimDevice(), ae.SimDevice(index=5)
+    a = ae.Allocator(gpu, "")  # allocwatch's defaults: expandable segments elsewhere
+    a.create_or_incref_pool(POOL, segments=users)
+    small, large = in_mempool(a, POOL, MiB, 30 * MiB)
+    assert users.counters()["malloc"] == {"count": 2, "bytes": 2 * MiB + 30 * MiB}
+    assert "malloc" not in gpu.counters()
+    segments = pool_segments(a, POOL)
+    assert sorted(s["total_size"] for s in segments) == [2 * MiB, 30 * MiB]
+    assert not any(s["is_expandable"] for s in segments)
+    assert {s["address"] for s in segments} == {small, large}
+    # Counted as PyTorch counts them: reserved memory of this device.
+    assert a.stats()["reserved_bytes.all.current"] == 32 * MiB
+    a.free(small)
+    a.free(large)
+    a.empty_cache()  # the pool is in use: its cache stays
+    assert "free" not in users.counters()
+    a.release_pool(POOL)        # torch.cuda.MemPool's destructor
+    a.empty_pool_cache(POOL)
+    assert users.counters()["free"] == {"count": 2, "bytes": 32 * MiB}
+    assert "free" not in gpu.counters() and a.pool_use_count(POOL) == 0
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    assert a.check_invariants() == ""
+
+
+def test_a_deleted_pools_segment_goes_back_to_its_allocator_once_its_tensor_is_freed() -> None:
+    # PyTorch's test_mempool_empty_cache_inactive: the pool is deleted while a tensor made in
+    # it lives; freeing the tensor then emptying the cache frees the segment through the pool's
+    # allocator.
+    users = ae.SimDevice(index=5)
+    a = ae.Allocator(ae.SimDevice(), "native")
+    a.create_or_incref_pool(POOL, segments=users)
+    (x,) = in_mempool(a, POOL, 8 * MiB)
+    a.release_pool(POOL)
+    assert a.empty_pool_cache(POOL) == 0 and "free" not in users.counters()
+    a.free(x)
+    a.empty_cache()
+    assert users.counters()["free"] == {"count": 1, "bytes": 20 * MiB}  # its 20 MiB segment
+    assert a.pool_use_count(POOL) == 0
+    with pytest.raises(RuntimeError, match="cannot be chosen again"):
+        a.create_or_incref_pool((0, 8), segments=users)
+        a.create_or_incref_pool((0, 8), segments=users)
+    assert a.check_invariants() == ""
+
+
+def test_a_request_about_to_run_out_takes_a_free_block_of_a_use_on_oom_pool() -> None:
+    # PyTorch's test_mempool_limited_memory_with_allocator and
+    # test_deleted_mempool_not_used_on_oom, under a memory fraction of 80 MiB.
+    users = ae.SimDevice(index=5)
+    a = ae.Allocator(ae.SimDevice(capacity=1 << 30), "native")
+    a.set_memory_fraction(80 * MiB / (1 << 30))
+    do_not_use, use = (0, 1), (0, 2)
+    a.create_or_incref_pool(do_not_use, segments=users)
+    a.create_or_incref_pool(use, segments=users)
+    a.set_pool_use_on_oom(use, True)
+    (first,) = in_mempool(a, do_not_use, 40 * MiB)
+    (second,) = in_mempool(a, use, 40 * MiB)
+    with pytest.raises(ae.OutOfMemoryError):
+        a.malloc(40 * MiB)
+    a.free(first)
+    a.free(second)
+    c = a.malloc(30 * MiB)  # from the use_on_oom pool's free block
+    assert c == second
+    with pytest.raises(ae.OutOfMemoryError):
+        a.malloc(30 * MiB)  # not from the other pool
+    a.free(c)
+    (e,) = in_mempool(a, use, 20 * MiB)  # c went back to its pool
+    assert e == second
+    a.free(e)
+    a.set_pool_use_on_oom(use, False)
+    with pytest.raises(ae.OutOfMemoryError):
+        a.malloc(30 * MiB)
+    # A pool marked use_on_oom and then deleted is never used again; one made after it is.
+    a.set_pool_use_on_oom(use, True)
+    for pool in (do_not_use, use):
+        a.release_pool(pool)
+        a.empty_pool_cache(pool)
+    assert users.counters()["free"]["count"] == 2
+    fresh = (0, 3)
+    a.create_or_incref_pool(fresh, segments=users)
+    a.set_pool_use_on_oom(fresh, True)
+    (whole,) = in_mempool(a, fresh, 80 * MiB)
+    a.free(whole)
+    b, c = a.malloc(20 * MiB), a.malloc(20 * MiB)
+    assert {b, c} == {whole, whole + 20 * MiB}
+    with pytest.raises(ValueError, match="no private pool"):
+        a.set_pool_use_on_oom((0, 99), True)
+    assert a.check_invariants() == ""
+
+
 def test_live_allocations_of_a_pool_are_checked_exactly() -> None:
     a = allocator()
     x, y = in_pool(a, POOL, MiB, 2 * MiB)

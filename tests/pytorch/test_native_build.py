@@ -32,6 +32,7 @@ LOADS = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.timeout(torch_releases.BUILD_TIMEOUT_S)
 @pytest.mark.parametrize("version", torch_releases.VERSIONS)
 def test_the_back_end_builds_and_loads_against_each_release(release_builds, version: str) -> None:
     """Compiled with `override` on every function whose declaration differs between releases

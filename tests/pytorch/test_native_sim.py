@@ -25,6 +25,8 @@ from support import torch_releases
 
 from allocator_ext.native import build, releases
 
+pytestmark = pytest.mark.timeout(torch_releases.BUILD_TIMEOUT_S)
+
 HERE = Path(__file__).resolve().parent / "native_sim"
 SCENARIOS = HERE / "scenarios.py"
 CAPACITY = 2 << 30  # scenarios.py's CAPACITY
@@ -35,7 +37,8 @@ NAMES = ["out_of_memory", "out_of_memory_under_fraction", "out_of_memory_in_a_pr
          "reuse_in_a_capture_once_every_use_is_joined",
          "no_reuse_in_a_capture_without_the_setting", "raw_allocations_are_counted",
          "every_setting_through_set_allocator_settings",
-         "pytorchs_settings_tests_in_one_process"]
+         "pytorchs_settings_tests_in_one_process", "a_pool_with_its_own_allocator",
+         "pools_used_on_oom"]
 
 
 def _compile(command: list[str]) -> None:
@@ -95,10 +98,10 @@ def test_native_back_end_on_the_simulated_device(built: tuple[Path, Path, Path],
 
 
 # What every release runs, beyond building and loading (test_native_build.py): the calls whose
-# declarations differ between releases (snapshots, private pools, the settings' route) and the
-# out-of-memory path.
+# declarations differ between releases (snapshots, private pools, a MemPool's own allocator, the
+# settings' route) and the out-of-memory path.
 EVERY_RELEASE = ["out_of_memory", "private_pools_have_plain_segments",
-                 "set_allocator_settings_as_torch_calls_it"]
+                 "set_allocator_settings_as_torch_calls_it", "a_pool_with_its_own_allocator"]
 
 
 @pytest.mark.parametrize("version", torch_releases.VERSIONS)

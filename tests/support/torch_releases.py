@@ -21,6 +21,9 @@ from allocator_ext.native.releases import RELEASES
 VERSIONS = [r.version for r in RELEASES]
 # The release measured on the GPU machine: the simulated-device tests use its libraries.
 GPU_RELEASE = "2.11.0"
+# The first test that asks for the back ends waits for every build (tests/pytorch/conftest.py),
+# some minutes on a loaded machine: its time limit.
+BUILD_TIMEOUT_S = 1200
 
 
 def releases_dir() -> Path:

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <vector>
 
@@ -133,6 +134,10 @@ struct PrivatePool {
   // no_split, a block is never split either.
   bool plain_segments = false;
   bool no_split = false;
+  // Where its segments come from, when not the allocator's device: an allocator of the user's
+  // (torch.cuda.MemPool(allocator=...), devices/pool_segments_device.h). Its segments are
+  // plain; the pool, and with it the user's allocator, lives until its last segment is freed.
+  std::shared_ptr<Device> segments;
   BlockPool large_blocks;
   BlockPool small_blocks;
 };

@@ -1,7 +1,8 @@
-// Private pools beyond CUDA graph capture: torch.cuda.MemPool makes a pool, shares it
-// (use counts), routes a thread's allocations to it (begin/end_allocate_to_pool), asks for
-// unsplit blocks, releases its cache, and CUDA graph trees check which of its blocks are
-// still allocated. During a capture, blocks freed while other streams used them are reused
+// Private pools beyond CUDA graph capture: torch.cuda.MemPool makes a pool (its segments from
+// an allocator of its own, where it has one), shares it (use counts), routes a thread's
+// allocations to it (begin/end_allocate_to_pool), asks for unsplit blocks, lends its free
+// blocks to requests about to run out of memory (use_on_oom), releases its cache, and CUDA
+// graph trees check which of its blocks are still allocated. During a capture, blocks freed while other streams used them are reused
 // where the capture's graph orders those uses (capture_graphs.h). Also: which allocation a
 // pointer belongs to (getBaseAllocation, IPC).
 #include <algorithm>
@@ -30,19 +31,26 @@ PrivatePool& CachingAllocator::private_pool(MempoolId id) const {
   return *it->second;
 }
 
-void CachingAllocator::create_or_incref_pool(MempoolId id, bool plain_segments) {
+void CachingAllocator::create_or_incref_pool(MempoolId id, bool plain_segments,
+                                             std::shared_ptr<Device> segments) {
   std::lock_guard<std::mutex> lock(mutex_);
-  create_or_incref_pool_locked(id, plain_segments);
+  create_or_incref_pool_locked(id, plain_segments, std::move(segments));
 }
 
-void CachingAllocator::create_or_incref_pool_locked(MempoolId id, bool plain_segments) {
+void CachingAllocator::create_or_incref_pool_locked(MempoolId id, bool plain_segments,
+                                                    std::shared_ptr<Device> segments) {
   auto it = graph_pools_.find(id);
   if (it == graph_pools_.end()) {
     auto pool = std::make_unique<PrivatePool>();
-    pool->plain_segments = plain_segments;
+    // An allocator of the pool's own hands out whole allocations: never expandable segments.
+    pool->plain_segments = plain_segments || segments != nullptr;
+    pool->segments = std::move(segments);
     graph_pools_.emplace(id, std::move(pool));
     return;
   }
+  if (segments != nullptr)
+    throw std::logic_error("allocwatch: private pool " + pool_name(id) +
+                           " exists already: its allocator cannot be chosen again");
   // A pool already released by all its users may not be revived: its blocks are on their way
   // back to the device.
   if (it->second->use_count <= 0)
@@ -59,6 +67,35 @@ int CachingAllocator::pool_use_count(MempoolId id) const {
 void CachingAllocator::set_pool_no_split(MempoolId id) {
   std::lock_guard<std::mutex> lock(mutex_);
   private_pool(id).no_split = true;
+}
+
+void CachingAllocator::set_pool_use_on_oom(MempoolId id, bool use_on_oom) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto at = std::find(use_on_oom_pools_.begin(), use_on_oom_pools_.end(), id);
+  if (!use_on_oom) {
+    if (at != use_on_oom_pools_.end()) use_on_oom_pools_.erase(at);
+    return;
+  }
+  private_pool(id);  // an unknown pool is refused, changing nothing
+  if (at == use_on_oom_pools_.end()) use_on_oom_pools_.push_back(id);
+}
+
+bool CachingAllocator::get_free_block_of_use_on_oom_pools(AllocParams& p) {
+  for (auto at = use_on_oom_pools_.begin(); at != use_on_oom_pools_.end();) {
+    auto it = graph_pools_.find(*at);
+    if (it == graph_pools_.end()) {  // released and emptied since: its mark goes with it
+      at = use_on_oom_pools_.erase(at);
+      continue;
+    }
+    // A pool all its users released is on its way back to the device (PyTorch would assert).
+    if (it->second->use_count > 0) {
+      PrivatePool& pool = *it->second;
+      p.pool = is_small_request(p.size) ? &pool.small_blocks : &pool.large_blocks;
+      if (get_free_block(p)) return true;
+    }
+    ++at;
+  }
+  return false;
 }
 
 std::size_t CachingAllocator::empty_pool_cache(MempoolId id) {

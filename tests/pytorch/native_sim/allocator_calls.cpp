@@ -52,6 +52,106 @@ c10::MempoolId_t pool(unsigned long long first, unsigned long long second) {
   return {first, second};
 }
 
+#define AW_TORCH_AT_LEAST(minor) (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= (minor))
+
+// An allocator of the user's for a torch.cuda.MemPool (what NCCL's mem_allocator or a
+// CUDAPluggableAllocator is to PyTorch): a stand-in that hands out addresses from a range of
+// its own, never touched, and counts its calls, so that a scenario tells its segments from the
+// device's. PyTorch asks a pool's allocator for raw_alloc and raw_delete only: the rest of the
+// interface refuses.
+struct PoolAllocatorCalls {
+  long long allocations = 0, frees = 0, live = 0, destroyed = 0;
+  std::size_t last_size = 0;
+};
+PoolAllocatorCalls g_pool_calls;
+constexpr std::uintptr_t kPoolRangeBase = std::uintptr_t{0x7a0000000000};
+constexpr std::uintptr_t kPoolRangeSize = std::uintptr_t{1} << 40;
+
+class PoolAllocator final : public cca::CUDAAllocator {
+ public:
+  ~PoolAllocator() override { ++g_pool_calls.destroyed; }
+  void* raw_alloc(std::size_t nbytes) override {
+    ++g_pool_calls.allocations;
+    ++g_pool_calls.live;
+    g_pool_calls.last_size = nbytes;
+    void* ptr = reinterpret_cast<void*>(next_);
+    next_ += (nbytes + (std::size_t{2} << 20) - 1) / (std::size_t{2} << 20) * (std::size_t{2} << 20);
+    return ptr;
+  }
+  void raw_delete(void* ptr) override {
+    TORCH_CHECK(owns(ptr), "the pool's allocator was asked to free ", ptr, ", not its own");
+    ++g_pool_calls.frees;
+    --g_pool_calls.live;
+  }
+  static bool owns(const void* ptr) {
+    const auto at = reinterpret_cast<std::uintptr_t>(ptr);
+    return at >= kPoolRangeBase && at < kPoolRangeBase + kPoolRangeSize;
+  }
+
+  std::string name() override { return "pool_allocator_stand_in"; }
+  c10::DataPtr allocate(std::size_t) override { refuse(); }
+  void copy_data(void*, const void*, std::size_t) const override { refuse(); }
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {}
+  cca::DeviceStats getDeviceStats(c10::DeviceIndex) override { refuse(); }
+  void resetAccumulatedStats(c10::DeviceIndex) override {}
+  void resetPeakStats(c10::DeviceIndex) override {}
+  void* raw_alloc_with_stream(std::size_t nbytes, cudaStream_t) override {
+    return raw_alloc(nbytes);
+  }
+  void init(int) override {}
+  double getMemoryFraction(c10::DeviceIndex) override { return 1.0; }
+  void setMemoryFraction(double, c10::DeviceIndex) override { refuse(); }
+#if AW_TORCH_AT_LEAST(10)
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
+    return {};
+  }
+#endif
+  void enable(bool) override {}
+  bool isEnabled() const override { return true; }
+  void cacheInfo(c10::DeviceIndex, std::size_t*) override { refuse(); }
+  void* getBaseAllocation(void*, std::size_t*) override { refuse(); }
+  void recordStream(const c10::DataPtr&, c10::cuda::CUDAStream) override { refuse(); }
+  using cca::CUDAAllocator::recordStream;
+#if AW_TORCH_AT_LEAST(11)
+  cca::SnapshotInfo snapshot(c10::MempoolId_t, bool) override { refuse(); }
+  void recordHistory(bool, cca::CreateContextFn, std::size_t, cca::RecordContext, bool,
+                     const std::vector<std::string>&) override { refuse(); }
+#else
+  cca::SnapshotInfo snapshot(c10::MempoolId_t) override { refuse(); }
+  void recordHistory(bool, cca::CreateContextFn, std::size_t, cca::RecordContext,
+                     bool) override { refuse(); }
+#endif
+  void beginAllocateToPool(c10::DeviceIndex, c10::MempoolId_t,
+                           std::function<bool(cudaStream_t)>) override { refuse(); }
+  void endAllocateToPool(c10::DeviceIndex, c10::MempoolId_t) override { refuse(); }
+  void releasePool(c10::DeviceIndex, c10::MempoolId_t) override { refuse(); }
+  cca::ShareableHandle shareIpcHandle(void*) override { refuse(); }
+  std::shared_ptr<void> getIpcDevPtr(std::string) override { refuse(); }
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver) override {}
+#if AW_TORCH_AT_LEAST(12)
+  void attachOomRejectionObserver(cca::OomRejectionObserver) override {}
+#endif
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {}
+  void enablePeerAccess(c10::DeviceIndex, c10::DeviceIndex) override { refuse(); }
+  cudaError_t memcpyAsync(void*, int, const void*, int, std::size_t, cudaStream_t,
+                          bool) override { refuse(); }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex,
+                                                          c10::MempoolId_t) override { refuse(); }
+  cca::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex, std::shared_ptr<cca::AllocatorState>) override { refuse(); }
+
+ private:
+  [[noreturn]] static void refuse() {
+    TORCH_CHECK(false, "the pool allocator stand-in serves raw_alloc and raw_delete only");
+  }
+  std::uintptr_t next_ = kPoolRangeBase;
+};
+
+// The stand-in as the test holds it (torch.cuda.memory.CUDAPluggableAllocator's object):
+// dropped by aw_pool_allocator_drop, after which only the pools that use it keep it alive.
+std::shared_ptr<PoolAllocator> g_pool_allocator;
+
 }  // namespace
 
 extern "C" {
@@ -188,6 +288,60 @@ int aw_pool_segments(unsigned long long first, unsigned long long second, int* e
                                                  return s.is_expandable;
                                                }));
   return static_cast<int>(info.segments.size());
+}
+
+// torch.cuda.MemPool(allocator, use_on_oom=..., no_split=...): what at::cuda::MemPool's
+// constructor asks of the allocator on the current device.
+int aw_mempool_create(unsigned long long first, unsigned long long second, int with_allocator,
+                      int use_on_oom, int no_split, char* message, std::size_t capacity) {
+  return call([&] {
+    if (with_allocator && !g_pool_allocator) g_pool_allocator = std::make_shared<PoolAllocator>();
+#if AW_TORCH_AT_LEAST(11)
+    std::shared_ptr<cca::CUDAAllocator> allocator;
+    if (with_allocator) allocator = g_pool_allocator;
+    cca::get()->createOrIncrefPool(0, pool(first, second), allocator);
+    if (use_on_oom) cca::get()->setUseOnOOM(0, pool(first, second), true);
+#else
+    cca::get()->createOrIncrefPool(0, pool(first, second),
+                                   with_allocator ? g_pool_allocator.get() : nullptr);
+    if (use_on_oom) cca::get()->setUseOnOOM(0, pool(first, second));
+#endif
+#if AW_TORCH_AT_LEAST(10)
+    if (no_split) cca::get()->setNoSplit(0, pool(first, second));
+#else
+    TORCH_CHECK(!no_split, "torch 2.9's MemPool has no no_split");
+#endif
+  }, message, capacity);
+}
+
+// What at::cuda::MemPool's destructor asks of the allocator.
+int aw_mempool_destroy(unsigned long long first, unsigned long long second, char* message,
+                       std::size_t capacity) {
+  return call([&] {
+#if AW_TORCH_AT_LEAST(11)
+    cca::get()->setUseOnOOM(0, pool(first, second), false);
+#endif
+    cca::get()->releasePool(0, pool(first, second));
+    cca::get()->emptyCache(pool(first, second));
+  }, message, capacity);
+}
+
+// The test drops its own reference to the pool allocator, as `del allocator` does in Python.
+void aw_pool_allocator_drop() { g_pool_allocator.reset(); }
+
+// 0: allocations, 1: frees, 2: live segments, 3: destroyed, 4: the last segment's size.
+long long aw_pool_allocator_calls(int what) {
+  switch (what) {
+    case 0: return g_pool_calls.allocations;
+    case 1: return g_pool_calls.frees;
+    case 2: return g_pool_calls.live;
+    case 3: return g_pool_calls.destroyed;
+    default: return static_cast<long long>(g_pool_calls.last_size);
+  }
+}
+
+int aw_pool_allocator_owns(std::size_t address) {
+  return PoolAllocator::owns(reinterpret_cast<const void*>(address)) ? 1 : 0;
 }
 
 }  // extern "C"

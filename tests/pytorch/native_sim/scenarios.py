@@ -32,6 +32,13 @@ class Calls:
         self.lib.aw_stat.restype = ctypes.c_longlong
         self.lib.aw_address.restype = ctypes.c_size_t
         self.lib.aw_pytorch_max_split_size.restype = ctypes.c_size_t
+        self.lib.aw_pool_allocator_calls.restype = ctypes.c_longlong
+        self.lib.aw_pool_allocator_owns.argtypes = [ctypes.c_size_t]
+        for name in ("aw_mempool_create", "aw_mempool_destroy"):
+            getattr(self.lib, name).argtypes = (
+                [ctypes.c_ulonglong, ctypes.c_ulonglong]
+                + ([ctypes.c_int] * 3 if name == "aw_mempool_create" else [])
+                + [ctypes.c_char_p, ctypes.c_size_t])
         self.lib.aw_use_stream.argtypes = [ctypes.c_long]
         self.lib.aw_record_stream.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_char_p,
                                               ctypes.c_size_t]
@@ -409,6 +416,97 @@ def pytorchs_settings_tests_in_one_process(c: Calls) -> str:
     c.ok("aw_alloc", 120 * MiB)  # releases cached blocks, expandable ones among them
     c.ok("aw_set_fraction", 1.0)
     return "both pass"
+
+
+def _in_mempool(c: Calls, pool: tuple[int, int], size: int) -> int:
+    """An allocation under torch.cuda.use_mem_pool(pool); its index among those held."""
+    c.ok("aw_begin_pool", *pool)
+    c.ok("aw_alloc", size)
+    c.ok("aw_end_pool", *pool)
+    return c.lib.aw_held() - 1
+
+
+def a_pool_with_its_own_allocator(c: Calls) -> str:
+    """torch.cuda.MemPool(allocator=...), as at::cuda::MemPool asks c10's allocator, with a
+    stand-in for the user's allocator (allocator_calls.cpp's PoolAllocator, as NCCL's or a
+    CUDAPluggableAllocator would be): the pool's segments come from that allocator and go back
+    to it when the pool is deleted; a deleted pool's segment goes back once its tensor is freed
+    and the cache emptied, and the pool keeps the allocator alive until then (2.11 on, where
+    PyTorch hands it over shared)."""
+    calls = c.lib.aw_pool_allocator_calls
+    first = (0, 41)
+    c.ok("aw_mempool_create", *first, 1, 0, 0)
+    small = c.lib.aw_address(_in_mempool(c, first, MiB))
+    large = c.lib.aw_address(_in_mempool(c, first, 30 * MiB))
+    assert (calls(0), calls(2)) == (2, 2), (calls(0), calls(2))
+    assert c.lib.aw_pool_allocator_owns(small) and c.lib.aw_pool_allocator_owns(large)
+    assert c.pool_segments(first) == (2, 0)  # plain segments
+    assert c.stat("reserved_bytes.all.current") == 32 * MiB
+    c.lib.aw_free_all()
+    c.ok("aw_empty_cache")  # the pool is in use: its cache stays
+    assert calls(1) == 0
+    c.ok("aw_mempool_destroy", *first)
+    assert (calls(1), calls(2)) == (2, 0), (calls(1), calls(2))
+    assert c.stat("reserved_bytes.all.current") == 0
+
+    second = (0, 42)
+    c.ok("aw_mempool_create", *second, 1, 0, 0)
+    _in_mempool(c, second, 4 * MiB)
+    c.ok("aw_mempool_destroy", *second)  # while its tensor lives
+    shared = c.lib.aw_torch_minor() >= 11
+    if shared:
+        c.lib.aw_pool_allocator_drop()  # `del allocator`: the pool still holds it
+    assert (calls(1), calls(3)) == (2, 0), (calls(1), calls(3))
+    c.lib.aw_free_all()
+    c.ok("aw_empty_cache")
+    assert (calls(1), calls(2)) == (3, 0), (calls(1), calls(2))
+    assert calls(3) == (1 if shared else 0), calls(3)  # dropped with the pool's last segment
+    return f"3 segments from the pool's allocator, 3 back to it (torch 2.{c.lib.aw_torch_minor()})"
+
+
+def pools_used_on_oom(c: Calls) -> str:
+    """PyTorch's test_mempool_limited_memory_with_allocator then
+    test_deleted_mempool_not_used_on_oom, through c10's interface under a memory fraction."""
+    c.ok("aw_empty_cache")
+    c.ok("aw_set_fraction", (80 * MiB + c.stat("reserved_bytes.all.current")) / CAPACITY)
+    do_not_use, use = (0, 51), (0, 52)
+    c.ok("aw_mempool_create", *do_not_use, 1, 0, 0)
+    c.ok("aw_mempool_create", *use, 1, 1, 0)
+    _in_mempool(c, do_not_use, 40 * MiB)
+    b = c.lib.aw_address(_in_mempool(c, use, 40 * MiB))
+    code, message = c.alloc(40 * MiB)
+    assert code == 1, (code, message)
+    c.lib.aw_free_all()
+    c.ok("aw_alloc", 30 * MiB)  # out of room elsewhere: the use_on_oom pool's free block
+    assert c.lib.aw_address(0) == b
+    code, message = c.alloc(30 * MiB)
+    assert code == 1, (code, message)  # never the other pool's
+    c.lib.aw_free_all()
+    assert c.lib.aw_address(_in_mempool(c, use, 20 * MiB)) == b
+    c.lib.aw_free_all()
+    c.ok("aw_mempool_destroy", *use)
+    c.ok("aw_mempool_destroy", *do_not_use)
+    # Pools marked use_on_oom and deleted are not used again; the one made after them is
+    # (under 40 MiB, as that test has it).
+    c.ok("aw_empty_cache")
+    c.ok("aw_set_fraction", (40 * MiB + c.stat("reserved_bytes.all.current")) / CAPACITY)
+    for n in range(3):
+        pool = (0, 60 + n)
+        c.ok("aw_mempool_create", *pool, 1, 1, 0)
+        _in_mempool(c, pool, 40 * MiB)
+        c.lib.aw_free_all()
+        c.ok("aw_mempool_destroy", *pool)
+    fresh = (0, 70)
+    c.ok("aw_mempool_create", *fresh, 1, 1, 0)
+    whole = c.lib.aw_address(_in_mempool(c, fresh, 40 * MiB))
+    c.lib.aw_free_all()
+    c.ok("aw_alloc", 20 * MiB)
+    c.ok("aw_alloc", 20 * MiB)
+    assert {c.lib.aw_address(0), c.lib.aw_address(1)} == {whole, whole + 20 * MiB}
+    c.lib.aw_free_all()
+    c.ok("aw_mempool_destroy", *fresh)
+    c.ok("aw_set_fraction", 1.0)
+    return "c took b's block; the other pool and the deleted ones were never used"
 
 
 def set_allocator_settings_as_torch_calls_it(c: Calls) -> str:
