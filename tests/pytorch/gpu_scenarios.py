@@ -259,6 +259,51 @@ def mempool() -> str:
     return f"pool segments {[s['total_size'] >> 20 for s in segments]} MiB, released with the pool"
 
 
+def _from_virtual_memory(ptr: int) -> bool:
+    """Whether the CUDA driver's virtual memory API (cuMemCreate, as ncclMemAlloc uses it)
+    made the allocation at `ptr`; cudaMalloc's is not."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_ulonglong()
+    if driver.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(ptr)) != 0:
+        return False
+    driver.cuMemRelease(handle)
+    return True
+
+
+def nccl_mempool() -> str:
+    """A torch.cuda.MemPool made with NCCL's allocator (ProcessGroupNCCL.mem_allocator, as NCCL
+    buffer registration and symmetric memory make them) on a one-rank group: its segment comes
+    from ncclMemAlloc (virtual-memory allocations, where a pool without an allocator of its own
+    has cudaMalloc's), the pool registers with the communicator, an all_reduce runs on a tensor
+    of it, and deleting the pool gives the segment back to NCCL."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    backend = dist.group.WORLD._get_backend(torch.device("cuda", 0))
+    ours = torch.cuda.MemPool()
+    nccl = torch.cuda.MemPool(backend.mem_allocator)
+    with torch.cuda.use_mem_pool(ours):
+        plain = torch.ones(16 * MiB // 4, device="cuda")
+    with torch.cuda.use_mem_pool(nccl):
+        t = torch.ones(16 * MiB // 4, device="cuda")
+    segments = nccl.snapshot()
+    assert len(segments) == 1 and not segments[0]["is_expandable"], segments
+    assert _from_virtual_memory(t.data_ptr()), "the pool's segment is not ncclMemAlloc's"
+    assert not _from_virtual_memory(plain.data_ptr())
+    reserved = torch.cuda.memory_reserved()
+    backend.register_mem_pool(nccl)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    assert float(t[0].item()) == 1.0
+    backend.deregister_mem_pool(nccl)
+    size = segments[0]["total_size"]
+    del t, nccl, plain, ours
+    assert torch.cuda.memory_reserved() <= reserved - size  # the deleted pool's segment went
+    dist.destroy_process_group()
+    return f"a {size >> 20} MiB segment of ncclMemAlloc, registered, all_reduced, given back"
+
+
 def graph_trees() -> str:
     """torch.compile(mode="reduce-overhead"): checkpointed pool state and live-allocation
     checks of CUDA graph trees, with results equal to eager's."""
