@@ -54,12 +54,15 @@ def tracked(folder: str) -> list[str]:
 
 
 def tree_names() -> set[str]:
-    """The name of every file and folder of the checkout."""
-    names: set[str] = set()
-    for path in REPO.rglob("*"):
-        if not SKIPPED_DIRS.intersection(path.relative_to(REPO).parts):
-            names.add(path.name)
-    return names
+    """The name of every file and folder of the checkout (what git tracks or would: not build
+    output or scratch folders)."""
+    if shutil.which("git") and (REPO / ".git").exists():
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                                cwd=REPO, text=True, capture_output=True, timeout=60, check=True)
+        paths = [Path(p) for p in listed.stdout.splitlines()]
+        return {part for p in paths for part in p.parts}
+    return {p.name for p in REPO.rglob("*")
+            if not SKIPPED_DIRS.intersection(p.relative_to(REPO).parts)}
 
 
 def test_every_path_the_docs_name_exists() -> None:
