@@ -17,7 +17,7 @@
 #include "core/config.h"
 #include "core/history.h"
 #include "core/sizes.h"
-#include "torch_shim.h"
+#include "torch_allocators.h"
 
 namespace py = pybind11;
 using namespace allocwatch;
@@ -565,18 +565,19 @@ PYBIND11_MODULE(_core, m) {
            "Recount every segment: '' when all invariants hold, else the first violation "
            "(linear in the number of blocks; for tests).");
 
-  // The allocators serving PyTorch, through the native back end or the pluggable path (torch_shim.h).
-  m.def("torch_configure", &torch_shim::configure, py::arg("settings"),
+  // The allocators serving PyTorch, through the native back end or the pluggable path
+  // (torch_allocators.h).
+  m.def("torch_configure", &torch_allocators::configure, py::arg("settings"),
         "Settings for the allocators that serve PyTorch (named keys only; ValueError if bad).");
   m.def(
       "torch_allocator",
-      [](int device) { return torch_shim::get(device, false); }, py::arg("device"),
+      [](int device) { return torch_allocators::get(device, false); }, py::arg("device"),
       "The allocator serving PyTorch on `device`, or None before torch has used it.");
   m.def(
       "torch_devices",
       [] {
     std::vector<int> devices;
-    auto all = torch_shim::all();
+    auto all = torch_allocators::all();
     for (std::size_t i = 0; i < all.size(); ++i)
       if (all[i]) devices.push_back(static_cast<int>(i));
     return devices;

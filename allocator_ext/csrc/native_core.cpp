@@ -1,7 +1,7 @@
-// The core's side of torch_backend.h: every call goes to the registry of per-device allocators
-// that torch_shim.cpp keeps (the same allocators the Python binding and the agent read), and
-// every error becomes a Failure.
-#include "torch_backend.h"
+// The core's side of native_core.h: every call goes to the registry of the allocators that
+// serve PyTorch (torch_allocators.h: the same allocators the Python binding and the agent
+// read), and every error becomes a Failure.
+#include "native_core.h"
 
 #include <chrono>
 #include <exception>
@@ -9,11 +9,13 @@
 
 #include "core/config.h"
 #include "devices/pool_segments_device.h"
-#include "torch_shim.h"
+#include "torch_allocators.h"
 
-namespace allocwatch::torch_shim {
+namespace allocwatch::native_core {
 
 namespace {
+
+using namespace torch_allocators;
 
 template <typename F>
 auto guarded(Failure* failure, F&& f) -> decltype(f()) {
@@ -43,7 +45,7 @@ SettingsReport report(const AllocatorConfig& c) {
   return r;
 }
 
-class CoreTorchBackend final : public TorchBackend {
+class CoreForNative final : public NativeCore {
  public:
   void* malloc(int device, std::size_t size, StreamId stream, const ContextHandle& context,
                OutOfMemory* oom, Failure* failure) override {
@@ -200,7 +202,7 @@ class CoreTorchBackend final : public TorchBackend {
   }
 
   void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs) override {
-    torch_shim::set_capture_graphs(std::move(graphs));
+    torch_allocators::set_capture_graphs(std::move(graphs));
   }
 
   PoolCheckpoint checkpoint_pool(int device, MempoolId pool, Failure* failure) override {
@@ -221,7 +223,7 @@ class CoreTorchBackend final : public TorchBackend {
   }
 
   void add_trace_observer(std::function<void(int, const TraceEntry&)> observer) override {
-    torch_shim::add_trace_observer(std::move(observer));
+    torch_allocators::add_trace_observer(std::move(observer));
   }
 
   std::vector<TraceEntry> trace(int device) override {
@@ -275,9 +277,9 @@ class CoreTorchBackend final : public TorchBackend {
     guarded(failure, [&] {
       const std::string known = known_settings(settings, others);
       if (as_pytorch_call) {
-        torch_shim::configure_as_pytorch(known);  // "" too: it resets what PyTorch resets
+        torch_allocators::configure_as_pytorch(known);  // "" too: it resets what PyTorch resets
       } else if (!known.empty()) {
-        torch_shim::configure(known);
+        torch_allocators::configure(known);
       }
     });
   }
@@ -289,7 +291,7 @@ class CoreTorchBackend final : public TorchBackend {
 
   void set_default_memory_fraction(double fraction, Failure* failure) override {
     guarded(failure, [&] {
-      torch_shim::set_default_memory_fraction(fraction);
+      torch_allocators::set_default_memory_fraction(fraction);
       for (auto& a : all())
         if (a) a->set_memory_fraction(fraction);
     });
@@ -303,15 +305,15 @@ class CoreTorchBackend final : public TorchBackend {
 
 }  // namespace
 
-}  // namespace allocwatch::torch_shim
+}  // namespace allocwatch::native_core
 
-extern "C" __attribute__((visibility("default"))) allocwatch::torch_shim::TorchBackend*
-allocwatch_torch_backend(int version, std::size_t string_size) {
-  if (version != allocwatch::torch_shim::kTorchBackendVersion ||
+extern "C" __attribute__((visibility("default"))) allocwatch::native_core::NativeCore*
+allocwatch_native_core(int version, std::size_t string_size) {
+  if (version != allocwatch::native_core::kNativeCoreVersion ||
       string_size != sizeof(std::string)) {
     return nullptr;
   }
   // Never destroyed: tensors freed while the process exits still reach it.
-  static auto* backend = new allocwatch::torch_shim::CoreTorchBackend();
-  return backend;
+  static auto* core = new allocwatch::native_core::CoreForNative();
+  return core;
 }

@@ -1,5 +1,6 @@
-// What the native back end (allocator_ext/native/backend.cpp) asks of the core library: one
-// object per process, from the core's only export for it, allocwatch_torch_backend().
+// The core as the native back end (allocator_ext/native/) reaches it: what the back end asks
+// of the core library, one object per process, from the core's only export for it,
+// allocwatch_native_core().
 //
 // The back end is compiled on the user's machine against the installed torch; the core is
 // compiled once, by pip, without torch. So the back end includes this header and the core's
@@ -26,10 +27,10 @@
 #include "core/history.h"
 #include "core/trace.h"
 
-namespace allocwatch::torch_shim {
+namespace allocwatch::native_core {
 
-// Bumped whenever TorchBackend changes: a back end built for another version is refused.
-constexpr int kTorchBackendVersion = 4;
+// Bumped whenever NativeCore changes: a back end built for another version is refused.
+constexpr int kNativeCoreVersion = 5;
 
 // Text copied into a fixed buffer, cut to fit: errors cross between the libraries as plain
 // bytes, never as objects whose memory one library allocates and the other frees.
@@ -89,7 +90,7 @@ struct SettingsReport {
   std::vector<std::size_t> roundup_power2_divisions;
 };
 
-class TorchBackend {
+class NativeCore {
  public:
   // --- the hot path ---
   // A block of `size` bytes for `stream`; nullptr with `oom` filled when the device has no
@@ -178,12 +179,12 @@ class TorchBackend {
   virtual void set_default_memory_fraction(double fraction, Failure* failure) = 0;
 
  protected:
-  ~TorchBackend() = default;  // the object lives as long as the process
+  ~NativeCore() = default;  // the object lives as long as the process
 };
 
-}  // namespace allocwatch::torch_shim
+}  // namespace allocwatch::native_core
 
-// The process's TorchBackend, or nullptr when `version` is not kTorchBackendVersion or the
+// The process's NativeCore, or nullptr when `version` is not kNativeCoreVersion or the
 // caller's std::string is not the core's (a different C++ ABI).
-extern "C" allocwatch::torch_shim::TorchBackend* allocwatch_torch_backend(int version,
+extern "C" allocwatch::native_core::NativeCore* allocwatch_native_core(int version,
                                                                          std::size_t string_size);

@@ -1,14 +1,10 @@
-// The allocator as PyTorch's CUDA allocator, through torch.cuda.memory.CUDAPluggableAllocator.
+// The process-wide registry of the allocators that serve PyTorch, one per device, made on a
+// device's first use: the pluggable path's exports (pluggable_exports.cpp), the native back
+// end (through native_core.cpp) and the Python binding (settings, statistics and snapshots of
+// the allocator torch uses) all reach the same ones here.
 //
-// PyTorch loads this library by path and calls the exported functions below: allocation and
-// free, and the hooks that make the pluggable path a complete allocator (without them
-// record_stream and empty_cache silently do nothing, and graph capture fails). Nothing here
-// includes a torch or CUDA header: PyTorch's callback types are spelled out with the same
-// layout (a stream is a CUstream_st*, a pool id a pair of unsigned long long).
-//
-// One CachingAllocator per device, made on first use with the cuda back end. Errors thrown
-// from the allocation function reach Python as RuntimeError with their message (PyTorch
-// converts them); a null pointer is never returned.
+// Each allocator runs on the cuda device, or, with ALLOCWATCH_TORCH_DEVICE=sim, on the
+// simulated device, so that the paths PyTorch takes can be exercised without a GPU.
 #include <array>
 #include <cstdlib>
 #include <cstdint>
@@ -24,13 +20,9 @@
 #include "devices/cuda_device.h"
 #include "devices/sim_device.h"
 #include "core/allocator.h"
-#include "torch_shim.h"
+#include "torch_allocators.h"
 
-struct CUstream_st;
-using cudaStream_t = CUstream_st*;
-using MempoolId_t = std::pair<unsigned long long, unsigned long long>;
-
-namespace allocwatch::torch_shim {
+namespace allocwatch::torch_allocators {
 
 namespace {
 
@@ -64,15 +56,14 @@ std::shared_ptr<CaptureGraphs> g_capture_graphs;
 constexpr std::size_t kFastDevices = 64;
 std::array<std::atomic<CachingAllocator*>, kFastDevices> g_fast{};
 
-StreamId stream_id(cudaStream_t s) { return reinterpret_cast<StreamId>(s); }
-
-// The device behind each allocator: the GPU through libcuda, or, with ALLOCWATCH_SHIM_DEVICE=sim
-// (its capacity in ALLOCWATCH_SHIM_SIM_BYTES), the simulated device, so that the entry points
-// PyTorch calls can be exercised on a machine without a GPU (tests/pytorch/test_torch_shim_abi.py).
+// The device behind each allocator: the GPU through libcuda, or, with ALLOCWATCH_TORCH_DEVICE=sim
+// (its capacity in ALLOCWATCH_TORCH_SIM_BYTES), the simulated device, so that the entry points
+// PyTorch calls can be exercised on a machine without a GPU (tests/pytorch/test_pluggable_exports.py,
+// test_native_sim.py).
 std::shared_ptr<Device> make_device(int device) {
-  const char* kind = std::getenv("ALLOCWATCH_SHIM_DEVICE");
+  const char* kind = std::getenv("ALLOCWATCH_TORCH_DEVICE");
   if (kind != nullptr && std::string(kind) == "sim") {
-    const char* bytes = std::getenv("ALLOCWATCH_SHIM_SIM_BYTES");
+    const char* bytes = std::getenv("ALLOCWATCH_TORCH_SIM_BYTES");
     return std::make_shared<SimDevice>(bytes ? std::stoull(bytes) : 0, device);
   }
   return std::make_shared<CudaDevice>(device);
@@ -122,6 +113,11 @@ std::shared_ptr<CachingAllocator> get(int device, bool create) {
       g_fast[device].store(slot.get(), std::memory_order_release);
   }
   return slot;
+}
+
+void ensure_devices(int count) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (static_cast<int>(g_allocators.size()) < count) g_allocators.resize(count);
 }
 
 CachingAllocator& hot(int device) {
@@ -191,72 +187,4 @@ double default_memory_fraction() {
   return g_default_fraction;
 }
 
-}  // namespace allocwatch::torch_shim
-
-using namespace allocwatch;
-using namespace allocwatch::torch_shim;
-
-extern "C" {
-
-__attribute__((visibility("default"))) void* allocwatch_torch_malloc(std::size_t size, int device,
-                                                                    cudaStream_t stream) {
-  // OutOfMemoryError is a std::runtime_error: PyTorch turns it into a RuntimeError that
-  // carries the allocator's explanation.
-  return hot(device).malloc(size, stream_id(stream));
-}
-
-__attribute__((visibility("default"))) void allocwatch_torch_free(void* ptr, std::size_t /*size*/,
-                                                                 int device,
-                                                                 cudaStream_t /*stream*/) {
-  hot(device).free(ptr);
-}
-
-__attribute__((visibility("default"))) void allocwatch_torch_init(int device_count) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (static_cast<int>(g_allocators.size()) < device_count) g_allocators.resize(device_count);
-}
-
-// torch.cuda.empty_cache()
-__attribute__((visibility("default"))) void allocwatch_torch_empty_cache() {
-  for (auto& a : all())
-    if (a) a->empty_cache();
-}
-
-// torch.cuda.set_per_process_memory_fraction(fraction, device)
-__attribute__((visibility("default"))) void allocwatch_torch_memory_fraction(double fraction,
-                                                                            int device) {
-  auto a = get(device, true);
-  a->set_memory_fraction(fraction);
-}
-
-// tensor.record_stream(stream): the block may not be reused before `stream`'s work is done.
-__attribute__((visibility("default"))) void allocwatch_torch_record_stream(void* ptr,
-                                                                          cudaStream_t stream) {
-  for (auto& a : all()) {
-    if (a && a->block_size(ptr) > 0) {
-      a->record_stream(ptr, stream_id(stream));
-      return;
-    }
-  }
-}
-
-// CUDA graph capture: allocations on the capturing stream(s) go to the graph's private pool.
-__attribute__((visibility("default"))) void allocwatch_torch_begin_allocate_to_pool(
-    int device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) {
-  get(device, true)->begin_allocate_to_pool(
-      id, [filter = std::move(filter)](StreamId s) {
-        return filter(reinterpret_cast<cudaStream_t>(s));
-      });
-}
-
-__attribute__((visibility("default"))) void allocwatch_torch_end_allocate_to_pool(int device,
-                                                                                 MempoolId_t id) {
-  get(device, true)->end_allocate_to_pool(id);
-}
-
-__attribute__((visibility("default"))) void allocwatch_torch_release_pool(int device,
-                                                                         MempoolId_t id) {
-  get(device, true)->release_pool(id);
-}
-
-}  // extern "C"
+}  // namespace allocwatch::torch_allocators

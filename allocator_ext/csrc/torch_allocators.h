@@ -1,6 +1,7 @@
-// The per-device allocators that serve PyTorch, through the pluggable path (torch_shim.cpp's
-// C functions) or the native back end (torch_backend.h): one registry for both and for the
-// Python binding (settings, statistics and snapshots of the allocator torch uses).
+// The process-wide registry of the per-device allocators that serve PyTorch, through the
+// pluggable path (pluggable_exports.cpp) or the native back end (native_core.h): one registry
+// for both and for the Python binding (settings, statistics and snapshots of the allocator
+// torch uses).
 #pragma once
 
 #include <cstddef>
@@ -12,7 +13,7 @@
 
 #include "core/allocator.h"
 
-namespace allocwatch::torch_shim {
+namespace allocwatch::torch_allocators {
 
 // Settings for allocators made from now on, and applied to those that exist (named keys only).
 void configure(const std::string& settings);
@@ -24,6 +25,9 @@ AllocatorConfig current_config();
 // The allocator of `device`; with create=false, nullptr if torch has not used the device yet.
 std::shared_ptr<CachingAllocator> get(int device, bool create);
 std::vector<std::shared_ptr<CachingAllocator>> all();
+// Room for `count` devices, as torch's init hook announces them (their allocators come with
+// first use).
+void ensure_devices(int count);
 // The hot path's lookup: the device's allocator, made on first use.
 CachingAllocator& hot(int device);
 // free() of a pointer whose device the caller does not know (a DataPtr's deleter): false when
@@ -41,4 +45,4 @@ void set_default_memory_fraction(double fraction);
 void set_capture_graphs(std::shared_ptr<CaptureGraphs> graphs);
 double default_memory_fraction();
 
-}  // namespace allocwatch::torch_shim
+}  // namespace allocwatch::torch_allocators

@@ -9,12 +9,11 @@
 // interface changes between releases: one source serves every release of
 // allocator_ext/native/releases.py, each difference under ALLOCWATCH_TORCH_AT_LEAST (see
 // "Differences between releases"; docs/torch.md's version table lists them).
-// The core is reached through the one interface it exports for this (csrc/torch_backend.h),
-// in the core library whose path install() is given: this file never links against it.
+// The core is reached through the one interface it exports for this (csrc/native_core.h), in
+// the core library whose path install() is given: this library never links against it.
+// Beside this file, PyTorch's interface: capture_graphs.* (walking CUDA graphs under capture)
+// and ipc.* (sharing tensors with other processes).
 #include <dlfcn.h>
-#include <sys/prctl.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/AllocatorConfig.h>
@@ -49,21 +48,9 @@
 #include <utility>
 #include <vector>
 
-#include "torch_backend.h"
-
-// Older C library headers lack these (the numbers are those of every 64-bit Linux).
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
-#ifndef PR_SET_PTRACER
-#define PR_SET_PTRACER 0x59616d61
-#endif
-#ifndef PR_SET_PTRACER_ANY
-#define PR_SET_PTRACER_ANY (static_cast<unsigned long>(-1))
-#endif
+#include "capture_graphs.h"
+#include "core_link.h"
+#include "ipc.h"
 
 // --- Differences between releases -------------------------------------------------------------
 // Each function whose declaration differs between releases is defined for the releases that
@@ -82,10 +69,14 @@
 #error "allocwatch's native back end serves torch 2.9 and later (allocator_ext/native/releases.py)"
 #endif
 
+namespace allocwatch::native_backend {
+core::NativeCore* g_core = nullptr;
+}  // namespace allocwatch::native_backend
+
 namespace {
 
+using namespace allocwatch::native_backend;
 namespace cca = c10::cuda::CUDACachingAllocator;
-namespace shim = allocwatch::torch_shim;
 using DeviceStats = cca::DeviceStats;
 // Named through members' types: their namespaces moved between releases.
 using StatArray = decltype(DeviceStats::allocation);
@@ -99,17 +90,10 @@ using RecordContext = cca::RecordContext;
 using CreateContextFn = cca::CreateContextFn;
 using c10::MempoolId_t;
 
-shim::TorchBackend* g_core = nullptr;
 const allocwatch::ContextHandle kNoContext;
 
 allocwatch::StreamId stream_id(cudaStream_t s) { return reinterpret_cast<allocwatch::StreamId>(s); }
 allocwatch::MempoolId pool_id(const MempoolId_t& id) { return {id.first, id.second}; }
-
-void check(const shim::Failure& failure) {
-  if (!failure) return;
-  TORCH_CHECK_VALUE(failure.kind != shim::Failure::invalid_argument, failure.message);
-  TORCH_CHECK(false, failure.message);
-}
 
 // PyTorch's size format (its own is not exported by every release).
 std::string format_size(std::uint64_t size) {
@@ -238,136 +222,24 @@ struct PoolState : cca::AllocatorState {
   std::unordered_map<std::uintptr_t, std::shared_ptr<c10::GatheredContext>> stacks;
 };
 
-// The capture graphs' topology, for reusing during a capture blocks whose last uses the graph
-// has ordered (PyTorch's graph_capture_record_stream_reuse, read from PyTorch's own settings
-// on every question, as its allocator reads it; core/capture_graphs.h says the rule). Called
-// under a device allocator's lock: runtime calls only, no GIL, and nothing thrown (an error
-// is "not capturing" or "not yet": the block then waits for the capture's end).
-class TorchCaptureGraphs final : public allocwatch::CaptureGraphs {
- public:
-  bool terminals(allocwatch::StreamId stream, std::vector<std::uintptr_t>* out) override {
-    try {
-      Capture capture;
-      if (!reuse_on() || !capture_of(stream, &capture)) return false;
-      *out = std::move(capture.terminals);
-      return true;
-    } catch (...) {
-      return false;
-    }
-  }
-
-  bool precede(allocwatch::StreamId stream, const std::vector<std::uintptr_t>& nodes) override {
-    try {
-      return walked_to(stream, nodes);
-    } catch (...) {
-      return false;
-    }
-  }
-
-  // A capture that ended: what was walked of its graph goes.
-  void forget_ended() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = ancestors_.begin(); it != ancestors_.end();) {
-      Capture capture;
-      const bool live = capture_of(it->first.second, &capture) && capture.id == it->first.first;
-      it = live ? std::next(it) : ancestors_.erase(it);
-    }
-  }
-
- private:
-  bool walked_to(allocwatch::StreamId stream, const std::vector<std::uintptr_t>& nodes) {
-    Capture capture;
-    if (!reuse_on() || !capture_of(stream, &capture) || capture.terminals.empty()) return false;
-    std::lock_guard<std::mutex> lock(mutex_);
-    // Ancestors of a stream's terminals stay its ancestors as the capture grows: each graph and
-    // stream is walked once, from the nodes added since.
-    auto& seen = ancestors_[{capture.id, stream}];
-    std::vector<cudaGraphNode_t> walk;
-    for (std::uintptr_t t : capture.terminals) walk.push_back(reinterpret_cast<cudaGraphNode_t>(t));
-    while (!walk.empty()) {
-      cudaGraphNode_t node = walk.back();
-      walk.pop_back();
-      if (!seen.insert(reinterpret_cast<std::uintptr_t>(node)).second) continue;
-      std::size_t count = 0;
-      if (!dependencies(node, nullptr, &count)) return false;
-      std::vector<cudaGraphNode_t> parents(count);
-      if (count > 0 && !dependencies(node, parents.data(), &count)) return false;
-      walk.insert(walk.end(), parents.begin(), parents.begin() + static_cast<long>(count));
-    }
-    return std::all_of(nodes.begin(), nodes.end(),
-                       [&](std::uintptr_t n) { return seen.count(n) > 0; });
-  }
-
-  struct Capture {
-    unsigned long long id = 0;
-    std::vector<std::uintptr_t> terminals;
-  };
-  struct KeyHash {
-    std::size_t operator()(const std::pair<unsigned long long, allocwatch::StreamId>& k) const {
-      return std::hash<unsigned long long>()(k.first) * 31 + std::hash<allocwatch::StreamId>()(k.second);
-    }
-  };
-
-  static bool reuse_on() { return cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse(); }
-
-  static bool capture_of(allocwatch::StreamId stream, Capture* out) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    const cudaGraphNode_t* deps = nullptr;
-    std::size_t count = 0;
-    cudaGraph_t graph = nullptr;
-#if CUDART_VERSION >= 13000
-    const cudaError_t err = cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream), &status,
-                                                     &out->id, &graph, &deps, nullptr, &count);
-#else
-    const cudaError_t err = cudaStreamGetCaptureInfo_v2(reinterpret_cast<cudaStream_t>(stream),
-                                                        &status, &out->id, &graph, &deps, &count);
-#endif
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    if (status != cudaStreamCaptureStatusActive) return false;
-    out->terminals.clear();
-    for (std::size_t i = 0; i < count; ++i)
-      out->terminals.push_back(reinterpret_cast<std::uintptr_t>(deps[i]));
-    return true;
-  }
-
-  static bool dependencies(cudaGraphNode_t node, cudaGraphNode_t* out, std::size_t* count) {
-#if CUDART_VERSION >= 13000
-    const cudaError_t err = cudaGraphNodeGetDependencies(node, out, nullptr, count);
-#else
-    const cudaError_t err = cudaGraphNodeGetDependencies(node, out, count);
-#endif
-    if (err == cudaSuccess) return true;
-    (void)cudaGetLastError();
-    return false;
-  }
-
-  std::mutex mutex_;
-  std::unordered_map<std::pair<unsigned long long, allocwatch::StreamId>,
-                     std::unordered_set<std::uintptr_t>, KeyHash>
-      ancestors_;
-};
-
 std::shared_ptr<TorchCaptureGraphs> g_capture_graphs;
 
 // The segments of a torch.cuda.MemPool made with an allocator of its own, from that allocator,
 // asked as PyTorch's allocator asks it (raw_alloc, raw_delete). Held by the pool while it has
 // segments, which keeps the allocator alive after its user dropped it (PyTorch's
 // test_tensor_delete_after_allocator_delete).
-class UserAllocatorSegments final : public shim::PoolSegments {
+class UserAllocatorSegments final : public core::PoolSegments {
  public:
   explicit UserAllocatorSegments(std::shared_ptr<cca::CUDAAllocator> allocator)
       : allocator_(std::move(allocator)) {}
 
-  void* allocate(std::size_t size, shim::Failure* failure) override {
+  void* allocate(std::size_t size, core::Failure* failure) override {
     try {
       return allocator_->raw_alloc(size);  // null: no room, as PyTorch reads it
     } catch (const c10::OutOfMemoryError&) {
       return nullptr;
     } catch (const std::exception& e) {
-      failure->set(shim::Failure::other, e.what());
+      failure->set(core::Failure::other, e.what());
       return nullptr;
     }
   }
@@ -418,7 +290,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   bool initialized() override { return device_count_.load() > 0; }
 
   void emptyCache(MempoolId_t mempool_id) override {
-    shim::Failure failure;
+    core::Failure failure;
     g_core->empty_cache(pool_id(mempool_id), gather(RecordContext::ALL).trace, &failure);
     check(failure);
   }
@@ -475,7 +347,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     assert_valid_device(device);
     TORCH_CHECK_VALUE(0 <= fraction && fraction <= 1, "invalid fraction: ", fraction,
                       ". Please set within [0, 1].");
-    shim::Failure failure;
+    core::Failure failure;
     g_core->set_memory_fraction(device, fraction, &failure);
     check(failure);
     std::lock_guard<std::mutex> lock(settings_mutex_);
@@ -527,7 +399,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     // Empty tensors have no block; tensors received from another process (CUDA IPC) or
     // allocated without the cache are not this allocator's blocks.
     if (!ptr.get() || ptr.get_deleter() != &delete_block) return;
-    shim::Failure failure;
+    core::Failure failure;
     g_core->record_stream(ptr.device().index(), ptr.get(), stream_id(stream.stream()), &failure);
     check(failure);
   }
@@ -545,7 +417,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   // --- private pools: CUDA graphs and torch.cuda.MemPool ---------------------------------------
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
                            std::function<bool(cudaStream_t)> filter) override {
-    shim::Failure failure;
+    core::Failure failure;
     g_core->begin_allocate_to_pool(
         device, pool_id(mempool_id),
         [filter = std::move(filter)](allocwatch::StreamId s) {
@@ -556,14 +428,14 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    shim::Failure failure;
+    core::Failure failure;
     g_core->end_allocate_to_pool(device, pool_id(mempool_id), &failure);
     g_capture_graphs->forget_ended();
     check(failure);
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    shim::Failure failure;
+    core::Failure failure;
     g_core->release_pool(device, pool_id(mempool_id), &failure);
     check(failure);
   }
@@ -595,7 +467,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
 
 #if ALLOCWATCH_TORCH_AT_LEAST(2, 10)
   void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    shim::Failure failure;
+    core::Failure failure;
     g_core->set_pool_no_split(device, pool_id(mempool_id), &failure);
     check(failure);
   }
@@ -604,16 +476,16 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   // A pool with an allocator of its own (not this one) takes its segments from it.
   void create_or_incref_pool(c10::DeviceIndex device, MempoolId_t mempool_id,
                              std::shared_ptr<cca::CUDAAllocator> allocator) {
-    std::shared_ptr<shim::PoolSegments> segments;
+    std::shared_ptr<core::PoolSegments> segments;
     if (allocator != nullptr && allocator.get() != this)
       segments = std::make_shared<UserAllocatorSegments>(std::move(allocator));
-    shim::Failure failure;
+    core::Failure failure;
     g_core->create_or_incref_pool(device, pool_id(mempool_id), std::move(segments), &failure);
     check(failure);
   }
 
   void set_use_on_oom(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) {
-    shim::Failure failure;
+    core::Failure failure;
     g_core->set_pool_use_on_oom(device, pool_id(mempool_id), use_on_oom, &failure);
     check(failure);
   }
@@ -623,7 +495,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     std::vector<std::uintptr_t> pointers;
     pointers.reserve(expected.size());
     for (void* p : expected) pointers.push_back(reinterpret_cast<std::uintptr_t>(p));
-    shim::Failure failure;
+    core::Failure failure;
     const bool same = g_core->check_pool_live_allocations(device, pool_id(mempool_id), pointers,
                                                           &failure);
     check(failure);
@@ -634,7 +506,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
                                                           MempoolId_t id) override {
     auto state = std::make_shared<PoolState>();
     state->device = device;
-    shim::Failure failure;
+    core::Failure failure;
     state->checkpoint = g_core->checkpoint_pool(device, pool_id(id), &failure);
     check(failure);
     if (any_stacks_.load()) {
@@ -655,7 +527,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(state != nullptr, "allocwatch: expected a checkpoint taken by allocwatch's allocator");
     TORCH_CHECK(state->device == device, "allocwatch: the checkpoint is of device ", state->device,
                 ", not ", static_cast<int>(device));
-    shim::Failure failure;
+    core::Failure failure;
     const allocwatch::CheckpointRestore restored =
         g_core->restore_pool(device, state->checkpoint, gather(RecordContext::ALL).trace, &failure);
     check(failure);
@@ -674,58 +546,9 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     return delta;
   }
 
-  // --- CUDA IPC --------------------------------------------------------------------------------
-  // Ordinary segments are shared with cudaIpc handles (the handle is that of the whole segment,
-  // the offset the block's place in it), as PyTorch does. A block of an expandable segment is
-  // shared as the physical allocations under it, exported as file descriptors that the
-  // receiving process takes over with pidfd_getfd (docs/torch.md, CUDA IPC).
-  cca::ShareableHandle shareIpcHandle(void* ptr) override {
-    const allocwatch::SegmentSpan span = g_core->segment_of(ptr);
-    TORCH_CHECK(span.size > 0, "invalid device pointer: ", ptr);
-    if (span.expandable) return share_expandable(ptr);
-    cudaIpcMemHandle_t handle;
-    C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(span.base)));
-    std::string bytes(1, kCudaMallocHandle);
-    bytes.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
-    return cca::ShareableHandle{
-        static_cast<std::ptrdiff_t>(reinterpret_cast<std::uintptr_t>(ptr) - span.base), bytes};
-  }
-
-  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    std::lock_guard<std::mutex> lock(ipc_mutex_);
-    auto it = ipc_.find(handle);
-    if (it != ipc_.end()) {
-      if (auto ptr = it->second.lock()) return ptr;
-    }
-    c10::DeviceIndex device = 0;
-    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    std::shared_ptr<void> opened;
-    if (!handle.empty() && handle[0] == kExpandableHandle) {
-      const auto [mapping, block] = import_expandable(device, handle);
-      opened = std::shared_ptr<void>(reinterpret_cast<void*>(block),
-                                     [this, handle, device, mapping = mapping](void*) {
-                                       g_core->close_ipc(device, mapping);
-                                       forget_ipc(handle);
-                                     });
-    } else {
-      TORCH_CHECK(handle.size() == 1 + CUDA_IPC_HANDLE_SIZE && handle[0] == kCudaMallocHandle,
-                  "allocwatch: not a CUDA IPC handle this allocator made (", handle.size(),
-                  " bytes); the sending process must run allocwatch's allocator too");
-      cudaIpcMemHandle_t ipc_handle;
-      std::memcpy(&ipc_handle, handle.data() + 1, CUDA_IPC_HANDLE_SIZE);
-      void* ptr = nullptr;
-      C10_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, ipc_handle, cudaIpcMemLazyEnablePeerAccess));
-      opened = std::shared_ptr<void>(ptr, [this, handle, device](void* p) {
-        {
-          c10::cuda::CUDAGuard guard(device);
-          (void)cudaIpcCloseMemHandle(p);  // at exit the context may be gone already
-        }
-        forget_ipc(handle);
-      });
-    }
-    ipc_[handle] = opened;
-    return opened;
-  }
+  // --- CUDA IPC (ipc.h) ------------------------------------------------------------------------
+  cca::ShareableHandle shareIpcHandle(void* ptr) override { return ipc_.share(ptr); }
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override { return ipc_.open(handle); }
 
   // --- memory history --------------------------------------------------------------------------
   bool isHistoryEnabled() override { return history_enabled_.load(); }
@@ -865,8 +688,8 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
 
   // --- the allocation path, for allocate() and raw_alloc() and the deleters --------------------
   void* malloc(c10::DeviceIndex device, std::size_t size, cudaStream_t stream) {
-    shim::OutOfMemory oom;
-    shim::Failure failure;
+    core::OutOfMemory oom;
+    core::Failure failure;
     void* ptr = nullptr;
     if (C10_LIKELY(!history_on_.load(std::memory_order_relaxed))) {
       ptr = g_core->malloc(device, size, stream_id(stream), kNoContext, &oom, &failure);
@@ -898,7 +721,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
       const auto [device, size] = g_core->block_of(ptr);
       if (device >= 0) report_to_profiler(ptr, static_cast<c10::DeviceIndex>(device), size, false);
     }
-    shim::Failure failure;
+    core::Failure failure;
     bool freed = false;
     if (C10_LIKELY(!history_on_.load(std::memory_order_relaxed))) {
       freed = g_core->free(ptr, kNoContext, &failure);
@@ -954,7 +777,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   // sets the fraction of every device.
   void apply_settings(const std::string& settings, bool as_pytorch_call) {
     std::vector<std::pair<std::string, std::string>> others;
-    shim::Failure failure;
+    core::Failure failure;
     g_core->configure(settings, as_pytorch_call, &others, &failure);
     check(failure);
     for (const auto& [key, value] : others) {
@@ -975,93 +798,6 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   // How old an answer from the driver cacheInfo may give: one driver call in a step rather than
   // one per convolution planned; other processes' use of the device shows within it.
   static constexpr std::chrono::nanoseconds kDeviceFreeFreshFor = std::chrono::milliseconds(100);
-  static constexpr char kCudaMallocHandle = 'c';
-  static constexpr char kExpandableHandle = 'e';
-  // An expandable block's handle: 'e', the sender's pid, a serial (file descriptor numbers are
-  // reused once closed: the serial keeps a new export from matching a cached old one), the
-  // block's offset in the first piece, the count, then each piece's size and descriptor.
-  struct ExpandableHeader {
-    std::int32_t pid;
-    std::uint32_t count;
-    std::uint64_t serial;
-    std::uint64_t offset;
-  };
-  struct ExpandablePiece {
-    std::uint64_t size;
-    std::int32_t fd;
-  };
-
-  cca::ShareableHandle share_expandable(void* ptr) {
-    static std::once_flag allow_ptrace;
-    if (const char* who = std::getenv("ALLOCWATCH_IPC_PTRACER"); who && std::strcmp(who, "any") == 0)
-      std::call_once(allow_ptrace, [] { prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0); });
-    shim::Failure failure;
-    const allocwatch::IpcExport exported = g_core->export_ipc(ptr, &failure);
-    TORCH_CHECK(!failure, "allocwatch cannot share this tensor of an expandable segment with "
-                "another process (", failure.message, "): allocate the tensors you share with "
-                "expandable_segments:False (torch.cuda.memory._set_allocator_settings("
-                "\"expandable_segments:False\") before creating them, or "
-                "ALLOCWATCH_ALLOC_CONF=expandable_segments:False for the sending process)");
-    static std::atomic<std::uint64_t> serial{0};
-    ExpandableHeader header{static_cast<std::int32_t>(getpid()),
-                            static_cast<std::uint32_t>(exported.pieces.size()), ++serial,
-                            exported.offset};
-    std::string bytes(1, kExpandableHandle);
-    bytes.append(reinterpret_cast<const char*>(&header), sizeof header);
-    for (const auto& [fd, size] : exported.pieces) {
-      ExpandablePiece piece{size, fd};
-      bytes.append(reinterpret_cast<const char*>(&piece), sizeof piece);
-    }
-    // The block itself is the allocation shared (getBaseAllocation): its offset is 0.
-    return cca::ShareableHandle{0, bytes};
-  }
-
-  // Maps the pieces of another process's expandable block; returns where the mapping and the
-  // block start here. Under ipc_mutex_.
-  std::pair<std::uintptr_t, std::uintptr_t> import_expandable(c10::DeviceIndex device,
-                                                              const std::string& handle) {
-    ExpandableHeader header{};
-    TORCH_CHECK(handle.size() >= 1 + sizeof header, "allocwatch: a truncated IPC handle");
-    std::memcpy(&header, handle.data() + 1, sizeof header);
-    TORCH_CHECK(handle.size() == 1 + sizeof header + header.count * sizeof(ExpandablePiece),
-                "allocwatch: a malformed IPC handle");
-    const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, header.pid, 0));
-    TORCH_CHECK(pidfd >= 0, "allocwatch: cannot reach the process that shares this tensor (pid ",
-                header.pid, "): pidfd_open: ", std::strerror(errno),
-                " (Linux 5.6 or later is needed to share expandable segments; or set "
-                "expandable_segments:False in the sending process)");
-    std::vector<std::pair<int, std::size_t>> pieces;
-    std::string taken_error;
-    for (std::uint32_t i = 0; i < header.count; ++i) {
-      ExpandablePiece piece{};
-      std::memcpy(&piece, handle.data() + 1 + sizeof header + i * sizeof piece, sizeof piece);
-      const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, piece.fd, 0));
-      if (fd < 0) {
-        taken_error = std::strerror(errno);
-        break;
-      }
-      pieces.emplace_back(fd, piece.size);
-    }
-    close(pidfd);
-    shim::Failure failure;
-    std::uintptr_t base = 0;
-    if (taken_error.empty()) base = g_core->import_ipc(device, pieces, &failure);
-    for (const auto& [fd, size] : pieces) close(fd);
-    TORCH_CHECK(taken_error.empty(), "allocwatch: cannot take over the memory that process ",
-                header.pid, " shares (pidfd_getfd: ", taken_error, "; the kernel lets a process "
-                "do that only where it may ptrace the other, see kernel.yama.ptrace_scope, or "
-                "where the sender runs with ALLOCWATCH_IPC_PTRACER=any): set "
-                "expandable_segments:False in the sending process to share through cudaIpc "
-                "handles instead (docs/torch.md, CUDA IPC)");
-    check(failure);
-    return {base, base + header.offset};
-  }
-
-  void forget_ipc(const std::string& handle) {
-    std::lock_guard<std::mutex> lock(ipc_mutex_);
-    ipc_.erase(handle);
-  }
-
   struct Gathered {
     std::shared_ptr<c10::GatheredContext> stack;  // for the block (kept while it is allocated)
     allocwatch::ContextHandle trace;              // for the trace entries of the call
@@ -1135,7 +871,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   // PyTorch's message first (tests and tools match its opening words), allocwatch's advice
   // after it; the out-of-memory observers (the memory viz's, the agent's) are told first.
   [[noreturn]] void raise_out_of_memory(c10::DeviceIndex device, std::size_t size,
-                                        const shim::OutOfMemory& oom) {
+                                        const core::OutOfMemory& oom) {
     std::vector<cca::OutOfMemoryObserver> observers;
     {
       std::lock_guard<std::mutex> lock(observers_mutex_);
@@ -1179,7 +915,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
       std::lock_guard<std::mutex> lock(metadata_mutex_);
       if (include_traces) result.external_annotations = annotations_;
     }
-    const shim::SettingsReport settings = g_core->settings(count > 0 ? 0 : -1);
+    const core::SettingsReport settings = g_core->settings(count > 0 ? 0 : -1);
     auto& md = result.config_metadata;
     md.garbage_collection_threshold = settings.garbage_collection_threshold;
     md.max_split_size = settings.max_split_size;
@@ -1249,8 +985,7 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
   std::vector<cca::OomRejectionObserver> oom_rejection_observers_;
 #endif
 
-  std::mutex ipc_mutex_;
-  std::unordered_map<std::string, std::weak_ptr<void>> ipc_;
+  IpcSharing ipc_;
 
   std::mutex uncached_mutex_;
   std::unordered_set<void*> uncached_;
@@ -1311,11 +1046,11 @@ __attribute__((visibility("default"))) int allocwatch_native_install(const char*
     // to the core's symbols.
     void* library = dlopen(core_library, RTLD_NOW | RTLD_LOCAL);
     TORCH_CHECK(library != nullptr, "cannot load ", core_library, ": ", dlerror());
-    using Factory = shim::TorchBackend* (*)(int, std::size_t);
-    auto factory = reinterpret_cast<Factory>(dlsym(library, "allocwatch_torch_backend"));
-    TORCH_CHECK(factory != nullptr, core_library, " has no allocwatch_torch_backend (an older "
+    using Factory = core::NativeCore* (*)(int, std::size_t);
+    auto factory = reinterpret_cast<Factory>(dlsym(library, "allocwatch_native_core"));
+    TORCH_CHECK(factory != nullptr, core_library, " has no allocwatch_native_core (an older "
                 "allocwatch build?): reinstall allocwatch");
-    g_core = factory(shim::kTorchBackendVersion, sizeof(std::string));
+    g_core = factory(core::kNativeCoreVersion, sizeof(std::string));
     TORCH_CHECK(g_core != nullptr, "the core library in ", core_library, " is of another "
                 "version or C++ ABI than this back end: run `allocwatch native build`");
     cca::CUDAAllocator* current = cca::allocator.load();

@@ -1,12 +1,15 @@
-"""Builds the native back end (backend.cpp) against the torch installed here: once per torch
-build and C++ ABI, cached, and locked so that the workers of one job starting together build
-it once and the others wait for it.
+"""Builds the native back end (backend.cpp, capture_graphs.cpp, ipc.cpp) against the torch
+installed here: once per torch build and C++ ABI, cached, and locked so that the workers of one
+job starting together build it once and the others wait for it.
 
 Needs a C++ compiler (``$CXX``, else g++), torch's headers and libraries, and the CUDA runtime
 headers that CUDA builds of torch bring from PyPI (``nvidia-cuda-runtime``; CUDA 13 also
 ``nvidia-cuda-crt``), or a CUDA toolkit's. No nvcc and no torch.utils.cpp_extension. A failed
 build is remembered with its reason, so that every later process falls back at once instead of
-compiling again; ``allocwatch native build`` retries it (and prebuilds for a container image).
+compiling again; ``allocwatch native build`` retries it. A library built before for the same
+torch build is found without a compiler (``built``): a container image builds it in a builder
+stage with ``allocwatch native build`` and copies the cache into its final stage, which needs
+no compiler (docs/deploy.md).
 
 Where: ``$ALLOCWATCH_NATIVE_DIR``, else ``$XDG_CACHE_HOME/allocwatch/native``, else
 ``~/.cache/allocwatch/native``; a folder that cannot be written falls back to the temporary
@@ -25,7 +28,7 @@ import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +38,16 @@ from allocator_ext.native import releases
 from allocator_ext.protocol.files import write_whole
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "backend.cpp"
+# The back end's translation units: PyTorch's allocator interface, CUDA graph walking, IPC.
+UNITS = (HERE / "backend.cpp", HERE / "capture_graphs.cpp", HERE / "ipc.cpp")
 CSRC = HERE.parent / "csrc"
 # Host-only stand-ins for CUDA headers that PyPI's runtime wheel lacks (cuda_include_dirs).
 STAND_INS = HERE / "stand_ins"
-# Everything the back end's translation unit includes from this package.
-SOURCES = (SOURCE, CSRC / "torch_backend.h", *sorted((CSRC / "core").glob("*.h")),
-           *sorted(STAND_INS.glob("crt/*.h")))
+# Everything a build depends on in this package: its units and what they include, and how they
+# are compiled (this file, and the releases' table, which chooses the C++ standard).
+SOURCES = (*UNITS, *sorted(HERE.glob("*.h")), CSRC / "native_core.h",
+           *sorted((CSRC / "core").glob("*.h")), *sorted(STAND_INS.glob("crt/*.h")),
+           Path(__file__).resolve(), HERE / "releases.py")
 LIBRARY_NAME = "allocwatch_native.so"
 FAILED_NAME = "failed.txt"
 LOG_NAME = "build.log"
@@ -81,9 +87,14 @@ def _writable(folder: Path) -> Path:
         probe.unlink()
         return folder
     except OSError:
-        fallback = Path(tempfile.gettempdir()) / f"allocwatch-native-{os.getuid()}"
+        fallback = _fallback_dir()
         fallback.mkdir(parents=True, exist_ok=True)
         return fallback
+
+
+def _fallback_dir() -> Path:
+    """Where builds go when the cache folder cannot be written."""
+    return Path(tempfile.gettempdir()) / f"allocwatch-native-{os.getuid()}"
 
 
 def _sources_digest() -> str:
@@ -210,38 +221,40 @@ def _runtime_link(libstdcxx: Path | None) -> list[str]:
     return [*([str(libstdcxx)] if libstdcxx is not None else []), "-Wl,--exclude-libs,ALL"]
 
 
-def plan(torch: Any, extra_includes: Sequence[str] = (), link: bool = True,
-         cuda_version: str | None = None) -> Plan:
-    """The build for `torch`. For the ABI test, which compiles against a CPU build's headers:
-    extra_includes come first (stand-ins for headers that CPU builds lack), link=False
-    compiles an object only, and cuda_version names the CUDA runtime headers to use."""
-    cxx = compiler()
-    cuda = cuda_version or torch.version.cuda
+def identity(torch: Any) -> tuple[str, str]:
+    """The cache key of the back end for `torch`, and a line saying what it is built against:
+    the same whichever compiler builds it, so that a library built elsewhere (an image's
+    builder stage) is found where there is none."""
+    cuda = torch.version.cuda
     if cuda is None:
         raise BuildError(f"torch {torch.__version__} is a CPU build: no CUDA allocator to replace")
-    torch_dir = Path(torch.__file__).resolve().parent
-    lib = torch_dir / "lib"
-    if link and not any(lib.glob("libc10_cuda.so*")):
-        raise BuildError(f"torch {torch.__version__} has no libc10_cuda in {lib}")
     abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
-    includes = [*extra_includes, str(torch_dir / "include"), *cuda_include_dirs(str(cuda)),
-                str(CSRC)]
-    command = [cxx, f"-std={releases.cxx_standard(torch.__version__)}", "-O2", "-fPIC",
-               "-fvisibility=hidden",
-               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall", "-Wno-unused-parameter",
-               "-Wsuggest-override"]
-    command += [f"-I{d}" for d in includes]
-    if link:
-        command += ["-shared", str(SOURCE), "-o", "{output}", *_runtime_link(process_libstdcxx()),
-                    f"-L{lib}", "-lc10", "-lc10_cuda", f"-Wl,-rpath,{lib}", "-ldl"]
-    else:
-        command += ["-c", str(SOURCE), "-o", "{output}"]
     identity = "|".join([torch.__version__, str(torch.version.git_version), str(cuda),
-                         f"abi{abi}", _sources_digest(), " ".join(command)])
+                         f"abi{abi}", _sources_digest()])
     key = (f"torch{torch.__version__.replace('+', '-')}-cuda{cuda}-abi{abi}-"
            f"{hashlib.sha256(identity.encode()).hexdigest()[:12]}")
-    return Plan(key=key, command=tuple(command),
-                describe=f"torch {torch.__version__} (CUDA {cuda}, C++ ABI {abi})")
+    return key, f"torch {torch.__version__} (CUDA {cuda}, C++ ABI {abi})"
+
+
+def plan(torch: Any) -> Plan:
+    """The build for `torch`."""
+    cxx = compiler()
+    key, describe = identity(torch)
+    torch_dir = Path(torch.__file__).resolve().parent
+    lib = torch_dir / "lib"
+    if not any(lib.glob("libc10_cuda.so*")):
+        raise BuildError(f"torch {torch.__version__} has no libc10_cuda in {lib}")
+    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    includes = [str(torch_dir / "include"), *cuda_include_dirs(str(torch.version.cuda)),
+                str(CSRC)]
+    command = [cxx, f"-std={releases.cxx_standard(torch.__version__)}", "-O2", "-fPIC",
+               "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall",
+               "-Wno-unused-parameter", "-Wsuggest-override"]
+    command += [f"-I{d}" for d in includes]
+    command += ["-shared", *map(str, UNITS), "-o", "{output}",
+                *_runtime_link(process_libstdcxx()), f"-L{lib}", "-lc10", "-lc10_cuda",
+                f"-Wl,-rpath,{lib}", "-ldl"]
+    return Plan(key=key, command=tuple(command), describe=describe)
 
 
 @contextmanager
@@ -339,8 +352,21 @@ def _raise_remembered_failure(failed: Path) -> None:
         raise BuildError(reason)
 
 
+def built(torch: Any, root: Path | None = None) -> Path | None:
+    """The back end for `torch` where one was built before (here, or in an image's builder
+    stage whose cache was copied here), found without a compiler; None where there is none."""
+    key, _ = identity(torch)
+    for folder in (root or cache_dir(), _fallback_dir()):
+        candidate = folder / key / LIBRARY_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def library(force: bool = False) -> Path:
-    """The back end for the torch installed here, built if need be."""
+    """The back end for the torch installed here: the one built before, else built now."""
     import torch
 
+    if not force and (found := built(torch)) is not None:
+        return found
     return ensure_built(plan(torch), force=force)

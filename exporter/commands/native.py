@@ -15,7 +15,9 @@ of time, for a container image or a shared cache, and retries a build that faile
   allocwatch native build            build (or rebuild) it now; prints where it is
   allocwatch native status           where it is, or why it cannot be built
 
-The cache: ALLOCWATCH_NATIVE_DIR, else ~/.cache/allocwatch/native."""
+The cache: ALLOCWATCH_NATIVE_DIR, else ~/.cache/allocwatch/native. A library in it is found
+without a compiler: an image builds it in a builder stage and copies the cache into its final
+stage, with the same torch at the same path (docs/deploy.md)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,20 +36,20 @@ def run(args: argparse.Namespace) -> int:
     from allocator_ext.native import build
 
     try:
-        plan = build.plan(torch)
-        folder = build.cache_dir() / plan.key
         if args.action == "status":
-            library = folder / build.LIBRARY_NAME
-            failed = folder / build.FAILED_NAME
-            if library.is_file():
-                print(f"built for {plan.describe}: {library}")
+            key, describe = build.identity(torch)
+            library = build.built(torch)
+            if library is not None:
+                print(f"built for {describe}: {library}")
                 return 0
+            failed = build.cache_dir() / key / build.FAILED_NAME
             if (reason := build.remembered_failure(failed)) is not None:
                 print(f"not built, an earlier build failed: {reason}")
                 return 1
-            print(f"not built yet for {plan.describe} (the first process that needs it builds "
-                  f"it, or run `allocwatch native build`)")
+            print(f"not built yet for {describe} (the first process that needs it builds it, "
+                  f"or run `allocwatch native build`)")
             return 1
+        plan = build.plan(torch)
         print(f"building for {plan.describe} ...", flush=True)
         library = build.ensure_built(plan, force=True)
     except build.BuildError as e:

@@ -3,8 +3,9 @@ the back end is built exactly as `install()` builds it (allocator_ext/native/bui
 a CUDA build of torch's headers and libraries, and driven by c10's allocator calls
 (native_sim/allocator_calls.cpp) while a stand-in CUDA runtime answers the few runtime calls c10
 makes (native_sim/cuda_runtime_stand_in.c) and the core allocates on its simulated device
-(ALLOCWATCH_SHIM_DEVICE=sim). So the paths a GPU run takes through backend.cpp, torch_backend.cpp
-and the core run here: out of memory, the memory fraction, private pools, raw allocations.
+(ALLOCWATCH_TORCH_DEVICE=sim). So the paths a GPU run takes through the native back end,
+native_core.cpp and the core run here: out of memory, the memory fraction, private pools, raw
+allocations.
 
 The torch libraries are those of the releases CI fetches (tests/support/torch_releases.py): every
 scenario runs against 2.11's, the release measured on the GPU; those whose interface differs
@@ -82,8 +83,8 @@ def built(release_builds, sim_root: Path) -> tuple[Path, Path, Path]:
 
 
 def _run_scenario(backend: Path, calls: Path, runtime: Path, name: str) -> None:
-    env = {**os.environ, "ALLOCWATCH_SHIM_DEVICE": "sim",
-           "ALLOCWATCH_SHIM_SIM_BYTES": str(CAPACITY), "LD_PRELOAD": str(runtime),
+    env = {**os.environ, "ALLOCWATCH_TORCH_DEVICE": "sim",
+           "ALLOCWATCH_TORCH_SIM_BYTES": str(CAPACITY), "LD_PRELOAD": str(runtime),
            "ALLOCWATCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
     out = subprocess.run([sys.executable, str(SCENARIOS), str(backend), str(calls), name],
                          capture_output=True, text=True, timeout=120, env=env)

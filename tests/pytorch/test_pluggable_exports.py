@@ -1,6 +1,6 @@
-"""The functions the pluggable path hands PyTorch (torch_shim.cpp, named in
+"""The functions the pluggable path hands PyTorch (pluggable_exports.cpp, named in
 allocator_ext/torch_integration.py), exercised through ctypes on the simulated device
-(ALLOCWATCH_SHIM_DEVICE=sim) since this machine has no GPU; on the GPU PyTorch itself drives them
+(ALLOCWATCH_TORCH_DEVICE=sim) since this machine has no GPU; on the GPU PyTorch itself drives them
 (tests/pytorch/test_torch_gpu.py). Statistics are read where the pluggable path's replacement of
 torch.cuda.memory_stats reads them (allocator_ext._core.torch_allocator). Each case runs in a
 fresh process: the allocators serving PyTorch live as long as the process."""
@@ -39,8 +39,8 @@ PRELUDE = textwrap.dedent("""\
 
 
 def run(body: str, capacity: int = 0) -> str:
-    env = {**os.environ, "ALLOCWATCH_SHIM_DEVICE": "sim",
-           "ALLOCWATCH_SHIM_SIM_BYTES": str(capacity)}
+    env = {**os.environ, "ALLOCWATCH_TORCH_DEVICE": "sim",
+           "ALLOCWATCH_TORCH_SIM_BYTES": str(capacity)}
     out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -67,7 +67,7 @@ def test_the_extension_exports_its_entry_points_and_nothing_else() -> None:
     listed = subprocess.run([nm, "-D", "--defined-only", core.__file__], capture_output=True,
                             text=True, check=True).stdout.split("\n")
     exported = {line.split()[-1] for line in listed if line.strip()}
-    assert "PyInit__core" in exported and "allocwatch_torch_backend" in exported
+    assert "PyInit__core" in exported and "allocwatch_native_core" in exported
     assert set(PLUGGABLE_HOOKS.values()) <= exported
     others = sorted(n for n in exported if n != "PyInit__core" and not n.startswith("allocwatch_"))
     assert others == [], f"{len(others)} symbols exported besides the entry points: {others[:5]}"

@@ -30,7 +30,7 @@ enum class TraceAction : std::uint8_t {
   oom,
 };
 
-// Inline: the native back end, which reaches the core only through TorchBackend, maps the
+// Inline: the native back end, which reaches the core only through NativeCore, maps the
 // actions PyTorch names (recordHistory's skip_actions) itself.
 inline const char* trace_action_name(TraceAction a) {
   switch (a) {

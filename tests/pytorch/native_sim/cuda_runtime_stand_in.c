@@ -1,7 +1,7 @@
 /* A stand-in for the few CUDA runtime calls that c10 and the native back end make on the paths
  * tests/pytorch/test_native_sim.py drives: one device, nothing ever captured, no work to wait
  * for. Preloaded (LD_PRELOAD) over the real libcudart, which cannot answer without a GPU; the
- * allocations themselves go to allocwatch's simulated device (ALLOCWATCH_SHIM_DEVICE=sim). */
+ * allocations themselves go to allocwatch's simulated device (ALLOCWATCH_TORCH_DEVICE=sim). */
 #include <stddef.h>
 
 int cudaGetDevice(int* device) { *device = 0; return 0; }

@@ -2,7 +2,7 @@
 through PyTorch's C++ allocator interface (allocator_calls.cpp) as torch's own callers reach it.
 Run by tests/pytorch/test_native_sim.py:
 
-    ALLOCWATCH_SHIM_DEVICE=sim LD_PRELOAD=<cuda runtime stand-in> \\
+    ALLOCWATCH_TORCH_DEVICE=sim LD_PRELOAD=<cuda runtime stand-in> \\
         python scenarios.py BACKEND_SO CALLS_SO NAME       prints "PASS NAME: ..." or raises
 """
 
