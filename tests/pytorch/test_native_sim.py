@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -82,10 +83,11 @@ def built(release_builds, sim_root: Path) -> tuple[Path, Path, Path]:
     return _built(release_builds, sim_root, torch_releases.GPU_RELEASE)
 
 
-def _run_scenario(backend: Path, calls: Path, runtime: Path, name: str) -> None:
+def _run_scenario(backend: Path, calls: Path, runtime: Path, name: str,
+                  environment: dict[str, str] | None = None) -> None:
     env = {**os.environ, "ALLOCWATCH_TORCH_DEVICE": "sim",
            "ALLOCWATCH_TORCH_SIM_BYTES": str(CAPACITY), "LD_PRELOAD": str(runtime),
-           "ALLOCWATCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": ""}
+           "ALLOCWATCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "", **(environment or {})}
     out = subprocess.run([sys.executable, str(SCENARIOS), str(backend), str(calls), name],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -143,3 +145,44 @@ def test_a_compiler_that_links_its_own_libstdcxx_statically(
                             capture_output=True, text=True).stdout
     assert "libstdc++.so.6" in needed, needed
     _run_scenario(backend, calls, runtime, "out_of_memory")
+
+
+FIND_IT = textwrap.dedent("""\
+    import shutil, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[1])
+    from support import torch_releases
+    from allocator_ext.native import build
+
+    torch = torch_releases.torch_module(Path(sys.argv[2]))
+    print("compilers:", [c for c in ("g++", "c++", "gcc", "cc") if shutil.which(c)])
+    try:
+        build.plan(torch)
+    except build.BuildError as e:
+        print("no build here:", e)
+    print("found:", build.built(torch))
+    """)
+
+
+def test_a_back_end_built_in_one_environment_serves_in_another_without_a_compiler(
+        release_builds, built: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """A training image's final stage has no compiler: the back end built in its builder stage
+    (`allocwatch native build` into ALLOCWATCH_NATIVE_DIR) is copied over, and the same torch
+    build finds it there, loads it and is served by it (docs/deploy.md)."""
+    backend, calls, runtime = built
+    final = tmp_path / "final-stage" / "native"
+    shutil.copytree(backend.parent, final / backend.parent.name)  # COPY --from=builder
+    bare = tmp_path / "bin"  # the final stage's PATH: Python, no compiler
+    bare.mkdir()
+    (bare / "python3").symlink_to(sys.executable)
+    environment = {"PATH": str(bare), "CXX": "", "ALLOCWATCH_NATIVE_DIR": str(final)}
+    release = torch_releases.folder(torch_releases.GPU_RELEASE)
+    out = subprocess.run([sys.executable, "-c", FIND_IT, str(HERE.parents[1]), str(release)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **environment})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "compilers: []" in out.stdout, out.stdout
+    assert "no build here: no C++ compiler (g++ not found)" in out.stdout, out.stdout
+    found = Path(out.stdout.split("found: ")[1].strip())
+    assert found == final / backend.parent.name / build.LIBRARY_NAME, out.stdout
+    _run_scenario(found, calls, runtime, "out_of_memory", environment)
