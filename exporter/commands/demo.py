@@ -15,6 +15,7 @@ import collections
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,11 @@ EXAMPLE_TRACE = Path(__file__).resolve().parents[2] / "allocator_ext" / "data" /
 GiB = float(1 << 30)
 MiB = 1 << 20
 
+# The demo and its workload stop within a second of being told to (two halves: the workload's
+# goodbye to the sidecar, then the sidecar).
+STOP_SECONDS = 1.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 HELP = "start a sidecar and a training workload publishing to it; print a live summary"
 DESCRIPTION = """\
 Starts a sidecar (temporary Unix sockets, metrics on --port) and a training workload whose
@@ -41,7 +47,9 @@ Prints where the metrics and the admin API are, with an `allocwatch ctl` line to
 another terminal, then one line a second read back from /metrics until --duration ends:
 reserved, allocated, peak fragmentation (1 - peak allocated / peak reserved, at its lowest over
 the last few seconds: what the cache strands at the peak of use), the share of the cache unused
-at that moment (high between steps for any healthy cache), retries and OOMs."""
+at that moment (high between steps for any healthy cache), retries and OOMs. Ctrl-C, SIGTERM,
+SIGHUP or the end of the process that started it stop the demo and its workload within a
+second, and remove its temporary directory."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -98,13 +106,18 @@ def _synthetic_trace(steps: int = 20, seed: int = 0) -> Any:
     return Trace("<synthetic>", events, device=0)
 
 
+class _Abandoned(Exception):
+    """Ends the pass under way once the workload is told to stop."""
+
+
 def run_sim_workload(replayer: Any, stop_event: threading.Event, *,
                      pace_seconds: float = 0.02) -> int:
     """Replays the replayer's trace in passes until stop_event; returns the passes done.
 
     Each pass frees whatever it still holds at its end, so passes repeat the same pattern on an
     allocator that keeps its cache (like the steps of a training run). Once stopped, the pass
-    under way finishes without pauses.
+    under way is abandoned at its next pause and what it holds freed: a stop takes effect
+    within a pause, not a pass.
     """
     chunk = max(1, len(replayer.trace.events) // 100)  # ~100 pauses a pass: figures move
     steps = [0]
@@ -113,35 +126,39 @@ def run_sim_workload(replayer: Any, stop_event: threading.Event, *,
         steps[0] += 1
         if steps[0] % chunk == 0:
             stop_event.wait(pace_seconds)
+            if stop_event.is_set():
+                raise _Abandoned
 
     passes = 0
     while not stop_event.is_set():
-        replayer.run_pass(release=True, after_step=pace)
+        try:
+            replayer.run_pass(release=True, after_step=pace)
+        except _Abandoned:
+            replayer.release_held()
+            break
         passes += 1
     return passes
 
 
-def _sim_child(target: str, duration: float) -> int:
+def _sim_child(target: str, stop: threading.Event) -> int:
     from allocator_ext.agent import start_agent
     from allocator_ext.replay import Replayer
 
-    stop = _stop_event_on_signals(duration)
     replayer = Replayer(demo_trace())  # allocwatch's defaults, on an unlimited simulated device
     agent = start_agent(target, interval=0.5, source={0: replayer.allocator},
                         identity={"training_job": "allocwatch-demo"}, nvml=False)
     try:
         run_sim_workload(replayer, stop)
     finally:
-        agent.stop()
+        agent.stop(timeout=STOP_SECONDS / 2)
     return 0
 
 
-def _gpu_child(target: str, duration: float) -> int:
+def _gpu_child(target: str, stop: threading.Event) -> int:
     import torch
 
     from allocator_ext.agent import start_agent
 
-    stop = _stop_event_on_signals(duration)
     device = torch.device("cuda", 0)
     torch.cuda.init()
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(device)
@@ -159,29 +176,59 @@ def _gpu_child(target: str, duration: float) -> int:
             optimiser.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
     finally:
-        agent.stop()
+        agent.stop(timeout=STOP_SECONDS / 2)
     return 0
 
 
-def _stop_event_on_signals(duration: float) -> threading.Event:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+def _child_stop_event(duration: float) -> tuple[threading.Event, threading.Event]:
+    """When the workload stops: at the end of `duration`, on SIGTERM, SIGINT or SIGHUP (the
+    demo's own stop, or the terminal's), or when its standard input, a pipe that only the demo
+    holds open, reaches its end: the demo is gone, however it ended (even SIGKILL). Returns
+    the stop event and the event of that last case."""
+    stop, orphaned = threading.Event(), threading.Event()
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: stop.set())
-    threading.Timer(duration, stop.set).start()
-    return stop
+    timer = threading.Timer(duration, stop.set)
+    timer.daemon = True  # a stopped workload exits now, not when the duration ends
+    timer.start()
+
+    def watch_parent() -> None:
+        # Returns at end of file: the demo's end of the pipe closed. (os.read: a buffered
+        # reader's lock, held by this daemon thread, would stall the interpreter's exit.)
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+        orphaned.set()
+        stop.set()
+
+    threading.Thread(target=watch_parent, name="demo-parent", daemon=True).start()
+    return stop, orphaned
 
 
 # ---------------------------------------------------------------------- the demo itself
 
+# Asked in a process of its own: torch, once imported, would stay in the demo and make its exit
+# (the interpreter's finalisation) take seconds. The working directory leaves sys.path first.
+_GPU_PROBE = """
+import sys
+del sys.path[0]
+try:
+    import torch
+except ImportError:
+    print("torch is not installed")
+else:
+    if not torch.cuda.is_available():
+        print(f"torch {torch.__version__} sees no CUDA GPU")
+"""
+
+
 def _no_gpu_reason() -> str | None:
     """Why the GPU workload cannot run here, or None when it can."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} sees no CUDA GPU"
-    return None
+    probe = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True,
+                           timeout=300)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"torch fails to load ({last})"
+    return probe.stdout.strip() or None
 
 
 def _summary(url: str) -> dict[str, float]:
@@ -237,14 +284,6 @@ class Headline:
 def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
              out: Any = None) -> int:
     from exporter.shared.logs import configure_logging
-    from exporter.sidecar.app import SidecarThread
-    from exporter.sidecar.config import (
-        AgentsConfig,
-        LoggingConfig,
-        MetricsConfig,
-        NvmlConfig,
-        SidecarConfig,
-    )
 
     out = out or sys.stdout
     no_gpu = _no_gpu_reason() if workload in ("auto", "gpu") else None
@@ -256,41 +295,67 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
     if workload == "auto":
         workload = "sim" if no_gpu else "gpu"
     configure_logging("warning", "text")  # the demo's own lines are the output
-    with tempfile.TemporaryDirectory(prefix="allocwatch-demo-") as tmp:
+    signals = _StopSignals()
+    try:
+        return _run(duration, port, workload, out, signals)
+    except _Interrupted as stopped:
+        return 128 + stopped.signum
+    finally:
+        signals.restore()
+        print("DEBUG demo returns", time.monotonic(), os.getpid(), file=sys.stderr, flush=True)
+
+
+def _run(duration: float, port: int, workload: str, out: Any, signals: _StopSignals) -> int:
+    from exporter.sidecar.app import SidecarThread
+    from exporter.sidecar.config import (
+        AgentsConfig,
+        LoggingConfig,
+        MetricsConfig,
+        NvmlConfig,
+        SidecarConfig,
+    )
+
+    with tempfile.TemporaryDirectory(prefix="allocwatch-demo-",
+                                     ignore_cleanup_errors=True) as tmp:
         config = SidecarConfig(
             agents=AgentsConfig(unix_socket=str(Path(tmp) / "agent.sock")),
             metrics=MetricsConfig(address="127.0.0.1", port=port),
             # The simulated workload has no GPU: spare the user NVML's warning.
             nvml=NvmlConfig(enabled=workload == "gpu"),
             logging=LoggingConfig(level="warning", format="text"))
-        try:
-            sidecar = SidecarThread(config).start()
-        except OSError as err:
-            print(f"allocwatch demo: cannot start the sidecar: {err} "
-                  "(another program on that port? try --port 0)", file=sys.stderr)
-            return 1
-        url = sidecar.sidecar.metrics_url
-        target = sidecar.sidecar.agent_targets[0]
-        admin = _admin_address(sidecar)
-        print(f"allocwatch demo: {workload} workload for {duration:g} s", file=out)
-        print(f"  metrics:  {url}/metrics   (agents: {url}/)", file=out)
-        print(f"  agents connect to {target}", file=out)
-        if admin:
-            print(f"  admin API: {admin}; in another terminal, while the demo runs:", file=out)
-            print(f"    allocwatch ctl --admin {shlex.quote(admin)} agents", file=out)
-        out.flush()
-        child = subprocess.Popen(
-            [sys.executable, "-m", "exporter.commands.demo", "--child", workload,
-             "--target", target, "--duration", str(duration)],
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        started = time.monotonic()
-        headline = Headline()
+        sidecar = child = None
         status = 0
         try:
+            try:
+                sidecar = SidecarThread(config).start()
+            except OSError as err:
+                print(f"allocwatch demo: cannot start the sidecar: {err} "
+                      "(another program on that port? try --port 0)", file=sys.stderr)
+                return 1
+            url = sidecar.sidecar.metrics_url
+            target = sidecar.sidecar.agent_targets[0]
+            admin = _admin_address(sidecar)
+            print(f"allocwatch demo: {workload} workload for {duration:g} s", file=out)
+            print(f"  metrics:  {url}/metrics   (agents: {url}/)", file=out)
+            print(f"  agents connect to {target}", file=out)
+            if admin:
+                print(f"  admin API: {admin}; in another terminal, while the demo runs:",
+                      file=out)
+                print(f"    allocwatch ctl --admin {shlex.quote(admin)} agents", file=out)
+            out.flush()
+            # In the temporary directory, not the caller's: `python -m` imports from the
+            # working directory first, and a checkout there is not the installed package.
+            # Its standard input is a pipe only this process holds: its end is our end.
+            child = subprocess.Popen(
+                [sys.executable, "-m", "exporter.commands.demo", "--child", workload,
+                 "--target", target, "--duration", str(duration), "--directory", tmp],
+                stdin=subprocess.PIPE, cwd=tmp, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            started = time.monotonic()
+            headline = Headline()
             for _tick in _every_second(started, duration):
                 if child.poll() is not None:
-                    print(f"allocwatch demo: the workload exited with status {child.returncode}",
-                          file=out)
+                    print(f"allocwatch demo: the workload exited with status "
+                          f"{child.returncode}", file=out)
                     status = child.returncode or 1
                     break
                 try:
@@ -298,19 +363,70 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
                 except OSError as err:
                     line = f"(metrics not readable: {err})"
                 print(line, file=out, flush=True)
-        except KeyboardInterrupt:
-            status = 130
         finally:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-                try:
-                    child.wait(10)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
-            sidecar.stop()
+            signals.cleaning.set()  # a second Ctrl-C must not cut the clean-up short
+            if child is not None:
+                _stop_child(child)
+            if sidecar is not None:
+                sidecar.stop()
         print("allocwatch demo: done", file=out, flush=True)
         return status
+
+
+class _Interrupted(Exception):
+    """A stop signal, raised in the demo's main thread."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopSignals:
+    """While installed: SIGINT, SIGTERM and SIGHUP raise _Interrupted in the main thread,
+    until the clean-up began, and the end of the process that started the demo counts as
+    SIGTERM. Where the demo does not run in the main thread (a caller's), signals stay the
+    caller's."""
+
+    def __init__(self) -> None:
+        self.cleaning = threading.Event()
+        self._previous: dict[int, Any] = {}
+        self._done = threading.Event()
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = {sig: signal.signal(sig, self._interrupt) for sig in STOP_SIGNALS}
+        threading.Thread(target=self._watch_parent, args=(os.getppid(),), name="demo-parent",
+                         daemon=True).start()
+
+    def _interrupt(self, signum: int, _frame: Any) -> None:
+        if not self.cleaning.is_set():
+            self.cleaning.set()
+            raise _Interrupted(signum)
+
+    def _watch_parent(self, parent: int) -> None:
+        # An orphan is handed to another parent (init, or a subreaper).
+        while not self._done.wait(0.1):
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def restore(self) -> None:
+        self._done.set()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_child(child: subprocess.Popen) -> None:
+    """Tells the workload to stop (it may have been told already: the terminal's SIGINT
+    reaches the whole process group) and waits for it, within half the stop's time."""
+    if child.poll() is None:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(STOP_SECONDS / 2 + 0.2)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    if child.stdin is not None:
+        child.stdin.close()
 
 
 def _admin_address(sidecar: Any) -> str | None:
@@ -333,10 +449,17 @@ def _child_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", choices=("gpu", "sim"), required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--duration", type=float, required=True)
+    parser.add_argument("--directory", required=True,
+                        help="the demo's temporary directory, removed here if the demo is gone")
     args = parser.parse_args(argv)
-    if args.child == "gpu":
-        return _gpu_child(args.target, args.duration)
-    return _sim_child(args.target, args.duration)
+    stop, orphaned = _child_stop_event(args.duration)
+    try:
+        if args.child == "gpu":
+            return _gpu_child(args.target, stop)
+        return _sim_child(args.target, stop)
+    finally:
+        if orphaned.is_set():  # the demo could not clean up after itself: do it for it
+            shutil.rmtree(args.directory, ignore_errors=True)
 
 
 if __name__ == "__main__":

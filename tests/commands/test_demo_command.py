@@ -76,6 +76,92 @@ def test_the_printed_ctl_line_works_as_printed() -> None:
         demo.communicate(timeout=60)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+
+
+def _processes_naming(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+@pytest.mark.parametrize("how", ["SIGINT to its process group (Ctrl-C)", "SIGTERM",
+                                 "SIGHUP (its terminal closed)", "its parent killed",
+                                 "SIGKILL (its workload cleans up)"])
+def test_demo_stops_within_a_second_leaving_nothing(how: str, tmp_path: Path) -> None:
+    allocwatch = Path(sys.executable).with_name("allocwatch")
+    if not allocwatch.exists():
+        pytest.skip(f"the allocwatch command is not installed beside {sys.executable}")
+    # Started where a checkout's packages would shadow the installed ones, were the workload
+    # to import from its working directory (`python -m` does, from the directory it starts in).
+    for package in ("allocator_ext", "exporter"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(
+            "raise ImportError('imported from the working directory')\n")
+    demo_argv = [str(allocwatch), "demo", "--duration", "120", "--port", "0", "--workload",
+                 "sim"]
+    if how == "its parent killed":
+        # A shell that started the demo in the background, then died without a word.
+        started = subprocess.Popen(["sh", "-c", '"$@" & echo "demo $!"; wait', "sh",
+                                    *demo_argv], cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    else:
+        started = subprocess.Popen(demo_argv, cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert started.stdout is not None
+    printed, demo_pid = [], started.pid
+    try:
+        for line in started.stdout:  # up to the first figures with the agent connected
+            printed.append(line)
+            if line.startswith("demo "):
+                demo_pid = int(line.split()[1])
+            if "agents 1" in line or "workload exited" in line:
+                break
+        text = "".join(printed)
+        assert "agents 1" in text, text
+        directory = re.search(r"unix://(/\S+)/agent\.sock", text).group(1)  # type: ignore[union-attr]
+        workload = [pid for pid in _processes_naming(directory) if pid != demo_pid]
+        assert workload and Path(directory).is_dir()
+        signals = {"SIGTERM": signal.SIGTERM, "SIGHUP (its terminal closed)": signal.SIGHUP}
+        began = time.monotonic()
+        if how.startswith("SIGINT"):
+            os.killpg(started.pid, signal.SIGINT)
+        elif how in signals:
+            os.kill(demo_pid, signals[how])
+        elif how == "its parent killed":
+            started.kill()
+        else:
+            os.kill(demo_pid, signal.SIGKILL)
+        while time.monotonic() - began < 10 and (
+                any(_alive(pid) for pid in [demo_pid, *workload]) or Path(directory).exists()):
+            time.sleep(0.01)
+        took = time.monotonic() - began
+        left = [pid for pid in [demo_pid, *workload] if _alive(pid)]
+        assert not left and not Path(directory).exists(), (left, directory, text)
+        assert took <= 1.0, f"{how}: everything gone after {took:.2f} s"
+    finally:
+        for pid in _processes_naming(str(tmp_path)) + [demo_pid]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        started.kill()
+        started.communicate(timeout=30)
+    if how in ("SIGTERM", "SIGHUP (its terminal closed)") or how.startswith("SIGINT"):
+        signum = signal.SIGINT if how.startswith("SIGINT") else signals[how]
+        assert started.returncode == 128 + signum
+
+
 def test_demo_without_a_gpu_refuses_the_gpu_workload() -> None:
     pytest.importorskip("torch")
     import torch
@@ -95,18 +181,21 @@ def test_sim_workload_drives_the_allocator_until_stopped() -> None:
     replayer = Replayer(demo_trace())
     stop = threading.Event()
 
-    def stop_once_it_allocated() -> None:
+    def stop_in_the_second_pass() -> None:
         # Stopped by what the workload did, not by a clock: a loaded machine only makes it wait.
-        while replayer.allocator.stats()["allocation.all.allocated"] <= 100:
-            time.sleep(0.01)
+        while replayer.passes < 1 or replayer.position < 100:
+            time.sleep(0.001)
         stop.set()
 
-    threading.Thread(target=stop_once_it_allocated, daemon=True).start()
+    threading.Thread(target=stop_in_the_second_pass, daemon=True).start()
     passes = run_sim_workload(replayer, stop, pace_seconds=0.0)
     stats = replayer.allocator.stats()
-    assert passes >= 1
+    assert passes == replayer.passes >= 1
+    # The pass under way was abandoned at once (a stop waits for a pause, not a pass)...
+    assert 0 < replayer.position < len(replayer.trace.events)
     assert stats["allocation.all.allocated"] > 100
-    assert stats["allocated_bytes.all.current"] == 0  # each pass frees what it held
+    # ...and what it held freed, as each pass frees what it held at its end.
+    assert stats["allocated_bytes.all.current"] == 0
     assert stats["reserved_bytes.all.peak"] > 0
 
 
@@ -119,7 +208,13 @@ TRACE = EXAMPLE_TRACE if EXAMPLE_TRACE.exists() else SHARED_TRACE
 def test_sim_workload_replays_a_recorded_trace() -> None:
     replayer = Replayer(demo_trace(TRACE))
     stop = threading.Event()
-    threading.Timer(3.0, stop.set).start()
+
+    def stop_after_a_pass() -> None:
+        while replayer.passes < 1:
+            time.sleep(0.01)
+        stop.set()
+
+    threading.Thread(target=stop_after_a_pass, daemon=True).start()
     assert run_sim_workload(replayer, stop, pace_seconds=0.0) >= 1
     stats = replayer.allocator.stats()
     assert stats["allocation.all.allocated"] > 5000  # the trace's ~10k allocations, at least half
