@@ -13,8 +13,9 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="the snapshot file (.pickle or .pickle.gz)")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="cap the simulated device: a size in powers of 1024 (80GiB, 80G, "
-                        "1.5T, 123456789; KB/MB/GB/TB are refused as ambiguous) or a multiple "
-                        "of the trace's peak requested bytes (1.03x), or none (no cap); "
+                        "1.5T, bytes with B: 123456789B; a number without a unit, and "
+                        "KB/MB/GB/TB, are refused) or a multiple of the trace's peak requested "
+                        "bytes (1.03x), or none (no cap); "
                         "default: the recorded device's total where the trace recorded a "
                         "memory fraction, else what the run could reserve at its recorded "
                         "out-of-memory errors, else no cap")
@@ -45,7 +46,7 @@ def device_memory_arg(text: str | None, peak_requested: int) -> int | None:
     cap, whatever the trace keeps or implies); None when none is given. ValueError naming
     --device-memory for anything else, a cap of 0 bytes included (leaving the option out means
     the trace's own cap)."""
-    from allocator_ext.replay.sizes import parse_size
+    from allocator_ext.replay.sizes import SizeWithoutUnit, parse_size
 
     if text is None:
         return None
@@ -63,6 +64,11 @@ def device_memory_arg(text: str | None, peak_requested: int) -> int | None:
     else:
         try:
             cap = parse_size(text)
+        except SizeWithoutUnit as err:
+            n = err.number
+            bytes_too = "" if "." in n else f" (bytes are written {n}B)"
+            raise ValueError(f"--device-memory {text}: no unit; did you mean {n}x ({n} × the "
+                             f"trace's peak requested bytes) or {n}G?{bytes_too}") from None
         except ValueError as err:
             raise ValueError(f"--device-memory: {err}") from None
     if cap <= 0:

@@ -41,10 +41,18 @@ def test_check_config_prints_the_settings_as_a_user_writes_them(
 
 
 @pytest.mark.parametrize("text,size", [
-    ("123456789", 123456789), ("512MiB", 512 << 20), ("512M", 512 << 20), ("1.5G", 3 << 29),
-    ("80GiB", 80 * GiB), ("1T", 1 << 40), ("1TiB", 1 << 40), ("4k", 4096)])
+    ("123456789B", 123456789), ("512MiB", 512 << 20), ("512M", 512 << 20), ("1.5G", 3 << 29),
+    ("80GiB", 80 * GiB), ("1T", 1 << 40), ("1TiB", 1 << 40), ("4k", 4096),
+    # exact, where a float would round: 2**64 - 1 bytes is the largest a size_t holds
+    ("18446744073709551615B", (1 << 64) - 1), ("0.1K", 102)])
 def test_every_size_unit_is_a_power_of_1024(text: str, size: int) -> None:
     assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["80", "1.03", "123456789"])
+def test_a_number_without_a_unit_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=f"'{text}' has no unit: write {text}G"):
+        parse_size(text)
 
 
 @pytest.mark.parametrize("text", ["1TB", "80GB", "512MB", "4kb"])
