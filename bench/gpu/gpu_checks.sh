@@ -18,6 +18,11 @@
 #   lockstep     bench.gpu.step_lockstep --suite: transformer, moe and convnet against
 #                expandable segments, uncapped and at 1.03 x, on fresh shapes after warm-up:
 #                the two processes take turns step by step
+#   patterns     bench.gpu.patterns: every pattern of the workload library in lockstep under
+#                PyTorch's default, its expandable segments and allocwatch, uncapped and at 1.03 x,
+#                8 rounds, each pattern a part of its own (PATTERNS="transformer graph ..." picks
+#                some, default all; PATTERN_MODE=quick for fewer steps a round), then one table:
+#                $OUT/patterns/patterns.md and .json (about 8 minutes quick, 16 full, for all)
 #   convnetprofile  bench.gpu.host_profile --fresh --model convnet: where the convnet's host time
 #                goes on fresh shapes, allocwatch against expandable segments and then expandable
 #                against itself (per op, per kernel, and one cudaMemGetInfo's cost; about 4 minutes)
@@ -104,6 +109,15 @@ run_part() {
         --steps 40 --json "$OUT/train_convnet.json" ;;
     lockstep)
       part "lockstep suite" "$PYTHON" -m bench.gpu.step_lockstep --suite "$OUT/lockstep" ;;
+    patterns)
+      local name mode=()
+      [ "${PATTERN_MODE:-full}" = quick ] && mode=(--quick)
+      for name in ${PATTERNS:-$("$PYTHON" -m bench.gpu.patterns names)}; do
+        part "pattern $name" "$PYTHON" -m bench.gpu.patterns run "$OUT/patterns" --only "$name" \
+          "${mode[@]}"
+      done
+      part "patterns table" "$PYTHON" -m bench.gpu.patterns table "$OUT/patterns" \
+        --markdown "$OUT/patterns/patterns.md" --json "$OUT/patterns/patterns.json" ;;
     convnetprofile)
       part "convnet host profile, fresh shapes" "$PYTHON" -m bench.gpu.host_profile --model convnet \
         --ours allocwatch --against expandable --reps 2 --steps 12 --fresh \

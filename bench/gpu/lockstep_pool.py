@@ -9,7 +9,8 @@ step_lockstep.py (a --suite's lockstep_<workload>.json included); its steps are 
 workload, memory cap (uncapped, or the fraction of peak requested) and the allocator compared
 with, so that runs against different allocators never pool together. A run that timed the
 judged allocator as --against (its process first) counts with its ratios inverted, so that
-every ratio pooled is judged / other. A file that did not time the judged allocator, or one
+every ratio pooled is judged / other; a run of several processes gives one group for each
+allocator its --ours was timed against. A file that did not time the judged allocator, or one
 that is not a lockstep result, is refused by name, and nothing is reported.
 
 Reported per group: the runs, the steps, each run's median and the pooled median per-step
@@ -65,26 +66,35 @@ def judged_rounds(path: Path, judged: str) -> list[tuple[str, float, str, list[R
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise PoolError(f"{path}: not a step_lockstep.py result "
                         f"({type(e).__name__}: {e})") from None
-    if judged not in (ours, against) or ours == against:
-        raise PoolError(f"{path}: times {ours} against {against}, not {judged} against another "
-                        f"allocator")
+    others = result.get("others", [against])
+    if judged not in (ours, *others) or ours in others:
+        raise PoolError(f"{path}: times {ours} against {', '.join(others)}, not {judged} "
+                        f"against another allocator")
     out = []
     for phase in phases:
+        fraction = float(phase.get("fraction_of_peak") or 0.0)
         seen: set[str] = set()
-        rounds = []
+        by_other: dict[str, list[Round]] = {}
         for rnd in phase.get("rounds", []):
-            ratios = list(rnd["step_ratios"])
-            if judged == against:
-                ratios = [1.0 / r for r in ratios]
+            # A run of several processes has ours over each other (step_ratios_against); an
+            # earlier run of two, over its one other (step_ratios).
+            against_each = rnd.get("step_ratios_against") or {against: rnd["step_ratios"]}
             shapes = rnd.get("shapes")
             new_shape = None
-            if shapes is not None and len(shapes) == len(ratios):
+            if shapes is not None:
                 keys = [json.dumps(shape) for shape in shapes]
                 new_shape = [key not in seen for key in keys]
                 seen.update(keys)
-            rounds.append(Round(ratios, new_shape))
-        other = against if judged == ours else ours
-        out.append((model, float(phase.get("fraction_of_peak") or 0.0), other, rounds))
+            for other, ratios in against_each.items():
+                if judged == ours:
+                    pair = (other, list(ratios))
+                elif judged == other:  # the judged allocator's process was the other one
+                    pair = (ours, [1.0 / r for r in ratios])
+                else:
+                    continue
+                fits = new_shape if new_shape and len(new_shape) == len(ratios) else None
+                by_other.setdefault(pair[0], []).append(Round(pair[1], fits))
+        out.extend((model, fraction, other, rounds) for other, rounds in by_other.items())
     return out
 
 
