@@ -187,7 +187,10 @@ def _event(raw: Any, index: int) -> TraceEvent:
     addr_key = "device_free" if action == "oom" and "device_free" in raw else "addr"
     for key in (addr_key, "size", "stream", "time_us"):
         v = raw.get(key, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        # What the core's 64-bit fields hold (time: PyTorch's int64 microseconds; a size: at
+        # most the largest request the core serves, kMaxRequest in csrc/core/sizes.h).
+        limit = {"time_us": (1 << 63) - 1, "size": 1 << 63}.get(key, (1 << 64) - 1)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
             raise TraceError(f"event {index} ({action}) has a bad '{key}': {v!r}")
         values[key] = v
     return TraceEvent(action, values[addr_key], values["size"], values["stream"],

@@ -34,6 +34,18 @@ def test_requests_round_up_to_512_bytes(request_size: int, rounded: int) -> None
     assert a.block_size(p) == rounded
 
 
+@pytest.mark.parametrize("request_size", [(1 << 64) - 1, (1 << 64) - 512, (1 << 63) + 1])
+def test_a_request_beyond_any_device_is_refused_not_wrapped(request_size: int) -> None:
+    # Rounded up, it would wrap past 2**64 to a small size: a huge request, a tiny block.
+    with pytest.raises(ValueError, match=f"a request of {request_size} bytes is larger than"):
+        ae.round_size(request_size)
+    dev, a = native(config="native,roundup_power2_divisions:4")
+    with pytest.raises(ValueError, match="larger than any device"):
+        a.malloc(request_size)
+    assert a.stats()["allocation.all.allocated"] == 0 and calls(dev, "malloc") == 0
+    assert ae.round_size(1 << 63) == 1 << 63  # the largest served
+
+
 def test_roundup_power2_divisions_rounds_to_the_next_division() -> None:
     # 1.2 GiB lies between 1 and 2 GiB; 4 divisions step by 256 MiB: 1.25 GiB.
     _, a = native(config="native,roundup_power2_divisions:4")

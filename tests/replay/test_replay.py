@@ -144,6 +144,15 @@ def test_a_pickle_with_objects_is_refused_without_running_them(tmp_path: Path, c
     ({"device_traces": [[]]}, "no recorded events"),
     ({"device_traces": [[{"addr": 1}]]}, "no 'action'"),
     ({"device_traces": [[{"action": "alloc", "addr": -1, "size": 1}]]}, "bad 'addr'"),
+    # Beyond what the core's 64-bit fields hold: refused here, not a TypeError in the binding.
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1 << 64}]]}, "bad 'size'"),
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": (1 << 63) + 1}]]},
+     "bad 'size'"),  # more than the core serves
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1, "stream": 1 << 64}]]},
+     "bad 'stream'"),
+    ({"device_traces": [[{"action": "alloc", "addr": 1 << 64, "size": 1}]]}, "bad 'addr'"),
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1, "time_us": 1 << 63}]]},
+     "bad 'time_us'"),
 ])
 def test_malformed_snapshots_are_refused_with_the_reason(snapshot, why: str) -> None:
     with pytest.raises(TraceError, match=why):

@@ -6,6 +6,8 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 namespace allocwatch {
 
@@ -49,7 +51,15 @@ inline std::size_t roundup_power2_next_division(std::size_t size, std::size_t di
   return rounded_down == size ? size : rounded_down + step;
 }
 
+// The largest request served: 8 EiB, far beyond any device. Above it the rounding here and the
+// segment's below could wrap past 2**64 to a small size, serving a huge request with a tiny
+// block; such a request is refused instead (in PyTorch it could only come from raw_alloc).
+constexpr std::size_t kMaxRequest = std::size_t{1} << 63;
+
 inline std::size_t round_size(std::size_t size, const RoundupDivisions& divisions) {
+  if (size > kMaxRequest)
+    throw std::invalid_argument("allocwatch: a request of " + std::to_string(size) +
+                                " bytes is larger than any device (at most 2**63 bytes)");
   if (size < kMinBlockSize) return kMinBlockSize;
   std::size_t d = divisions_for(size, divisions);
   if (d > 1 && size > kMinBlockSize * d) return roundup_power2_next_division(size, d);
