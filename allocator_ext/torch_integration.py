@@ -30,6 +30,7 @@ from typing import Any
 
 from allocator_ext import _core
 from allocator_ext.native import releases
+from allocator_ext.protocol.service import check_settings_text
 
 _EXPORTS = {
     "set_init_fn": "allocwatch_torch_init",
@@ -113,7 +114,7 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
     ours, pytorch_only = _split_layers(layers)
     base = None
     for text in ours:  # validate every layer before changing anything
-        base = _core.parse_config(text, base)["string"]
+        base = _core.parse_config(check_settings_text(text), base)["string"]
     if torch.version.cuda is None:
         return _fallback(f"torch {torch.__version__} is a CPU build")
     try:

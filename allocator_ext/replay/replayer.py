@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import allocator_ext._core as ae
+from allocator_ext.protocol.service import check_settings_text
 from allocator_ext.replay.costs import CostTable
 from allocator_ext.replay.trace import (
     KNOWN_ACTIONS,
@@ -193,7 +194,8 @@ class Replayer:
         # own, completed where the trace says the wait ended.
         for stream in {e.stream for e in trace.events}:
             self.device.set_stream_auto_complete(stream, True)
-        self.allocator = ae.Allocator(self.device, config)
+        self.allocator = ae.Allocator(self.device, config if config is None
+                                      else check_settings_text(config))
         if memory_fraction is not None:
             self.allocator.set_memory_fraction(memory_fraction)
         self.recorded = recorded_figures(trace)

@@ -38,13 +38,14 @@ def tcp_port(text: str) -> int:
     return value
 
 
-def count(maximum: int) -> Callable[[str], int]:
-    """A whole number from 0 to `maximum`."""
+def count(maximum: int, minimum: int = 0) -> Callable[[str], int]:
+    """A whole number from `minimum` to `maximum`."""
 
     def parse(text: str) -> int:
         value = _parsed(text, int, "a whole number")
-        if not 0 <= value <= maximum:
-            raise argparse.ArgumentTypeError(f"{text}: give a whole number from 0 to {maximum:,}")
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"{text}: give a whole number from {minimum:,} to {maximum:,}")
         return value
 
     return parse

@@ -28,13 +28,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="STR", help="allocator settings (PYTORCH_CUDA_ALLOC_CONF "
                    "syntax; 'native' for PyTorch's defaults)")
-    p.add_argument("--target", metavar="ADDR",
+    p.add_argument("--target", metavar="ADDR", type=_target,
                    help="the sidecar's agent address (unix:///path or host:port); default: "
                         "ALLOCWATCH_TARGET, else no agent")
     p.add_argument("--keep-pytorch-allocator", action="store_true",
                    help="leave PyTorch's allocator in place; the agent reports its statistics")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(func=run)
+
+
+def _target(text: str) -> str:
+    from allocator_ext.protocol.service import check_target
+
+    try:
+        return check_target(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def command_environment(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, str]:
@@ -67,9 +76,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.config:
         import allocator_ext
+        from allocator_ext.protocol.service import check_settings_text
 
         try:
-            allocator_ext.parse_config(args.config)
+            allocator_ext.parse_config(check_settings_text(args.config))
         except ValueError as e:
             print(f"allocwatch run: {e}", file=sys.stderr)
             return 2

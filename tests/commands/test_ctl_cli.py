@@ -118,3 +118,28 @@ def test_help_explains() -> None:
     with pytest.raises(SystemExit) as done:
         main(["ctl", "--help"])
     assert done.value.code == 0
+
+
+def test_ctl_pointed_at_the_agents_socket_says_so(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    running = start_control_sidecar(tmp_path)
+    try:
+        agents = running.sidecar.agent_targets[0]
+        (admin,) = running.sidecar.admin.addresses()
+        assert main(["ctl", "--admin", agents, "agents"]) == 3
+    finally:
+        running.stop()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "BadStatusLine" not in err
+    assert f"{agents} is not the sidecar's admin API: a gRPC server (HTTP/2) answered" in err
+    assert f"is it the agents' socket? The admin API's is admin.sock beside it (--admin {admin}" \
+        in err
+
+
+def test_the_token_options_say_the_variable_holds_the_token(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["ctl", "agents", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "file holding the bearer token, for http(s):// (default: the token itself in " \
+        "$ALLOCWATCH_ADMIN_TOKEN)" in text

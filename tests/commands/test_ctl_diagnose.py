@@ -114,11 +114,11 @@ def test_diagnose_needs_one_agent(tmp_path: Path, capsys: pytest.CaptureFixture[
                             rank=rank) for rank in (0, 1)]
     (address,) = running.sidecar.admin.addresses()
     try:
-        assert main(["ctl", "--admin", address, "diagnose", "--window", "0"]) == 2
+        assert main(["ctl", "--admin", address, "diagnose", "--window", "0.01"]) == 2
         assert "diagnose looks at one agent: 2 connected agents match" in \
             capsys.readouterr().err
         assert main(["ctl", "--admin", address, "diagnose", "--rank", "1",
-                     "--window", "0"]) == 0
+                     "--window", "0.01"]) == 0
     finally:
         for agent in agents:
             agent.stop()
@@ -222,7 +222,7 @@ def test_diagnose_replays_a_live_snapshot_under_what_the_process_could_reserve(
     events keep the GPU's free memory, which, with what the process had reserved, is the cap
     under which they recur."""
     address, stats = capped_agent
-    assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+    assert main(["ctl", "--admin", address, "diagnose", "--window", "0.01", "--replay"]) == 0
     out = capsys.readouterr().out
     ooms = stats["num_ooms"]
     assert f"the snapshot holds {ooms} out-of-memory error(s), which each replay makes again" \
@@ -256,7 +256,7 @@ def test_diagnose_replays_a_live_snapshot_under_the_memory_fraction_the_process_
     the recorded settings fail as the process did, and a setting under which none recurs is
     proposed."""
     address, stats = capped_agent
-    assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+    assert main(["ctl", "--admin", address, "diagnose", "--window", "0.01", "--replay"]) == 0
     out = capsys.readouterr().out
     ooms = stats["num_ooms"]
     assert ooms >= 3
@@ -313,12 +313,13 @@ def test_diagnose_refuses_to_replay_a_snapshot_with_no_events(
                              and a.last_report.sequence >= after_the_free
                              for a in running.sidecar.registry.agents()),
                  what="a report of the allocation")
-        assert main(["ctl", "--admin", address, "diagnose", "--window", "0", "--replay"]) == 0
+        assert main(["ctl", "--admin", address, "diagnose", "--window", "0.01", "--replay"]) == 0
     finally:
         agent.stop()
         running.stop()
     out = capsys.readouterr().out
     assert "cannot be replayed" in out and "no recorded events for device 0" in out
+    assert "`allocwatch ctl record-history start --agent " in out  # what to do about it
     assert "do best" not in out
 
 

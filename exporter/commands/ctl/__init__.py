@@ -31,7 +31,8 @@ each agent answers with its result and the settings now in force.
   allocwatch ctl diagnose --rank 0 [--replay] [--apply]  walk the out-of-memory checklist
 
 Address: --admin unix:///run/allocwatch/admin.sock (the default; $ALLOCWATCH_ADMIN) or
---admin http://127.0.0.1:PORT --token-file FILE ($ALLOCWATCH_ADMIN_TOKEN); with TLS,
+--admin http://127.0.0.1:PORT --token-file FILE (or the token itself in
+$ALLOCWATCH_ADMIN_TOKEN); with TLS,
 --admin https://HOST:PORT --tls-ca-file CA.crt (and --tls-cert-file/--tls-key-file where the
 sidecar asks for client certificates). In Kubernetes:
   kubectl exec POD -c allocwatch-sidecar -- allocwatch ctl agents
@@ -61,8 +62,8 @@ def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
                        help="unix:///path/admin.sock, http://127.0.0.1:PORT or https://HOST:PORT "
                             "(default: $ALLOCWATCH_ADMIN, else unix:///run/allocwatch/admin.sock)")
     where.add_argument("--token-file", metavar="FILE", default=default(None),
-                       help="file holding the bearer token, for http(s):// (default: "
-                            "$ALLOCWATCH_ADMIN_TOKEN)")
+                       help="file holding the bearer token, for http(s):// (default: the "
+                            "token itself in $ALLOCWATCH_ADMIN_TOKEN)")
     where.add_argument("--tls-ca-file", metavar="FILE", default=default(None),
                        help="for https://: the CA that signed the sidecar's certificate "
                             "(default: $ALLOCWATCH_ADMIN_TLS_CA, else the system's CAs)")
@@ -105,14 +106,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     history.add_argument("state", choices=["start", "stop"],
                          help="start: record every allocation, free and segment change from now "
                               "on (what a snapshot's trace holds); stop: stop recording")
-    history.add_argument("--max-entries", type=count(MAX_HISTORY_ENTRIES), default=0,
-                         metavar="N", help=f"keep the last N entries (default: the agent's, "
-                                           f"{DEFAULT_HISTORY_ENTRIES:,}; at most "
+    history.add_argument("--max-entries", type=count(MAX_HISTORY_ENTRIES, minimum=1),
+                         metavar="N", help=f"with start: keep the last N entries (default: the "
+                                           f"agent's, {DEFAULT_HISTORY_ENTRIES:,}; at most "
                                            f"{MAX_HISTORY_ENTRIES:,})")
     diagnose = sub["diagnose"]
-    diagnose.add_argument("--window", type=seconds(zero_allowed=True), default=5.0, metavar="S",
+    diagnose.add_argument("--window", type=seconds(), default=5.0, metavar="S",
                           help="read the counters twice, S seconds apart, to see rates "
-                               "(default 5)")
+                               "(default 5; above 0)")
     diagnose.add_argument("--device", type=int, metavar="N",
                           help="which CUDA device of the agent (default: its first)")
     diagnose.add_argument("--replay", action="store_true",

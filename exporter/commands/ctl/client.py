@@ -2,8 +2,8 @@
 
 The address is `unix:///path/admin.sock` (default: /run/allocwatch/admin.sock, or
 $ALLOCWATCH_ADMIN), `http://127.0.0.1:PORT` or `https://HOST:PORT`; TCP needs the bearer token
-(--token-file F, or $ALLOCWATCH_ADMIN_TOKEN), and HTTPS verifies the sidecar's certificate
-(--tls-ca-file, else the system's CAs).
+(--token-file F, or the token itself in $ALLOCWATCH_ADMIN_TOKEN), and HTTPS verifies the
+sidecar's certificate (--tls-ca-file, else the system's CAs).
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ class AdminClient:
         except OSError as err:
             raise CtlError(f"cannot reach the sidecar's admin API at {self.address}: "
                            f"{err.strerror or err}", 3) from None
+        except http.client.HTTPException as err:
+            raise CtlError(self._not_http(err), 3) from None
         finally:
             connection.close()
         if response.status != 200:
@@ -116,10 +118,24 @@ class AdminClient:
                 message = json.loads(payload).get("error", "")
             except ValueError:
                 message = payload[:200].decode(errors="replace")
-            hint = " (give --token-file or $ALLOCWATCH_ADMIN_TOKEN)" if response.status == 401 \
-                else ""
+            hint = (" (give --token-file FILE, or the token itself in $ALLOCWATCH_ADMIN_TOKEN)"
+                    if response.status == 401 else "")
             raise CtlError(f"refused ({response.status}): {message}{hint}")
         return payload
+
+    def _not_http(self, err: http.client.HTTPException) -> str:
+        """What answered at the address is not an HTTP/1.1 server: most likely the agents'
+        gRPC socket (HTTP/2), which sits beside the admin API's in the same directory."""
+        line = getattr(err, "line", b"") or b""
+        if isinstance(line, str):
+            line = line.encode("latin-1", "replace")
+        what = "a gRPC server (HTTP/2)" if line[:2] == b"\0\0" else "no HTTP/1.1 server"
+        hint = ""
+        if self._unix:
+            hint = (f"; is it the agents' socket? The admin API's is admin.sock beside it "
+                    f"(--admin unix://{Path(self._unix).with_name('admin.sock')}, as "
+                    "admin.unix_socket sets it)")
+        return f"{self.address} is not the sidecar's admin API: {what} answered{hint}"
 
     def get(self, path: str, **query: Any) -> Any:
         params = {k: v for k, v in query.items() if v is not None}
@@ -133,9 +149,16 @@ class AdminClient:
 def read_token(args: argparse.Namespace) -> str | None:
     if args.token_file:
         try:
-            return Path(args.token_file).read_text().strip()
+            token = Path(args.token_file).read_text().strip()
         except OSError as err:
             raise CtlError(f"--token-file {args.token_file}: {err.strerror}") from None
+        except UnicodeDecodeError:
+            raise CtlError(f"--token-file {args.token_file}: not a text file (it holds the "
+                           "token the sidecar's admin.token_file holds)") from None
+        if not token:
+            raise CtlError(f"--token-file {args.token_file}: the file is empty (it holds the "
+                           "token the sidecar's admin.token_file holds)")
+        return token
     return os.environ.get(TOKEN_ENV) or None
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -268,8 +269,7 @@ def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
         try:
             trace = load_trace(path, device["cuda_device"])
         except TraceError as err:
-            return None, (f"{where} cannot be replayed: {err} (record the allocator's history "
-                          "from the start of the process)")
+            return None, f"{where} cannot be replayed: {err} ({_record_first(agent, err)})"
     cap, described, can_recur = replay_cap(trace, (device["device_memory"] or {}).get(
         "total_bytes", 0))
     settings = candidates(device["settings"]["config_string"])
@@ -279,6 +279,16 @@ def replay_snapshot(client: AdminClient, agent: str, device: dict[str, Any]
     except (TraceError, ValueError) as err:
         return None, f"{where} cannot be replayed: {err}"
     return Replayed(ranked, described, can_recur), None
+
+
+def _record_first(agent: str, err: Exception) -> str:
+    """What to do where the snapshot holds no history to replay, or one that did not start
+    from an empty allocator."""
+    if "no recorded events" in str(err) or "device_traces" in str(err):
+        return (f"the allocator's history is not being recorded: `allocwatch ctl "
+                f"record-history start --agent {shlex.quote(agent)}` starts it; run diagnose "
+                "--replay again once the job has run a few steps")
+    return "record the allocator's history from the start of the process"
 
 
 def replay_cap(trace: Any, gpu_bytes: int) -> tuple[Any, str, bool]:

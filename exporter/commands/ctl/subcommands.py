@@ -56,7 +56,11 @@ def cmd_reset_peaks(args: argparse.Namespace, client: AdminClient, out: TextIO) 
 
 
 def cmd_record_history(args: argparse.Namespace, client: AdminClient, out: TextIO) -> int:
-    body = {"enabled": args.state == "start", "max_entries": args.max_entries, **selectors(args)}
+    if args.state == "stop" and args.max_entries is not None:
+        raise CtlError("--max-entries goes with start: stop keeps no entries")
+    # 0 in the request: the agent's default.
+    body = {"enabled": args.state == "start", "max_entries": args.max_entries or 0,
+            **selectors(args)}
     return _emit(args, client.post("/v1/record-history", body), out)
 
 
