@@ -23,20 +23,23 @@ class KVGenerate(Workload):
     def __init__(self, device: torch.device, tiny: bool, seed: int) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        # transformers' own annotations differ between its releases: the model as Any.
+        make_config: Any = LlamaConfig
         if tiny:
-            config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+            config = make_config(vocab_size=128, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=4, max_position_embeddings=64)
             self.batch, self.prompt, self.new_tokens = (1, 3), (4, 12), (2, 4)
         else:
-            config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+            config = make_config(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                                  num_hidden_layers=4, num_attention_heads=16,
                                  num_key_value_heads=16, max_position_embeddings=1024)
             self.batch, self.prompt, self.new_tokens = (1, 16), (32, 512), (8, 48)
         self.vocab = config.vocab_size
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         with torch.device(device):  # built where it runs: no copy of its weights on the host
-            model = LlamaForCausalLM(config).to(dtype).eval()
+            model: Any = LlamaForCausalLM(config)
+        model = model.to(dtype).eval()
         super().__init__(model, device, random.Random(seed))
 
     def draw(self, largest: bool = False) -> Batch:
@@ -81,19 +84,20 @@ class TrainerStep(Workload):
     def __init__(self, device: torch.device, tiny: bool, seed: int) -> None:
         from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding
 
+        make_config: Any = BertConfig
         if tiny:
-            config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                num_attention_heads=4, intermediate_size=64,
-                                max_position_embeddings=64, num_labels=3)
+            config = make_config(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=64,
+                                 max_position_embeddings=64, num_labels=3)
             self.batch, self.longest = (2, 4), (8, 24)
         else:
-            config = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=8,
-                                num_attention_heads=12, intermediate_size=3072,
-                                max_position_embeddings=512, num_labels=4)
+            config = make_config(vocab_size=30522, hidden_size=768, num_hidden_layers=8,
+                                 num_attention_heads=12, intermediate_size=3072,
+                                 max_position_embeddings=512, num_labels=4)
             self.batch, self.longest = (8, 32), (32, 512)
         self.vocab, self.labels = config.vocab_size, config.num_labels
         with torch.device(device):
-            model = BertForSequenceClassification(config)
+            model: Any = BertForSequenceClassification(config)
         # transformers 5 renamed gradient checkpointing to activation checkpointing.
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
