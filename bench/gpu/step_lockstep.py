@@ -563,7 +563,9 @@ def run_workload(model: str, ours: str, against: str | list[str], fractions: lis
                           f"{100 * vs['mean_ratio'] - 100:+.2f} %", flush=True)
                 print(f"  {phase['steps_with_device_calls']} steps with device calls by {ours}: "
                       f"median ratio {phase['median_step_ratio_with_device_calls']}; host waits "
-                      f"a step {phase['host_waits_per_step'].get(ours)}", flush=True)
+                      f"a step {phase['host_waits_per_step'].get(ours)}; device calls a step "
+                      + ", ".join(f"{n} {c['all']:.2f}" for n, c in
+                                  phase["device_calls_per_step"].items() if c), flush=True)
                 for name, used in phase["median_step_usage"].items():
                     print(f"  {name}, median a step: user {1e3 * used['user_s']:.2f} ms, system "
                           f"{1e3 * used['system_s']:.2f} ms, {used['minor_faults']:g} page "
