@@ -227,9 +227,10 @@ STEP_TIMEOUT_S = 120.0
 class RoundFailed(Exception):
     """A training process ran out of memory, failed, hung or ended (`who`: its name)."""
 
-    def __init__(self, message: str, who: str = "") -> None:
+    def __init__(self, message: str, who: str = "", out_of_memory: bool = False) -> None:
         super().__init__(message)
         self.who = who
+        self.out_of_memory = out_of_memory
 
 
 class Trainer:
@@ -265,7 +266,7 @@ class Trainer:
             raise RoundFailed(f"the {self.name} process ended (exit {self.proc.poll()})",
                               self.name)
         if line.startswith(("oom", "error")):
-            raise RoundFailed(f"{self.name}: {line}", self.name)
+            raise RoundFailed(f"{self.name}: {line}", self.name, line.startswith("oom"))
         try:
             return json.loads(line)
         except json.JSONDecodeError:
@@ -439,16 +440,17 @@ def summarize(rounds: list[dict], ours: str) -> dict:
 def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int,
               save: Callable[[dict], None] = lambda phase: None) -> dict:
     """Timed rounds uncapped (fraction 0) or, after a capped warm-up, under the cap; `save` gets
-    the phase so far after every round. A process of another allocator that fails leaves
-    `trainers` (the others go on without it, its failure in the phase); where ours fails, or
-    no other is left, the phase ends."""
+    the phase so far after every round. A process of another allocator that runs out of memory
+    leaves `trainers` (the others go on without it, its failure in the phase); where ours
+    fails, another fails otherwise (a wrong result, a hang), or no other is left, the phase
+    ends."""
     phase: dict[str, Any] = {"fraction_of_peak": fraction, "rounds": [], "failures": [],
                              "left": {}}
 
     def leave(e: RoundFailed) -> bool:
         """Takes the failed process out where the phase can go on without it."""
         gone = [t for t in trainers[1:] if t.name == e.who]
-        if not gone or len(trainers) <= 2:
+        if not gone or not e.out_of_memory or len(trainers) <= 2:
             return False
         trainers.remove(gone[0])
         gone[0].finish()

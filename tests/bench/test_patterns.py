@@ -37,8 +37,9 @@ class FakeTrainer:
     """A training process's answers without the process (the parent's bookkeeping is what is
     checked): each step takes `seconds`, and the process fails at step `fail_at`, if given."""
 
-    def __init__(self, name: str, seconds: float, fail_at: int | None = None) -> None:
-        self.name, self.seconds, self.fail_at = name, seconds, fail_at
+    def __init__(self, name: str, seconds: float, fail_at: int | None = None,
+                 failure: str = "oom: 'CUDA out of memory'") -> None:
+        self.name, self.seconds, self.fail_at, self.failure = name, seconds, fail_at, failure
         self.steps = 0          # steps taken in all
         self.drawn: list[int] = [0, 0]  # the seed, and the steps since it was set
         self.pending: list[Any] = []
@@ -53,7 +54,7 @@ class FakeTrainer:
             self.drawn[1] += 1
             if self.steps == self.fail_at:
                 self.pending.append(step_lockstep.RoundFailed(
-                    f"{self.name}: oom: 'CUDA out of memory'", self.name))
+                    f"{self.name}: {self.failure}", self.name, self.failure.startswith("oom")))
                 return
             self.pending.append({"s": self.seconds, "enqueue_s": self.seconds / 2,
                                  "shape": list(self.drawn), "usage": dict.fromkeys(
@@ -107,12 +108,18 @@ def test_a_process_that_fails_leaves_and_the_others_go_on() -> None:
     assert step_lockstep.succeeded({"phases": [phase]})
 
 
-def test_when_our_process_fails_the_phase_fails() -> None:
+def test_when_our_process_fails_or_another_fails_otherwise_the_phase_fails() -> None:
     trainers = [FakeTrainer("allocwatch", 1.0, fail_at=2), FakeTrainer("pytorch", 1.0),
                 FakeTrainer("expandable", 1.0)]
     phase = step_lockstep.run_phase(trainers, 0.0, 3, 2)  # type: ignore[arg-type]
     assert phase["failures"] and not phase["left"] and not phase["rounds"]
     assert not step_lockstep.succeeded({"phases": [phase]})
+    # A wrong result (the stream pipeline's check) is no reason to leave quietly.
+    wrong = FakeTrainer("pytorch", 1.0, fail_at=2, failure="error: 'WrongResult: item 0'")
+    trainers = [FakeTrainer("allocwatch", 1.0), wrong, FakeTrainer("expandable", 1.0)]
+    phase = step_lockstep.run_phase(trainers, 0.0, 3, 2)  # type: ignore[arg-type]
+    assert phase["failures"] == ["pytorch: error: 'WrongResult: item 0'"]
+    assert not phase["left"] and len(trainers) == 3
 
 
 def lockstep_file(path: Path, model: str, phases: list[dict[str, Any]]) -> Path:
