@@ -253,7 +253,7 @@ def markdown(rows: list[dict[str, Any]], folders: list[Path]) -> str:
             low, high = row["step_ratio_interval_95"]
             step = (f"**{row['step_ratio']:.3f}** ({low:.3f}–{high:.3f}) vs "
                     f"{LABELS.get(row['faster_other'], row['faster_other'])}, "
-                    f"{row['rounds']} rounds")
+                    f"{row['rounds']} round{'s' if row['rounds'] != 1 else ''}")
         waits = row["host_waits_per_step"]
         shown = "n/a" if waits is None else (
             " / ".join(_count(waits.get(k)) for k in ("num_host_waits.device",
