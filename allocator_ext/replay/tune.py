@@ -1,13 +1,14 @@
 """Searching allocator settings on a recorded trace.
 
 Each candidate is replayed on the simulated device; the recommendation is the candidate with
-the lowest peak reserved memory among those that never ran out of memory, ties going to fewer
-retries, then to cheaper device calls. On a trace that ended in out-of-memory errors, the replay
-makes the requests that failed too, so a candidate under which one recurs ran out of memory and
-is never recommended; the settings the trace was recorded under are a candidate of their own.
-Where every candidate runs out of memory there is no recommendation. PyTorch-expressible
-candidates are also reported as a PYTORCH_CUDA_ALLOC_CONF string, for jobs that keep PyTorch's
-allocator.
+the lowest peak reserved memory among those that never ran out of memory. Peaks closer than
+TIE_MARGIN of the trace's peak requested bytes count as a tie, which goes to fewer retries,
+then to cheaper device calls (of every pass). On a trace that ended in out-of-memory errors,
+the replay makes the requests that failed too, so a candidate under which one recurs ran out
+of memory and is never recommended; the settings the trace was recorded under are a candidate
+of their own. Where every candidate runs out of memory there is no recommendation.
+PyTorch-expressible candidates are also reported as a PYTORCH_CUDA_ALLOC_CONF string, for jobs
+that keep PyTorch's allocator.
 
 With several passes (`allocwatch tune --passes N`) each candidate replays the trace N times on
 one allocator, as a long run repeats its steps, and is judged by what the passes reached: the
@@ -78,10 +79,49 @@ def survives(c: Candidate) -> bool:
     return c.figures["num_ooms"] == 0
 
 
-def rank_key(c: Candidate) -> tuple:
-    r = c.figures
-    return (not survives(c), r["peak_reserved_bytes"], r["num_alloc_retries"],
-            r["device_call_seconds_estimate"])
+# Peaks of reserved memory closer than this share of the trace's peak requested bytes rank as
+# equal: 0.01 is the resolution the reserved/requested ratio is judged at (the bar is 1.01),
+# and a smaller difference is not worth trading retries or device calls for.
+TIE_MARGIN = 0.01
+
+
+def device_call_seconds(c: Candidate) -> float:
+    """The device calls' estimated cost over every pass (the first alone where there is one)."""
+    passes = c.report.get("passes")
+    if passes:
+        return float(sum(p["device_call_seconds_estimate"] for p in passes))
+    return float(c.report["device_call_seconds_estimate"])
+
+
+def later_passes(c: Candidate) -> dict[str, float] | None:
+    """What the passes after the first cost at most, any one of them: device calls of every
+    kind (maps, unmaps and creates of pages too: what a cache that keeps changing its layout
+    goes on making) and their cost's share of the trace's active time; None with one pass."""
+    passes = c.report.get("passes") or []
+    if len(passes) < 2:
+        return None
+    return {"device_calls": max(sum(kind["count"] for kind in p["device_calls"].values())
+                                for p in passes[1:]),
+            "device_call_share": max(p["device_call_share"] for p in passes[1:])}
+
+
+def rank(results: list[Candidate]) -> list[Candidate]:
+    """Best first: those that never ran out of memory before the others; in each, by peak
+    reserved, a run of peaks within TIE_MARGIN of the run's lowest ranked among themselves by
+    retries, then by device calls' cost."""
+    ranked: list[Candidate] = []
+    for alive in (True, False):
+        left = sorted((c for c in results if survives(c) == alive),
+                      key=lambda c: c.figures["peak_reserved_bytes"])
+        while left:
+            lowest = left[0].figures["peak_reserved_bytes"]
+            margin = TIE_MARGIN * left[0].report["peak_requested_bytes"]
+            tied = [c for c in left if c.figures["peak_reserved_bytes"] - lowest <= margin]
+            left = left[len(tied):]
+            ranked.extend(sorted(tied, key=lambda c: (c.figures["num_alloc_retries"],
+                                                      device_call_seconds(c),
+                                                      c.figures["peak_reserved_bytes"])))
+    return ranked
 
 
 def _canonical(settings: str | None) -> str | None:
@@ -108,7 +148,7 @@ def tune(trace: Trace, device_memory: int = 0, memory_fraction: float | None = N
          candidates: list[tuple[str, str | None, bool]] | None = None,
          progress: Callable[[int], None] | None = None, passes: int = 1) -> list[Candidate]:
     """Replays every candidate (default: candidates_for(trace)) `passes` times on one allocator
-    each; returns them best first (see rank_key)."""
+    each; returns them best first (see rank)."""
     results: list[Candidate] = []
     n = len(trace.events) * passes
     for i, (name, settings, pytorch_ok) in enumerate(candidates or candidates_for(trace)):
@@ -120,7 +160,7 @@ def tune(trace: Trace, device_memory: int = 0, memory_fraction: float | None = N
                         memory_fraction=memory_fraction, progress=step, passes=passes).report
         results.append(Candidate(name, report["config"],
                                  _pytorch_conf(report["config"]) if pytorch_ok else None, report))
-    return sorted(results, key=rank_key)
+    return rank(results)
 
 
 def recommended(ranked: list[Candidate]) -> Candidate | None:
@@ -154,13 +194,33 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
                      f"recommendation; the least bad, '{best.name}', failed {r['num_ooms']} "
                      "time(s).")
         return " ".join(lines)
-    lines.append(
-        f"'{best.name}' reserves the least at its peak{over} "
-        f"({format_size(r['peak_reserved_bytes'])}, {r['reserved_ratio']:.3f} x what the "
-        f"program requested) of the {len(survivors)} candidates that never ran out of memory, "
-        "with "
-        f"{r['num_alloc_retries']} retries and device calls costing "
-        f"{100 * r['device_call_share']:.2f} % of the trace's active time.")
+    margin = TIE_MARGIN * r["peak_requested_bytes"]
+    lowest = min(c.figures["peak_reserved_bytes"] for c in survivors)
+    tied = [c for c in survivors if c is not best
+            and c.figures["peak_reserved_bytes"] - lowest <= margin]
+    costs = (f"{r['num_alloc_retries']} retries and device calls costing "
+             f"{100 * r['device_call_share']:.2f} % of the trace's active time")
+    if not tied:
+        lines.append(
+            f"'{best.name}' reserves the least at its peak{over} "
+            f"({format_size(r['peak_reserved_bytes'])}, {r['reserved_ratio']:.3f} x what the "
+            f"program requested) of the {len(survivors)} candidates that never ran out of "
+            f"memory, with {costs}.")
+    else:
+        runner = tied[0]
+        decided = ("fewer retries" if runner.figures["num_alloc_retries"]
+                   > r["num_alloc_retries"] else
+                   f"cheaper device calls ({1e3 * device_call_seconds(best):.1f} ms against "
+                   f"{1e3 * device_call_seconds(runner):.1f} ms"
+                   + (f" over {run['passes']} passes" if run else "") + ")")
+        lines.append(
+            f"'{best.name}' is one of {len(tied) + 1} candidates, of the {len(survivors)} that "
+            f"never ran out of memory, whose peaks reserved{over} lie within "
+            f"{format_size(margin)} ({100 * TIE_MARGIN:.0f} % of the peak requested bytes) of "
+            f"the least, which rank as equal (also "
+            + ", ".join(f"'{c.name}'" for c in tied) + f"); it ranks first among them on "
+            f"{decided}. It reserves {format_size(r['peak_reserved_bytes'])} "
+            f"({r['reserved_ratio']:.3f} x what the program requested), with {costs}.")
     if r["device_call_share"] > 0.02:
         cheaper = next((c for c in ranked if survives(c)
                         and c.report["device_call_share"] <= 0.02), None)

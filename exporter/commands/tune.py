@@ -21,7 +21,9 @@ Replays a PyTorch memory snapshot under a set of candidate settings (PyTorch's d
 expandable segments, max_split_size_mb, roundup_power2_divisions, allocwatch's defaults and
 variants) on the simulated device, prints a table (peak reserved, reserved/requested, retries,
 out-of-memory errors, device calls) and recommends the candidate with the lowest peak reserved
-memory among those that never ran out of memory, saying why. The recommendation is given as
+memory among those that never ran out of memory, saying why. Peaks within 1 % of the trace's
+peak requested bytes of each other rank as equal: among them, fewer retries, then cheaper
+device calls (over every pass), rank first. The recommendation is given as
 allocwatch settings and, where PyTorch's own allocator understands it, as
 PYTORCH_CUDA_ALLOC_CONF.
 
@@ -34,7 +36,8 @@ of their own. Where every candidate runs out of memory, there is no recommendati
 With --passes N each candidate replays the trace N times on one allocator, as a long run repeats
 its steps, and is judged by what the passes reached: the peak reserved after the last pass and
 the out-of-memory errors of every pass, so that a setting whose cache creeps into the cap late
-in a long run is not recommended.
+in a long run is not recommended. The table then shows the later passes' device calls too (the
+most of any one pass after the first, and their cost).
 
   allocwatch tune my_run.pickle.gz
   allocwatch tune my_run.pickle.gz --device-memory 1.03x --plot tune.png
@@ -110,22 +113,30 @@ def chart(ranked: list[Any], best: Any, peak_requested: int, title: str) -> Any:
 
 def _table(ranked: list[Any], recorded_ooms: int = 0) -> list[str]:
     """The text table, its first column as wide as the longest setting's name; with a column of
-    the recorded out-of-memory errors that recurred where the trace holds some."""
+    the recorded out-of-memory errors that recurred where the trace holds some, and, after
+    several passes, the device calls of the later passes (the most of any one, and its cost)."""
     from allocator_ext.replay.sizes import format_size
+    from allocator_ext.replay.tune import later_passes
 
     width = max(len("setting"), *(len(c.name) for c in ranked))
     recurred = f"  {'recurred':>8s}" if recorded_ooms else ""
+    passes = later_passes(ranked[0]) is not None
+    later = f"  {'later calls':>11s}  {'later %':>7s}" if passes else ""
+    first = "1st pass " if passes else ""
     lines = [f"{'setting':{width}s}  {'peak reserved':>13s}  {'ratio':>6s}  {'retries':>7s}  "
-             f"{'OOMs':>4s}{recurred}  {'dev calls':>9s}  {'cost %':>6s}"]
+             f"{'OOMs':>4s}{recurred}  {first + 'dev calls':>9s}  {'cost %':>6s}{later}"]
     for c in ranked:
         r = c.figures
         recurred = (f"  {r['recorded_ooms_recurred']:>3d} of {recorded_ooms:<2d}"
                     if recorded_ooms else "")
+        more = later_passes(c)
+        later = (f"  {more['device_calls']:11d}  {100 * more['device_call_share']:7.2f}"
+                 if more is not None else "")
         lines.append(
             f"{c.name:{width}s}  {format_size(r['peak_reserved_bytes']):>13s}  "
             f"{r['reserved_ratio']:6.3f}  {r['num_alloc_retries']:7d}  {r['num_ooms']:4d}"
-            f"{recurred}  {r['num_device_alloc'] + r['num_device_free']:9d}  "
-            f"{100 * r['device_call_share']:6.2f}")
+            f"{recurred}  {r['num_device_alloc'] + r['num_device_free']:{len(first) + 9}d}  "
+            f"{100 * r['device_call_share']:6.2f}{later}")
     return lines
 
 
@@ -135,7 +146,15 @@ def run(args: argparse.Namespace) -> int:
     from allocator_ext.replay.progress import progress_bar
     from allocator_ext.replay.sizes import format_size
     from allocator_ext.replay.trace import peak_requested_bytes
-    from allocator_ext.replay.tune import candidates_for, explain, recommended, tune
+    from allocator_ext.replay.tune import (
+        TIE_MARGIN,
+        candidates_for,
+        device_call_seconds,
+        explain,
+        later_passes,
+        recommended,
+        tune,
+    )
 
     try:
         check_plot_target(args.plot)
@@ -164,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             "memory_fraction": cap.memory_fraction, "cap": cap.describe(),
             "cap_from": cap.sources(), "peak_requested_bytes": peak,
             "recorded_ooms": recorded_ooms, "passes": args.passes,
+            "tie_margin_bytes": int(TIE_MARGIN * peak),
             "recommended": None if best is None else {
                 "name": best.name, "allocwatch_settings": best.settings,
                 "pytorch_cuda_alloc_conf": best.pytorch_conf, "why": why},
@@ -175,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
                                     "num_ooms", "recorded_ooms_recurred", "num_device_alloc",
                                     "num_device_free", "device_call_seconds_estimate",
                                     "device_call_share")},
-                            **({"long_run": c.report["long_run"]}
+                            "device_call_seconds_all_passes": device_call_seconds(c),
+                            **({"long_run": c.report["long_run"],
+                                "later_passes": later_passes(c)}
                                if "long_run" in c.report else {})}
                            for c in ranked],
         }, indent=2))
@@ -184,7 +206,14 @@ def run(args: argparse.Namespace) -> int:
           + (f", {recorded_ooms} recorded out-of-memory error(s)" if recorded_ooms else "")
           + (f"; peak reserved after {args.passes} passes, retries and OOMs of all of them"
              if args.passes > 1 else ""))
+    print(f"ranked by peak reserved; peaks within {format_size(TIE_MARGIN * peak)} "
+          f"({100 * TIE_MARGIN:.0f} % of the peak requested) of each other rank as equal, and "
+          "then fewer retries, then cheaper device calls"
+          + (" over every pass" if args.passes > 1 else "") + ", rank first")
     print("\n".join(_table(ranked, recorded_ooms)))
+    if args.passes > 1:
+        print("later calls, later %: the busiest pass after the first, its device calls of every "
+              "kind (page maps, unmaps and creates too) and their cost")
     print()
     if best is None:
         print("recommended: none")
