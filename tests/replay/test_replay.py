@@ -186,3 +186,23 @@ def test_replay_command_refuses_bad_input_with_exit_2(tmp_path: Path) -> None:
     assert out.returncode == 2 and "not a size" in out.stderr
     out = run_cli(str(tmp_path / "missing.pickle"))
     assert out.returncode == 2 and "cannot read" in out.stderr
+
+
+def test_the_progress_bar_scales_its_counts_and_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from allocator_ext.replay.progress import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with progress_bar(28_885_000, "replay", quiet=False) as update:
+        assert update is not None
+        update(2_310_000)
+        update(28_885_000)
+    drawn = terminal.getvalue()
+    assert "28.9M/28.9M" in drawn and " events/s" in drawn, drawn
+    assert "28885000" not in drawn
