@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 from collections.abc import Callable
 from typing import TypeVar
 
 N = TypeVar("N", int, float)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's --help: descriptions as written (their line breaks are laid out by
+    hand), option help wrapped at spaces only, so that a settings string, an address or a
+    path is never cut in two (argparse's own wrapping breaks long words)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False,
+                             break_on_hyphens=False) or [""]
 
 
 def _parsed(text: str, convert: Callable[[str], N], what: str) -> N:

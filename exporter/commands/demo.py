@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from exporter.commands._arguments import seconds, tcp_port
+from exporter.commands._arguments import HelpFormatter, seconds, tcp_port
 
 EXAMPLE_TRACE = Path(__file__).resolve().parents[2] / "allocator_ext" / "data" / \
     "example_trace.pickle.gz"
@@ -54,7 +54,7 @@ second, and remove its temporary directory."""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help=HELP, description=DESCRIPTION,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=HelpFormatter)
     parser.add_argument("--duration", type=seconds(), default=30.0, metavar="S",
                         help="seconds to run (default 30)")
     parser.add_argument("--port", type=tcp_port, default=9471,

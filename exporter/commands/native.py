@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from exporter.commands._arguments import HelpFormatter
+
 HELP = "build or inspect the native back end for the installed torch"
 DESCRIPTION = """\
 allocwatch's allocator serves PyTorch through a native back end compiled against the installed
@@ -22,7 +24,7 @@ stage, with the same torch at the same path (docs/deploy.md)."""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("native", help=HELP, description=DESCRIPTION,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("action", choices=["build", "status"])
     p.set_defaults(func=run)
 

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from exporter.commands._arguments import HelpFormatter
 from exporter.commands._trace_args import (
     add_passes_argument,
     add_plot_argument,
@@ -16,6 +17,7 @@ from exporter.commands._trace_args import (
 )
 
 SHOWN_OOMS = 5  # recorded out-of-memory errors listed one by one in the table
+
 HELP = "replay a recorded PyTorch memory trace through allocwatch's allocator (no GPU needed)"
 DESCRIPTION = """\
 Replays a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, .pickle or .pickle.gz,
@@ -62,7 +64,7 @@ argument or an unreadable, corrupt or mid-run trace."""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("replay", help=HELP, description=DESCRIPTION,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=HelpFormatter)
     add_trace_arguments(p)
     p.add_argument("--config", metavar="STR",
                    help="allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax; 'native' is "

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from exporter.commands._arguments import HelpFormatter
+
 HELP = "run a training command with allocwatch's allocator and agent installed"
 DESCRIPTION = """\
 Runs COMMAND with allocwatch's allocator installed as PyTorch's CUDA allocator and the agent
@@ -25,7 +27,7 @@ allocwatch's defaults. The exit status is COMMAND's."""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help=HELP, description=DESCRIPTION,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="STR", help="allocator settings (PYTORCH_CUDA_ALLOC_CONF "
                    "syntax; 'native' for PyTorch's defaults)")
     p.add_argument("--target", metavar="ADDR", type=_target,

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from exporter.commands._arguments import seconds
+from exporter.commands._arguments import HelpFormatter, seconds
 
 HELP = "run the sidecar: agents' gRPC endpoint, Prometheus /metrics, NVML reader"
 DESCRIPTION = """\
@@ -19,7 +19,7 @@ one, the defaults (socket /run/allocwatch/agent.sock, metrics on port 9471)."""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("sidecar", help=HELP, description=DESCRIPTION,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=HelpFormatter)
     parser.add_argument("--config", metavar="FILE", help="YAML settings file")
     parser.add_argument("--check-config", action="store_true",
                         help="validate the settings file, print every setting in force (as "

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from exporter.commands._arguments import HelpFormatter
 from exporter.commands._trace_args import (
     add_passes_argument,
     add_plot_argument,
@@ -47,7 +48,7 @@ most of any one pass after the first, and their cost).
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tune", help=HELP, description=DESCRIPTION,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=HelpFormatter)
     add_trace_arguments(p)
     add_passes_argument(p, "judge each candidate by what its passes reached")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -143,3 +143,11 @@ def test_the_token_options_say_the_variable_holds_the_token(
     text = " ".join(capsys.readouterr().out.split())
     assert "file holding the bearer token, for http(s):// (default: the token itself in " \
         "$ALLOCWATCH_ADMIN_TOKEN)" in text
+
+
+def test_help_wraps_at_spaces_never_inside_a_settings_string(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["ctl", "set", "--help"])
+    assert "expandable_segments:True,garbage_collection_threshold:0.8" in capsys.readouterr().out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from allocator_ext.protocol.service import DEFAULT_HISTORY_ENTRIES, MAX_HISTORY_ENTRIES
-from exporter.commands._arguments import count, seconds
+from exporter.commands._arguments import HelpFormatter, count, seconds
 
 HELP = "talk to a running sidecar: list agents, change allocator settings, reclaim, snapshot"
 DESCRIPTION = """\
@@ -85,12 +85,13 @@ def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ctl", help=HELP, description=DESCRIPTION,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=HelpFormatter)
     _common_options(parser, suppress=False)
     commands = parser.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
     sub = {}
     for name, text in SUBCOMMANDS.items():
-        sub[name] = commands.add_parser(name, help=text, description=text)
+        sub[name] = commands.add_parser(name, help=text, description=text,
+                                        formatter_class=HelpFormatter)
         _common_options(sub[name], suppress=True)
     sub["set"].add_argument("settings", help="e.g. expandable_segments:True,"
                                              "garbage_collection_threshold:0.8")
