@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from support.control import connect_agent, start_control_sidecar, two_agents_running
 from support.sidecar import FakeSource
+from support.waiting import wait_for
 
 from exporter.cli import main
 
@@ -151,3 +152,27 @@ def test_help_wraps_at_spaces_never_inside_a_settings_string(
     with pytest.raises(SystemExit):
         main(["ctl", "set", "--help"])
     assert "expandable_segments:True,garbage_collection_threshold:0.8" in capsys.readouterr().out
+
+
+def test_the_agents_table_names_settings_by_number_and_writes_each_out_once(
+        two_agents, capsys: pytest.CaptureFixture[str]) -> None:
+    address, _, _ = two_agents
+    assert main(["ctl", "--admin", address, "agents"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, rows, legend = lines[0], lines[1:3], lines[3:]
+    column = header.index("SETTINGS")
+    assert [row[column:].strip() for row in rows] == ["#1", "#1"]  # the same settings
+    [line] = legend
+    assert line.startswith("settings #1: ") and len(line) > len("settings #1: ")
+    assert main(["ctl", "--admin", address, "--rank", "1", "set",
+                 "garbage_collection_threshold:0.6"]) == 0
+    capsys.readouterr()
+
+    def table() -> list[str]:  # once a report of the new settings reached the sidecar
+        assert main(["ctl", "--admin", address, "agents"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return lines if sorted(r[column:].strip() for r in lines[1:3]) == ["#1", "#2"] else []
+
+    lines = wait_for(table, what="the changed settings in the agents' table")
+    assert len(lines) == 5 and "garbage_collection_threshold:0.6" in lines[3] + lines[4]
+    assert not any("garbage_collection_threshold" in row for row in lines[:3])  # only below

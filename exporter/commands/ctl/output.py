@@ -53,10 +53,20 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 def print_agents(agents: list[dict[str, Any]], out: TextIO) -> None:
     """One row per agent and device. PEAK_FRAG: 1 - peak allocated / peak reserved over the
     last report interval (0 for a cache with nothing stranded); the cache's idle share between
-    steps is the API's fragmentation_ratio, not shown here."""
+    steps is the API's fragmentation_ratio, not shown here. SETTINGS names each distinct
+    settings string by a number, written out once under the table: a string runs to over a
+    hundred characters, and the ranks of a job mostly share one."""
     if not agents:
         print("no agent matches", file=out)
         return
+    legend: dict[str, str] = {}
+
+    def settings(device: dict[str, Any] | None) -> str:
+        text = safe(device["settings"]["config_string"]) if device else ""
+        if not text:
+            return "-"
+        return legend.setdefault(text, f"#{len(legend) + 1}")
+
     rows = [["AGENT", "RANK", "HOST", "JOB", "BACKEND", "STATE", "DEV", "ALLOCATED", "RESERVED",
              "PEAK_FRAG", "RETRIES", "OOMS", "SETTINGS"]]
     for agent in agents:
@@ -73,8 +83,10 @@ def print_agents(agents: list[dict[str, Any]], out: TextIO) -> None:
                 f"{device['peak_fragmentation_ratio']:.2f}" if device else "-",
                 str(device["counters"]["alloc_retries"]) if device else "-",
                 str(device["counters"]["ooms"]) if device else "-",
-                safe(device["settings"]["config_string"]) or "-" if device else "-"])
+                settings(device)])
     _table(rows, out)
+    for text, number in legend.items():
+        print(f"settings {number}: {text}", file=out)
 
 
 def print_results(answer: dict[str, Any], out: TextIO) -> None:
