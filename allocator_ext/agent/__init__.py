@@ -16,6 +16,9 @@ or, with no code change, set ALLOCWATCH_TARGET and call maybe_start_from_env() (
 | ALLOCWATCH_AGENT_NVML    | 0 to stop the agent reading NVML                                 |
 | ALLOCWATCH_TOKEN_FILE    | over TCP: the file holding the sidecar's agent token             |
 |                          | (agents.token_file; or ALLOCWATCH_TOKEN, the token itself)       |
+| ALLOCWATCH_SIDECAR_UID   | on a Unix socket: the user the sidecar runs as; the agent checks |
+|                          | the socket, its directory and the listening process against it   |
+|                          | (default: the socket's owner; see allocator_ext.agent.peer)      |
 | ALLOCWATCH_WARN_UNCONNECTED_SECONDS | after how long without ever reaching the sidecar the  |
 |                          | agent warns, once, naming the target and the reason (default 60) |
 
@@ -38,6 +41,7 @@ from allocator_ext.agent.auth import AgentToken
 from allocator_ext.agent.backoff import Backoff
 from allocator_ext.agent.client import Agent, abandon_inherited_agents
 from allocator_ext.agent.identity import build_identity, device_uuid
+from allocator_ext.agent.peer import sidecar_uid_from_env
 from allocator_ext.agent.sources import AllocatorSource, Source, TorchSource, UnsupportedCommand
 from allocator_ext.agent.tls import TlsSettings
 from allocator_ext.protocol.nvml import NvmlReader
@@ -118,6 +122,7 @@ def start_agent(
     token: AgentToken | None = None,
     warn_unconnected_after: float = 60.0,
     connect_at_start: bool = False,
+    sidecar_uid: int | None = None,
 ) -> Agent:
     """Start publishing to the sidecar at `target` (default: ALLOCWATCH_TARGET).
 
@@ -133,6 +138,8 @@ def start_agent(
     once, in the process's log (counted from the process's first GPU use).
     connect_at_start: connect at once, not at the process's first use of a GPU (a process that
     never uses one -- a DataLoader worker -- otherwise never shows in the sidecar).
+    sidecar_uid: on a Unix socket, the user the sidecar must run as (default:
+    ALLOCWATCH_SIDECAR_UID, else the socket's owner; see agent/peer.py).
     Never raises for an unreachable sidecar: the agent keeps retrying in the background.
     """
     target = target or os.environ.get("ALLOCWATCH_TARGET")
@@ -142,6 +149,7 @@ def start_agent(
         raise ValueError(f"interval must be > 0 seconds, got {interval}")
     tls = tls if tls is not None else TlsSettings.from_env()
     token = token if token is not None else AgentToken.from_env()
+    sidecar_uid = sidecar_uid if sidecar_uid is not None else sidecar_uid_from_env()
     if tls is not None:
         tls.check()
     resolved = _resolve_source(source)
@@ -168,7 +176,8 @@ def start_agent(
         target, resolved, ident, interval=interval,
         snapshot_dir=Path(snapshot_dir) if snapshot_dir else _default_snapshot_dir(target),
         nvml=reader, buffer_reports=buffer_reports, backoff=backoff, tls=tls, token=token,
-        warn_unconnected_after=warn_unconnected_after, connect_at_start=connect_at_start)
+        warn_unconnected_after=warn_unconnected_after, connect_at_start=connect_at_start,
+        sidecar_uid=sidecar_uid)
     agent.start()
     if stop_at_exit:
         atexit.register(agent.stop, 1.0)

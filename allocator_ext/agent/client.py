@@ -37,6 +37,7 @@ from allocator_ext.agent.identity import device_uuid
 from allocator_ext.agent.oom_snapshots import OomSnapshots
 from allocator_ext.agent.outbox import Outbox
 from allocator_ext.agent.peaks import interval_peaks, largest_free_block
+from allocator_ext.agent.peer import socket_problem, unix_path
 from allocator_ext.agent.sources import Source
 from allocator_ext.agent.tls import TlsSettings
 from allocator_ext.protocol.handshake import incompatibility, local_version
@@ -73,8 +74,12 @@ class Agent:
         token: AgentToken | None = None,
         warn_unconnected_after: float = 60.0,
         connect_at_start: bool = False,
+        sidecar_uid: int | None = None,
     ):
         self.target = target
+        # On a Unix socket: checked to be the sidecar's before each stream (agent.peer).
+        self.socket_path = unix_path(target)
+        self.sidecar_uid = sidecar_uid
         self.tls = tls if tls is not None and not target.startswith("unix:") else None
         self.token = token if not target.startswith("unix:") else None
         self.source = source
@@ -309,6 +314,11 @@ class Agent:
                 return  # half-close: the sidecar sees the goodbye, then the end of our stream
 
     def _run_stream(self) -> None:
+        if self.socket_path is not None:
+            problem = socket_problem(self.socket_path, self.sidecar_uid)
+            if problem is not None:  # nothing is sent to a socket that may not be the sidecar's
+                self._note_error(f"not the sidecar's socket: {problem}")
+                return
         hello = pb.AgentMessage(hello=pb.Hello(protocol_version=self.protocol_version,
                                                identity=self.identity))
         stream_done = threading.Event()

@@ -255,6 +255,10 @@ METRICS: tuple[Metric, ...] = (
              "the agents' registry"),
     _sidecar("allocwatch_agents_refused_total", "counter", "Agents' hellos refused, by reason",
              "bounds", "the agents' registry", labels=("reason",), always=False),
+    _sidecar("allocwatch_refused_total", "counter",
+             "Clients refused by the listeners, by reason (agent_token, admin_token, "
+             "metrics_token, peer_user, health_watch_limit); their warnings are rate-limited",
+             "bounds", "the listeners", labels=("reason",), always=False),
     _sidecar("allocwatch_figures_dropped_total", "counter",
              "Figures from agents never exported, by reason (non_finite, out_of_range, "
              "inconsistent): the device entry holding one is left out of the report kept",
@@ -278,7 +282,8 @@ METRICS: tuple[Metric, ...] = (
              labels=("server",)),
     _sidecar("allocwatch_http_connections_closed_total", "counter",
              "HTTP connections closed by the listeners' limits, by server and reason "
-             "(idle_evicted, all_busy, request_timeout)", "http", "the HTTP listeners",
+             "(idle_evicted, all_busy, request_timeout, body_timeout, slow_reader)", "http",
+             "the HTTP listeners",
              labels=("server", "reason"), always=False),
     # ---- the sidecar itself (SidecarCollector)
     _sidecar("allocwatch_build_info", "info", "The sidecar's version", "sidecar",

@@ -219,13 +219,14 @@ class AdminHttpServer:
                       fields: dict[str, Any]) -> web.StreamResponse:
         if call.selector is not None:
             fields["selector"] = call.selector.describe()
-            return _json(200, self.service.list_agents(call.selector))
+            return await asyncio.to_thread(_json, 200, self.service.list_agents(call.selector))
         if call.command is not None:
             fields["selector"] = call.command.selector.describe()
             result = await self.service.run(call.command)
             fields.update(selected=result["selected"], ok=result["ok"],
                           results={r["agent"]: r["status"] for r in result["results"]})
-            return _json(200, result)
+            # Up to service.MAX_REPLY_BYTES: written off the loop, which serves the scrapes.
+            return await asyncio.to_thread(_json, 200, result)
         fields["snapshot"] = shown(call.snapshot)
         return await self._send_snapshot(request, call.snapshot)
 
@@ -256,5 +257,7 @@ class AdminHttpServer:
 
 def _json(status: int, payload: Any) -> web.Response:
     headers = {"WWW-Authenticate": 'Bearer realm="allocwatch"'} if status == 401 else None
-    return web.Response(status=status, text=json.dumps(payload, indent=1) + "\n",
+    # UTF-8 as it is: escaping each non-ASCII character would make it up to six bytes.
+    return web.Response(status=status,
+                        text=json.dumps(payload, indent=1, ensure_ascii=False) + "\n",
                         content_type="application/json", headers=headers)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
@@ -31,6 +31,18 @@ from exporter.shared.registry import AgentState, Outcome, Registry, send_command
 from exporter.shared.settings import validate_settings
 
 SELECTOR_FIELDS = ("rank", "host", "job", "agent")
+# A command's reply holds at most about this much of what the agents answered; past it, the
+# results that do not fit carry their status alone.
+MAX_REPLY_BYTES = 4 << 20
+
+
+def reply_cost(outcome: Outcome) -> int:
+    """An upper bound on what one agent's result adds to a reply, from its wire size: a
+    result's strings hold no control character (screening), so JSON writes each character of
+    them in at most two bytes; each device entry adds its keys."""
+    if isinstance(outcome, str):
+        return 256
+    return 512 + 2 * outcome.ByteSize() + 256 * len(outcome.settings_in_force)
 
 
 class AdminError(Exception):
@@ -167,10 +179,13 @@ class CommandRequest:
 class AdminService:
     """What the endpoints do, independent of HTTP."""
 
-    def __init__(self, registry: Registry, timeout: Callable[[], float], snapshot_dir: str = ""):
+    def __init__(self, registry: Registry, timeout: Callable[[], float], snapshot_dir: str = "",
+                 snapshot_owners: Callable[[], Container[int]] | None = None):
         self.registry = registry
         self.timeout = timeout
         self.snapshot_dir = snapshot_dir
+        # The users whose snapshot files are served (None: any).
+        self.snapshot_owners = snapshot_owners
 
     def list_agents(self, selector: Selector) -> dict[str, Any]:
         agents = [agent_view(a) for a in self.registry.agents() if selector.matches(a)]
@@ -185,7 +200,17 @@ class AdminService:
         if not targets:
             raise AdminError(404, f"no connected agent matches {selector.describe() or 'any'}")
         outcomes = await self._dispatch(targets, command, self.timeout())
-        results = [self._result_view(state, outcome) for state, outcome in outcomes]
+        results, room = [], MAX_REPLY_BYTES
+        for state, outcome in outcomes:
+            view = self._result_view(state, outcome)
+            cost = reply_cost(outcome)
+            if cost > room:  # the agents' texts left out: the reply's size is bounded
+                view = {key: view[key] for key in ("agent", "rank", "host", "status")}
+                view["message"] = (f"left out: the reply reached its limit of "
+                                   f"{MAX_REPLY_BYTES} bytes")
+            else:
+                room -= cost
+            results.append(view)
         return {"command": request.endpoint.command, "selector": selector.describe(),
                 "selected": len(targets), "ok": all(r["status"] == "ok" for r in results),
                 "results": results}
@@ -205,6 +230,7 @@ class AdminService:
         if not self.snapshot_dir:
             raise AdminError(404, "this sidecar has no snapshot directory (admin.snapshot_dir)")
         try:
-            return open_snapshot(self.snapshot_dir, name)
+            owners = self.snapshot_owners() if self.snapshot_owners is not None else None
+            return open_snapshot(self.snapshot_dir, name, owners)
         except SnapshotUnavailable as err:
             raise AdminError(err.status, str(err)) from None

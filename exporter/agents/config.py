@@ -15,6 +15,7 @@ from exporter.shared.config import (
     check_tls_files,
     read_token,
     setting,
+    shown,
 )
 
 DEFAULT_UNIX_SOCKET = "/run/allocwatch/agent.sock"
@@ -24,8 +25,12 @@ DEFAULT_UNIX_SOCKET = "/run/allocwatch/agent.sock"
 class AgentsConfig(Section):
     # Unix socket in a directory shared by the training and sidecar containers; "" disables it.
     unix_socket: str = DEFAULT_UNIX_SOCKET
-    # Owner and group (the pod's fsGroup) may connect; nobody else.
+    # Owner and group (the pod's fsGroup) may connect; nobody else. The socket's directory,
+    # which the sidecar makes its own (writable by it alone), gives search to the same users.
     socket_mode: FileMode = 0o660
+    # The users whose processes may connect to the Unix socket, checked on each connection
+    # (SO_PEERCRED); empty: any user the socket's mode admits.
+    allowed_uids: tuple[int, ...] = setting((), parse=lambda value, path: _uids(value, path))
     # TCP listener for agents; off unless a port is given. Loopback unless configured otherwise.
     tcp_port: Port | None = None
     tcp_address: str = "127.0.0.1"
@@ -42,7 +47,13 @@ class AgentsConfig(Section):
     token_env: str = ""
     # Above 64 MiB a message is no report; gRPC itself takes no more than 2 GiB.
     max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, minimum=1024, maximum=64 << 20)
+    # From a connection's accept to its agent's accepted hello: a connection that carries none
+    # by then (silent, the HTTP/2 preface alone, refused streams) is closed.
     hello_timeout_seconds: float = setting(10.0, positive=True, maximum=3600)
+    # Connections to the agents' listeners at once: one more closes the oldest that carries no
+    # agent yet, else it is refused. Each costs three descriptors (exporter.agents.front); the
+    # sidecar takes fewer where its file limit would not hold them.
+    max_connections: int = setting(1100, positive=True, maximum=65536)
     # A disconnected agent's series stay this long, then disappear from /metrics.
     expiry_seconds: float = setting(60.0, positive=True, maximum=7 * 86400, reload=True)
     max_agents: int = setting(1024, positive=True, maximum=65536, reload=True)
@@ -53,6 +64,8 @@ class AgentsConfig(Section):
     max_series: int = setting(50_000, positive=True, maximum=10_000_000, reload=True)
 
     def validate(self, path: str) -> None:
+        if self.allowed_uids and not self.unix_socket:
+            raise ConfigError(f"{path}.allowed_uids: applies to the Unix socket, which is off")
         if not self.unix_socket and self.tcp_port is None:
             raise ConfigError(f"{path}: no listener: set {path}.unix_socket or {path}.tcp_port "
                               "(or both)")
@@ -68,3 +81,15 @@ class AgentsConfig(Section):
                 f"or {path}.tls_client_ca_file (mutual TLS)")
         if self.token_env or os.path.exists(self.token_file):
             read_token(self, path)  # refuse now, not at the first hello
+
+
+MAX_ALLOWED_UIDS = 64
+
+
+def _uids(value: object, path: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_ALLOWED_UIDS or not all(
+            isinstance(uid, int) and not isinstance(uid, bool) and 0 <= uid < 2**32 - 1
+            for uid in value):
+        raise ConfigError(f"{path}: expected a list of at most {MAX_ALLOWED_UIDS} user ids "
+                          f"(integers from 0 to {2**32 - 2}), got {shown(value)}")
+    return tuple(value)

@@ -1,10 +1,19 @@
 """The agents' gRPC endpoint: AgentService.Connect, one stream per training process.
 
+Agents dial the front (exporter.agents.front: the Unix socket and the TCP port, connections
+counted, timed and, on the Unix socket, checked for their user); the gRPC server itself listens
+only on a socket in a private directory of its own, which the front relays to. Its own options
+bound what gRPC can: streams per connection, connections without streams, the handshake, the
+size of a message.
+
 Each stream: the agent's Hello (within agents.hello_timeout_seconds, with a compatible protocol
 version, else the stream is refused with a message saying why), the sidecar's Welcome, then
-reports from the agent and commands from the sidecar, concurrently. Bad input (screened by
+reports from the agent and commands from the sidecar, concurrently. Every message is read
+without the fields this sidecar does not know (protobuf keeps them otherwise, and a stored report
+would hold them for as long as the agent's series live). Bad input (screened by
 exporter.agents.screening) ends that one stream with a clear status; other agents are not
-affected.
+affected. The gRPC health service answers Check; its Watch streams, which never end on their
+own, are limited to MAX_HEALTH_WATCHES at once.
 """
 
 from __future__ import annotations
@@ -15,20 +24,25 @@ import errno
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from allocator_ext.protocol.handshake import format_version, incompatibility, local_version
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
-from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2_grpc
 from allocator_ext.protocol.service import SERVICE_NAME
 from allocator_ext.protocol.version import PACKAGE_VERSION
 from exporter.agents.config import AgentsConfig
+from exporter.agents.front import AgentFront, Origin
 from exporter.agents.screening import message_problem, screened_report, screened_result
 from exporter.shared.config import ConfigError
+from exporter.shared.refusals import Refusals
 from exporter.shared.registry import (
     AgentRefusedError,
     AgentSession,
@@ -36,11 +50,16 @@ from exporter.shared.registry import (
     IdentityInUseError,
     Registry,
 )
+from exporter.shared.socket_dir import SocketDirError, prepare_socket_dir
 from exporter.shared.tokens import RotatingToken
 
 log = logging.getLogger("exporter.grpc")
 
-
+# gRPC health Watch streams open at once (nothing in a pod needs one: the kubelet's probes and
+# grpc_health_probe use Check).
+MAX_HEALTH_WATCHES = 16
+# Streams at once on one connection: an agent opens one.
+MAX_STREAMS_PER_CONNECTION = 8
 
 _REFUSAL_CODES: dict[type[AgentRefusedError], grpc.StatusCode] = {
     IdentityInUseError: grpc.StatusCode.ALREADY_EXISTS}
@@ -58,8 +77,11 @@ def _identity_problem(identity: pb.Identity) -> str | None:
     return None
 
 
-def _over_tcp(peer: str) -> bool:
-    return peer.startswith(("ipv4:", "ipv6:"))
+def read_agent_message(data: bytes) -> pb.AgentMessage:
+    """An agent's message without the fields this sidecar does not know."""
+    message = pb.AgentMessage.FromString(data)
+    message.DiscardUnknownFields()
+    return message
 
 
 def agent_token(config: AgentsConfig) -> RotatingToken | None:
@@ -130,17 +152,27 @@ def _create_token_file_in_place(path: Path, mode: int, token: str) -> bool:
     return True
 
 
-class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, registry: Registry, config: AgentsConfig,
-                 token: RotatingToken | None = None):
+class AgentService:
+    def __init__(self, registry: Registry, config: AgentsConfig, front: AgentFront,
+                 refusals: Refusals, token: RotatingToken | None = None):
         self._registry = registry
         self._config = config
+        self._front = front
+        self._refusals = refusals
         self._token = token
 
-    async def _authenticated(self, context: aio.ServicerContext) -> bool:
-        """Whether a stream may go on: any on the Unix socket (its mode guards it); on TCP,
-        one presenting the token where one is required (compared in constant time)."""
-        if self._token is None or not _over_tcp(context.peer() or ""):
+    def add_to(self, server: aio.Server) -> None:
+        handlers = {"Connect": grpc.stream_stream_rpc_method_handler(
+            self.Connect, request_deserializer=read_agent_message,
+            response_serializer=pb.SidecarMessage.SerializeToString)}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+    async def _authenticated(self, origin: Origin, context: aio.ServicerContext) -> bool:
+        """Whether a stream may go on: any on the Unix socket (its directory, its mode and the
+        front's check of the peer's user guard it); on TCP, one presenting the token where one
+        is required (compared in constant time)."""
+        if self._token is None or not origin.tcp:
             return True
         return await self._token.admits(
             dict(context.invocation_metadata() or ()).get("authorization"))
@@ -148,22 +180,30 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     async def _refuse(self, context: aio.ServicerContext, code: grpc.StatusCode, reason: str,
                       message: str, peer: str, counted: bool = False) -> None:
         """End the stream with `code`; counted as a stream error unless the refusal was
-        counted where it was decided (`counted`)."""
+        counted where it was decided (`counted`); logged, rate-limited by reason."""
         if not counted:
             self._registry.count_stream_error(reason)
-        log.warning("agent stream refused", extra={"peer": peer, "reason": reason,
-                                                   "detail": message})
+        self._refusals.warn(f"agent_stream_{reason}", log, "agent stream refused", {
+            "peer": peer, "reason": reason, "detail": message})
         await context.abort(code, message)
 
-    async def Connect(self, request_iterator, context: aio.ServicerContext):  # noqa: N802
-        peer = context.peer() or "unknown"
-        if not await self._authenticated(context):
-            self._registry.count_refused("unauthenticated")
-            await self._refuse(
-                context, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+    async def Connect(self, request_iterator: Any, context: aio.ServicerContext) -> None:  # noqa: N802
+        stream_peer = context.peer() or ""
+        origin = self._front.origin(stream_peer)
+        if origin is None:  # reached the private socket some other way
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "not_via_listener",
+                               "agents connect through agents.unix_socket or agents.tcp_port",
+                               stream_peer)
+            return
+        peer = origin.describe()
+        if not await self._authenticated(origin, context):
+            self._refusals.refuse("agent_token", log, "agent stream refused: missing or wrong "
+                                  "token", {"peer": peer})
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
                 "missing or wrong agent token: on TCP an agent presents the token of "
                 "agents.token_file (ALLOCWATCH_TOKEN_FILE) or agents.token_env "
-                "(ALLOCWATCH_TOKEN)", peer, counted=True)
+                "(ALLOCWATCH_TOKEN)")
             return
         try:
             first = await asyncio.wait_for(context.read(), self._config.hello_timeout_seconds)
@@ -203,6 +243,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             code = _REFUSAL_CODES.get(type(err), grpc.StatusCode.RESOURCE_EXHAUSTED)
             await self._refuse(context, code, err.reason, str(err), peer, counted=True)
             return
+        self._front.authenticated(stream_peer)
         session = AgentSession(asyncio.get_running_loop(), self._registry, state.key)
         state.session = session
         ident = hello.identity
@@ -249,8 +290,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 result, dropped = screened_result(message.command_result)
                 self._registry.count_figures_dropped(dropped)
                 if not session.resolve(result):
-                    log.warning("result for an unknown command", extra={
-                        "agent": state.key, "command_id": result.command_id})
+                    self._refusals.warn("unknown_command_result", log,
+                                        "result for an unknown command", {
+                                            "agent": state.key, "command_id": result.command_id})
             elif kind == "goodbye":
                 return f"goodbye: {message.goodbye.reason}"
             elif kind == "hello":
@@ -261,76 +303,109 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                                    "empty AgentMessage (no body set)", state.peer)
 
 
-def _prepare_socket_dir(path: Path) -> None:
-    try:
-        path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
-    except OSError as err:
-        raise ListenError(
-            f"cannot create the socket directory {path.parent}: {err.strerror}") from None
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise ListenError(f"the socket directory {path.parent} is not writable by this user "
-                          f"(uid {os.getuid()})")
+class BoundedHealth(health_aio.HealthServicer):  # type: ignore[misc]
+    """grpc's health service, its Watch streams limited to MAX_HEALTH_WATCHES at once (each
+    lasts as long as its client keeps it, and holds memory meanwhile)."""
 
+    def __init__(self, refusals: Refusals):
+        super().__init__()
+        self._refusals = refusals
+        self.watching = 0
 
-async def start_grpc_server(registry: Registry, config: AgentsConfig
-                            ) -> tuple[aio.Server, list[str]]:
-    """Start the server; returns it and the addresses agents can use."""
-    server = aio.server(options=[
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ])
-    service = AgentService(registry, config, agent_token(config))
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(service, server)
-    health = _add_health_service(server)
-    targets = []
-    if config.unix_socket:
-        path = Path(config.unix_socket)
-        _prepare_socket_dir(path)
-        # The socket is created by bind(); the umask keeps it private from the first instant,
-        # chmod then sets exactly the configured mode.
-        old_umask = os.umask(0o777 & ~config.socket_mode)
+    async def Watch(self, request: Any, context: aio.ServicerContext) -> None:  # noqa: N802
+        if self.watching >= MAX_HEALTH_WATCHES:
+            self._refusals.refuse("health_watch_limit", log, "gRPC health Watch refused", {
+                "watching": self.watching})
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"at most {MAX_HEALTH_WATCHES} health Watch streams at once; "
+                                "Check answers without one")
+            return
+        self.watching += 1
         try:
-            server.add_insecure_port(f"unix://{path}")
-        except RuntimeError as err:
-            raise ListenError(f"cannot listen on unix socket {path}: {err}") from None
+            await super().Watch(request, context)
         finally:
-            os.umask(old_umask)
-        targets.append(f"unix://{path}")
-    if config.tcp_port is not None:
-        host = config.tcp_address
-        bracketed = f"[{host}]" if ":" in host else host
-        try:
-            address = f"{bracketed}:{config.tcp_port}"
-            credentials = _tls_credentials(config)
-            if credentials is None:
-                port = server.add_insecure_port(address)
-            else:
-                port = server.add_secure_port(address, credentials)
-        except RuntimeError as err:
-            raise ListenError(f"cannot listen on {bracketed}:{config.tcp_port}: {err}") from None
-        targets.append(f"{bracketed}:{port}")
-    await server.start()
-    if config.unix_socket:
-        os.chmod(config.unix_socket, config.socket_mode)
-    if health is not None:
-        from grpc_health.v1 import health_pb2
+            self.watching -= 1
 
+
+class AgentsEndpoint:
+    """The gRPC server on its private socket and the front before it. `await start()`, then
+    `targets` are the addresses agents dial; `await stop(grace)`."""
+
+    def __init__(self, registry: Registry, config: AgentsConfig, refusals: Refusals,
+                 max_connections: int):
+        self._registry = registry
+        self._config = config
+        self._refusals = refusals
+        self._max_connections = max_connections
+        self.front: AgentFront | None = None
+        self.server: aio.Server | None = None
+        self.health: BoundedHealth | None = None
+        self.targets: list[str] = []
+        self._private = ""
+
+    async def start(self) -> None:
+        config = self._config
+        # The gRPC server's own socket, in a directory only this user can enter.
+        self._private = tempfile.mkdtemp(prefix="allocwatch-grpc-")
+        plain = f"{self._private}/grpc.sock"
+        secure = f"{self._private}/grpc-tls.sock"
+        credentials = _tls_credentials(config) if config.tcp_port is not None else None
+        hello_ms = int(config.hello_timeout_seconds * 1000)
+        server = aio.server(options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            # Behind the front's deadline (which decides, and counts), in case it did not: a
+            # connection without a stream is closed (an agent's ends with its stream), and one
+            # still shaking hands.
+            ("grpc.max_connection_idle_ms", 2 * hello_ms + 1000),
+            ("grpc.server_handshake_timeout_ms", hello_ms + 1000),
+            ("grpc.so_reuseport", 0),
+        ])
+        self.server = server
+        self.front = AgentFront(
+            lambda origin: secure if origin.tcp and credentials is not None else plain,
+            max_connections=self._max_connections, hello_timeout=config.hello_timeout_seconds,
+            allowed_uids=config.allowed_uids, refusals=self._refusals)
+        service = AgentService(self._registry, config, self.front, self._refusals,
+                               agent_token(config))
+        service.add_to(server)
+        self.health = BoundedHealth(self._refusals)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server.add_insecure_port(f"unix://{plain}")
+        if credentials is not None:
+            server.add_secure_port(f"unix://{secure}", credentials)
+        await server.start()
         for name in ("", SERVICE_NAME):
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, targets
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if config.unix_socket:
+            path = Path(config.unix_socket)
+            try:
+                prepare_socket_dir(path.parent, config.socket_mode, "agents.unix_socket")
+                self.front.listen_unix(str(path), config.socket_mode)
+            except SocketDirError as err:
+                raise ListenError(str(err)) from None
+            except OSError as err:
+                raise ListenError(f"cannot listen on unix socket {path}: "
+                                  f"{err.strerror or err}") from None
+            self.targets.append(f"unix://{path}")
+        if config.tcp_port is not None:
+            host = config.tcp_address
+            bracketed = f"[{host}]" if ":" in host else host
+            try:
+                port = self.front.listen_tcp(host, config.tcp_port)
+            except OSError as err:
+                raise ListenError(f"cannot listen on {bracketed}:{config.tcp_port}: "
+                                  f"{err.strerror}") from None
+            self.targets.append(f"{bracketed}:{port}")
 
-
-def _add_health_service(server: aio.Server):
-    try:
-        from grpc_health.v1 import health_pb2_grpc
-        from grpc_health.v1.health import aio as health_aio
-    except Exception as err:  # e.g. a protobuf runtime older than grpcio-health-checking's stubs
-        log.warning("gRPC health service unavailable", extra={"reason": str(err)})
-        return None
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    return health
+    async def stop(self, grace: float | None = None) -> None:
+        if self.front is not None:
+            await self.front.close()
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self._private:
+            shutil.rmtree(self._private, ignore_errors=True)
 
 
 def _tls_credentials(config: AgentsConfig) -> grpc.ServerCredentials | None:

@@ -1,8 +1,11 @@
 """What the sidecar takes from an agent's messages before it holds or serves any of it.
 
 Every string from the wire has a length limit (most become label values, shown in every scrape
-for as long as the agent's series live); a report names at most MAX_DEVICES_PER_REPORT devices.
-A message past these limits ends its stream: it comes from a broken or hostile agent.
+for as long as the agent's series live) and holds no control character but tabs and line feeds
+(a terminal acts on the others where ctl prints them, and JSON writes each in six bytes); a
+report names at most MAX_DEVICES_PER_REPORT devices, and a command's result at most as many
+device settings. A message past these limits ends its stream: it comes from a
+broken or hostile agent.
 
 Figures no allocator can have (`implausible`) are never kept: the device entry carrying one is
 left out of the report the sidecar stores (`screened_report`), and the reason counted.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
@@ -30,6 +34,10 @@ MAX_STRING_OF = {
 }
 # One process drives at most this many GPUs (the largest nodes have 16).
 MAX_DEVICES_PER_REPORT = 16
+
+# C0 control characters but tab and line feed (which JSON writes in two bytes and label values
+# escape), DEL and C1.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 _STRING = FieldDescriptor.TYPE_STRING
 _MESSAGE = FieldDescriptor.TYPE_MESSAGE
@@ -51,8 +59,13 @@ def long_string(message: Message, path: str = "") -> str | None:
         where = f"{path}{field.name}"
         if field.type == _STRING:
             limit = MAX_STRING_OF.get(field.name, MAX_STRING)
-            if any(len(text) > limit for text in ((value,) if isinstance(value, str) else value)):
+            texts = (value,) if isinstance(value, str) else value
+            if any(len(text) > limit for text in texts):
                 return f"{where} is longer than {limit} characters"
+            for text in texts:
+                char = _CONTROL.search(text)
+                if char is not None:
+                    return f"{where} holds a control character (U+{ord(char.group()):04X})"
         elif field.type == _MESSAGE and _holds_strings(field.message_type):
             if isinstance(value, Message):
                 found = long_string(value, f"{where}.")
@@ -70,6 +83,11 @@ def message_problem(message: pb.AgentMessage) -> str | None:
     if message.HasField("report") and len(message.report.devices) > MAX_DEVICES_PER_REPORT:
         return (f"a report has {len(message.report.devices)} devices, more than "
                 f"{MAX_DEVICES_PER_REPORT}")
+    if message.HasField("command_result"):
+        entries = len(message.command_result.settings_in_force)
+        if entries > MAX_DEVICES_PER_REPORT:
+            return (f"command_result.settings_in_force has {entries} entries, more than "
+                    f"{MAX_DEVICES_PER_REPORT} (a process's devices)")
     return long_string(message)
 
 

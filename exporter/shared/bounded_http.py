@@ -19,8 +19,16 @@ can take bounded: the metrics endpoint and the admin API both serve through it.
 - size: a request line or header line of at most `max_header_bytes`, at most 32 header lines;
   bodies are read only through `read_body`, which refuses a body without a length (411), larger
   than `max_body_bytes` (413, chunked bodies included: counted as they arrive) or encoded (415;
-  nothing is decompressed); a body the handler did not read is drained within that limit
-  before the answer goes, so that a client still sending it reads the answer, not a reset;
+  nothing is decompressed), and one that has not arrived whole `body_timeout_seconds` after the
+  headers (408); a connection waiting for its body can be evicted as an idle one can. A body
+  the handler did not read (a refusal, a GET with a body) is never waited for: what has arrived
+  is dropped, and the connection closes after the answer unless the body had ended;
+- answers: a body is written a chunk at a time, each once the client has taken the last
+  (asyncio's write buffer limits), so a client that does not read holds at most a chunk and
+  the kernel's buffer of it. The bodies that answers being written hold stay within
+  `max_pending_body_bytes` (a client that never reads pins the body it was given): past it, the
+  connection whose reader has stalled longest is cut, and past `max_connections` with every
+  connection busy, such a writer goes before the newcomer is refused;
 - the listen backlog: `backlog`.
 
 Nothing here blocks the loop: handlers run on it and must hand CPU work to an executor (the
@@ -43,7 +51,7 @@ import stat
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -52,6 +60,7 @@ from prometheus_client.registry import Collector
 
 from exporter.shared.config import ConfigError, Section, setting
 from exporter.shared.families import counter, gauge, named
+from exporter.shared.socket_dir import SocketDirError, prepare_socket_dir
 
 log = logging.getLogger("exporter.http")
 
@@ -70,6 +79,11 @@ class HttpLimits(Section):
     request_timeout_seconds: float = setting(30.0, positive=True, maximum=3600)
     max_header_bytes: int = setting(8192, minimum=1024, maximum=1 << 20)
     max_body_bytes: int = setting(64 << 10, minimum=0, maximum=16 << 20)
+    # From the end of a request's headers to the end of its body.
+    body_timeout_seconds: float = setting(5.0, positive=True, maximum=3600)
+    # The bodies of the answers being written, together (each counted once, however many
+    # clients it goes to).
+    max_pending_body_bytes: int = setting(64 << 20, minimum=1 << 20, maximum=4 << 30)
 
 
 class HttpError(Exception):
@@ -82,8 +96,10 @@ class HttpError(Exception):
 
 async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     """The request's body, at most `limit` bytes; HttpError for a body without a declared
-    length or chunked framing (411), one larger than the limit (413, counted as it arrives)
-    or one with a content encoding (415)."""
+    length or chunked framing (411), one larger than the limit (413, counted as it arrives),
+    one with a content encoding (415), or one that has not arrived whole within the listener's
+    `body_timeout_seconds` (408). While it waits for the body, the connection can be evicted
+    as an idle one can."""
     if request.headers.get("Content-Encoding", "identity").lower() != "identity":
         raise HttpError(415, "request bodies are read as sent: no Content-Encoding")
     length = request.content_length
@@ -92,6 +108,21 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
         raise HttpError(411, "a request body needs a Content-Length (or chunked encoding)")
     if length is not None and length > limit:
         raise HttpError(413, f"the body is larger than {limit} bytes")
+    server = _SERVING.get(request.protocol)
+    if server is None:  # not served through a BoundedHttpServer (a unit test's request)
+        return await _read_within(request, limit)
+    timeout = server.limits.body_timeout_seconds
+    server.body_wait(request.protocol, True)
+    try:
+        return await asyncio.wait_for(_read_within(request, limit), timeout)
+    except asyncio.TimeoutError:
+        server.count("body_timeout")
+        raise HttpError(408, f"the request body did not arrive within {timeout:g} s") from None
+    finally:
+        server.body_wait(request.protocol, False)
+
+
+async def _read_within(request: web.BaseRequest, limit: int) -> bytes:
     body = bytearray()
     while chunk := await request.content.read(64 << 10):
         body += chunk
@@ -100,30 +131,43 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     return bytes(body)
 
 
+# The server of each open connection (read_body's way to its limits).
+_SERVING: dict[RequestHandler, BoundedHttpServer] = {}
+
+
 class _Server(web.Server):
     """aiohttp's low-level server, its connections kept in the order they may be closed in."""
 
-    def __init__(self, handler: Handler, **kwargs: Any):
+    def __init__(self, owner: BoundedHttpServer, handler: Handler, **kwargs: Any):
         super().__init__(handler, **kwargs)
-        # Oldest first: handed over, no request begun yet; served and idle, idle longest first.
+        self.owner = owner
+        # Oldest first: handed over, no request begun yet; served and idle, idle longest first;
+        # waiting for a request's body, longest first.
         self.fresh: collections.OrderedDict[RequestHandler, asyncio.Transport] = (
             collections.OrderedDict())
         self.idle: collections.OrderedDict[RequestHandler, asyncio.Transport] = (
             collections.OrderedDict())
+        self.reading: collections.OrderedDict[RequestHandler, asyncio.Transport] = (
+            collections.OrderedDict())
         self.busy: dict[RequestHandler, asyncio.Transport] = {}  # a request in progress
+        # Cuts the busy connection whose client has stalled longest reading its answer; False
+        # when there is none (set by BoundedHttpServer).
+        self.cut_stalled_writer: Callable[[], bool] = lambda: False
 
     def open_count(self) -> int:
         """Connections open, less those closed already whose loss is still to be processed."""
-        return len(self.fresh) + len(self.idle) + len(self.busy)
+        return len(self.fresh) + len(self.idle) + len(self.reading) + len(self.busy)
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
         self.fresh[handler] = transport
+        _SERVING[handler] = self.owner
 
     def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
-        for line in (self.fresh, self.idle, self.busy):
+        for line in (self.fresh, self.idle, self.reading, self.busy):
             line.pop(handler, None)
+        _SERVING.pop(handler, None)
 
     def request_started(self, handler: RequestHandler) -> None:
         transport = self.fresh.pop(handler, None) or self.idle.pop(handler, None)
@@ -131,14 +175,22 @@ class _Server(web.Server):
             self.busy[handler] = transport
 
     def request_finished(self, handler: RequestHandler) -> None:
-        transport = self.busy.pop(handler, None)
+        transport = self.busy.pop(handler, None) or self.reading.pop(handler, None)
         if transport is not None:
             self.idle[handler] = transport
 
+    def body_wait(self, handler: RequestHandler, waiting: bool) -> None:
+        """A request's handler starts (True) or stops waiting for its body: meanwhile the
+        connection may be evicted."""
+        source, target = (self.busy, self.reading) if waiting else (self.reading, self.busy)
+        transport = source.pop(handler, None)
+        if transport is not None:
+            target[handler] = transport
+
     def close_first_idle(self) -> bool:
-        """Abort the first in line (never began a request, then idle longest); False when
-        every connection is busy."""
-        for line in (self.fresh, self.idle):
+        """Abort the first in line (never began a request, then idle longest, then waiting
+        longest for its body); False when every connection is busy."""
+        for line in (self.fresh, self.idle, self.reading):
             if line:
                 line.popitem(last=False)[1].abort()
                 return True
@@ -216,7 +268,9 @@ class _Acceptor:
         elif self.handing:
             self._abandon(*self.handing.popitem(last=False))
         elif not self._server.close_first_idle():
-            return False
+            # Every connection busy: the answer whose client stalled longest goes (counted as
+            # slow_reader), else the newcomer.
+            return self._server.cut_stalled_writer()
         self._count("idle_evicted")
         return True
 
@@ -288,6 +342,19 @@ class _Acceptor:
             await asyncio.wait(tasks, timeout=1.0)
 
 
+_CHUNK = 64 << 10  # an answer's body is written this much at a time
+
+
+@dataclasses.dataclass(eq=False)
+class _Write:
+    """An answer being written: the body it holds (by identity) and its connection."""
+
+    body: int
+    size: int
+    transport: asyncio.Transport
+    released: bool = False
+
+
 class BoundedHttpServer:
     """One HTTP service (`name`: its label in the counters) on any number of listeners.
 
@@ -302,16 +369,25 @@ class BoundedHttpServer:
         self._lock = threading.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
         self._server = _Server(
-            self._bounded, handler_cancellation=True,
+            self, self._bounded, handler_cancellation=True,
             keepalive_timeout=limits.idle_timeout_seconds, max_line_size=limits.max_header_bytes,
             max_field_size=limits.max_header_bytes, max_headers=MAX_HEADER_LINES,
             auto_decompress=False, lingering_time=0, access_log=None)
-        self._acceptor = _Acceptor(self._server, limits, self._count)
+        self._server.cut_stalled_writer = self._cut_stalled_writer
+        self._acceptor = _Acceptor(self._server, limits, self.count)
         self._unix_paths: list[str] = []
+        # Answers being written, the one whose client took a chunk least recently first; the
+        # bodies they hold, by identity: [size, writers].
+        self._writes: collections.OrderedDict[_Write, None] = collections.OrderedDict()
+        self._bodies: dict[int, list[int]] = {}
+        self.pending_body_bytes = 0
 
-    def _count(self, reason: str) -> None:
+    def count(self, reason: str) -> None:
         with self._lock:
             self.dropped[reason] += 1
+
+    def body_wait(self, handler: RequestHandler, waiting: bool) -> None:
+        self._server.body_wait(handler, waiting)
 
     async def _bounded(self, request: web.BaseRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -326,28 +402,99 @@ class BoundedHttpServer:
             except HttpError as err:
                 response = web.Response(status=err.status, text=f"{err}\n")
             if not response.prepared:  # sent here, within the deadline
-                await self._discard_unread_body(request)
-                await response.prepare(request)
-                await response.write_eof()
+                self._drop_unread_body(request, response)
+                response = await self._send(request, response)
             return response
         finally:
             deadline.cancel()
             self._server.request_finished(protocol)
 
-    async def _discard_unread_body(self, request: web.BaseRequest) -> None:
-        """Read and drop a body the handler left unread (a 401, a 404, a GET with a body),
-        within `max_body_bytes` and the request's deadline: without lingering, aiohttp would
-        close at once, and a client still sending its body would get a reset, not the answer.
-        A body over the limit is left, and the connection closes."""
-        if not request.body_exists or request.content.is_eof():
+    def _drop_unread_body(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        """A body the handler left unread (a refusal, a GET with a body) is never waited for:
+        what has arrived is dropped, and unless that was all of it the connection closes after
+        the answer (a client still sending may then read a reset rather than the answer)."""
+        content = request.content
+        if not request.body_exists or content.is_eof():
             return
-        with contextlib.suppress(HttpError):
-            await read_body(request, self.limits.max_body_bytes)
+        dropped = 0
+        while dropped <= self.limits.max_body_bytes and (chunk := content.read_nowait()):
+            dropped += len(chunk)
+        if not content.is_eof():
+            response.force_close()
+
+    async def _send(self, request: web.BaseRequest,
+                    response: web.StreamResponse) -> web.StreamResponse:
+        """Send `response`; a body of more than a chunk a chunk at a time, each once the client
+        has taken the last, holding its share of `max_pending_body_bytes` meanwhile."""
+        body = response.body if isinstance(response, web.Response) else None
+        if (request.method == "HEAD" or not isinstance(body, bytes) or len(body) <= _CHUNK
+                or request.transport is None):
+            await response.prepare(request)
+            await response.write_eof()
+            return response
+        stream = web.StreamResponse(status=response.status, reason=response.reason,
+                                    headers=response.headers)
+        stream.content_length = len(body)
+        if not response.keep_alive:
+            stream.force_close()
+        write = self._hold(body, request.transport)
+        view = memoryview(body)
+        try:
+            await stream.prepare(request)
+            for start in range(0, len(body), _CHUNK):
+                await stream.write(view[start:start + _CHUNK])
+                if write.released:  # cut meanwhile: its transport is closing
+                    break
+                self._writes.move_to_end(write)
+            else:
+                await stream.write_eof()
+        except ConnectionError:
+            pass  # cut, or the client went away: aiohttp closes the connection
+        finally:
+            self._release(write)
+        return stream
+
+    def _hold(self, body: bytes, transport: asyncio.Transport) -> _Write:
+        """Count `body` as held by one more answer; a body not yet held first makes room for
+        itself, cutting the writers whose clients stalled longest."""
+        key = id(body)  # unique while held: the writers hold the object itself
+        if key not in self._bodies:
+            while (self._writes
+                   and self.pending_body_bytes + len(body) > self.limits.max_pending_body_bytes):
+                self._cut(next(iter(self._writes)))
+            self._bodies[key] = [len(body), 0]
+            self.pending_body_bytes += len(body)
+        self._bodies[key][1] += 1
+        write = _Write(key, len(body), transport)
+        self._writes[write] = None
+        return write
+
+    def _release(self, write: _Write) -> None:
+        if write.released:
+            return
+        write.released = True
+        self._writes.pop(write, None)
+        held = self._bodies[write.body]
+        held[1] -= 1
+        if not held[1]:
+            del self._bodies[write.body]
+            self.pending_body_bytes -= write.size
+
+    def _cut(self, write: _Write) -> None:
+        write.transport.abort()
+        self._release(write)
+        self.count("slow_reader")
+
+    def _cut_stalled_writer(self) -> bool:
+        if not self._writes:
+            return False
+        self._cut(next(iter(self._writes)))
+        return True
 
     def _timed_out(self, transport: asyncio.Transport | None) -> None:
         if transport is not None and not transport.is_closing():
             transport.abort()  # not close(): that would wait to flush to a client not reading
-            self._count("request_timeout")
+            self.count("request_timeout")
 
     async def listen_tcp(self, host: str, port: int,
                          tls: ssl.SSLContext | None = None) -> int:
@@ -377,7 +524,7 @@ class BoundedHttpServer:
 
     def dropped_counts(self) -> list[tuple[str, int]]:
         """Connections closed by the limits, by reason (idle_evicted, all_busy,
-        request_timeout)."""
+        request_timeout, body_timeout, slow_reader)."""
         with self._lock:
             return sorted(self.dropped.items())
 
@@ -408,7 +555,10 @@ def _tcp_socket(host: str, port: int, backlog: int) -> socket.socket:
 
 def _unix_socket(path: str, mode: int, backlog: int, setting_name: str) -> socket.socket:
     target = Path(path)
-    target.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+    try:
+        prepare_socket_dir(target.parent, mode, setting_name, exact=False)
+    except SocketDirError as err:
+        raise ConfigError(str(err)) from None
     if target.exists() or target.is_symlink():
         if not stat.S_ISSOCK(target.lstat().st_mode):
             raise ConfigError(f"{setting_name}: {path} exists and is not a socket")
@@ -431,12 +581,22 @@ def _unix_socket(path: str, mode: int, backlog: int, setting_name: str) -> socke
 _CONNECTION_ROWS = named("allocwatch_http_connections", "allocwatch_http_connections_closed_total")
 
 
+class Listener(Protocol):
+    """What HttpCollector reads of a listener (a BoundedHttpServer, the agents' front)."""
+
+    name: str
+
+    def connections(self) -> int: ...
+
+    def dropped_counts(self) -> list[tuple[str, int]]: ...
+
+
 class HttpCollector(Collector):
     """allocwatch_http_connections{server} and
     allocwatch_http_connections_closed_total{server, reason}: the listeners' limits at work."""
 
     def __init__(self) -> None:
-        self.servers: list[BoundedHttpServer] = []
+        self.servers: list[Listener] = []
 
     def collect(self) -> Iterator[Metric]:
         open_now, closed = gauge(_CONNECTION_ROWS[0]), counter(_CONNECTION_ROWS[1])

@@ -1,11 +1,14 @@
-"""Structured logs: one JSON object per line on stderr (or plain text for humans)."""
+"""Structured logs: one JSON object per line on stderr (or plain text for humans), and a rate
+limit for the lines that clients can cause at will."""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _RESERVED = set(vars(logging.makeLogRecord({})))
@@ -44,3 +47,35 @@ def configure_logging(level: str = "info", fmt: str = "json") -> None:
     handler._allocwatch = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+class RateLimitedLog:
+    """Lines that clients can cause at will (refusals, collisions), rate-limited: per key, at
+    most `burst` lines in any `period` seconds (a token bucket); the next line after a quiet
+    spell says how many were held back ("suppressed": N)."""
+
+    def __init__(self, burst: int = 5, period: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._burst = burst
+        self._period = period
+        self._clock = clock
+        self._lock = threading.Lock()
+        # Per key: (tokens left, when they were last counted, lines held back since).
+        self._buckets: dict[str, tuple[float, float, int]] = {}
+
+    def log(self, key: str, logger: logging.Logger, message: str,
+            fields: Mapping[str, Any] | None = None, level: int = logging.WARNING) -> bool:
+        """Log `message` unless lines of `key` have used their share; whether it went out."""
+        now = self._clock()
+        with self._lock:
+            tokens, then, held = self._buckets.get(key, (float(self._burst), now, 0))
+            tokens = min(float(self._burst), tokens + (now - then) * self._burst / self._period)
+            if tokens < 1.0:
+                self._buckets[key] = (tokens, now, held + 1)
+                return False
+            self._buckets[key] = (tokens - 1.0, now, 0)
+        extra = dict(fields or {})
+        if held:
+            extra["suppressed"] = held
+        logger.log(level, message, extra=extra)
+        return True

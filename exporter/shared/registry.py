@@ -291,11 +291,14 @@ class Registry:
             if self._agents.get(state.key) is state:  # not forgotten meanwhile
                 report = self._fit_locked(state, report)
                 state.series_slot = self.series.place(
-                    state.key, labels_of(state.identity, report),
-                    {key: agent.connected for key, agent in self._agents.items()})
+                    state.key, labels_of(state.identity, report), self._connected_locked)
             state.last_report = report
             state.last_report_time = time.time()
             return True
+
+    def _connected_locked(self, key: str) -> bool:
+        agent = self._agents.get(key)
+        return agent is not None and agent.connected
 
     def _fit_locked(self, state: AgentState, report: pb.Report) -> pb.Report:
         """The report as the series bound lets it be kept (its devices that fit), its series
@@ -398,7 +401,8 @@ class Registry:
                                  figures_dropped=dict(self.figures_dropped_total))
 
     def series_collisions(self) -> int:
-        """Agents accepted whose series labels coincided with a live agent's (series.py)."""
+        """Agents accepted whose series labels coincided with a live agent's, each counted
+        once (series.py)."""
         with self._lock:
             return self.series.collisions_total
 

@@ -4,9 +4,10 @@ An agent's series are labelled rank, local_rank, cuda_device, gpu_uuid (DESIGN.m
 names"). Two live processes can share all four: two scripts without a rank in one pod, on one
 GPU. Both are accepted; the second (and any later one) gets a label of its own,
 `agent_slot="2"` (then "3", ...), so that neither hides the other and `sum()` counts both. The
-first keeps the plain labels, so a job without clashes never sees the label. Each such
-collision is counted (allocwatch_agent_series_collisions_total) and logged with both agents'
-keys; the info series carries the same agent_slot, so `pid` and `host` tell them apart.
+first keeps the plain labels, so a job without clashes never sees the label. Each agent placed
+beside a rival is counted once (allocwatch_agent_series_collisions_total) and logged with a few
+of its rivals' keys; the info series carries the same agent_slot, so `pid` and `host` tell them
+apart.
 
 A departed agent (not yet expired) holds no slot against a connected one: a restarted
 process takes over its predecessor's labels, as it should, and is not a collision.
@@ -15,10 +16,11 @@ process takes over its predecessor's labels, as it should, and is not a collisio
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 from allocator_ext.protocol import metrics
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.shared.logs import RateLimitedLog
 
 log = logging.getLogger("exporter.registry")
 
@@ -60,47 +62,68 @@ def with_slot(labels: Iterable[str], slot: int) -> dict[str, str]:
 
 class SeriesSlots:
     """Slots of the agents (by key), given each one's label sets. Not thread-safe: the
-    registry calls it under its lock."""
+    registry calls it under its lock.
+
+    An index from each label set to the agents showing it finds an agent's rivals without
+    looking at the others; a collision is counted once per agent placed beside a rival (not
+    once per pair: a thousand agents of one label set are 999 collisions, not 499,500), and
+    its warning (rate-limited) names a few of the rivals and how many there are."""
+
+    SHOWN_RIVALS = 3
 
     def __init__(self) -> None:
         self._slot: dict[str, int] = {}
         self._labels: dict[str, frozenset[Labels]] = {}
-        self._collided: dict[str, set[str]] = {}  # each agent's rivals already counted
+        self._holders: dict[Labels, set[str]] = {}  # label set -> agents showing it
+        self._counted: set[str] = set()  # agents already counted as colliding
         self.collisions_total = 0
+        self._lines = RateLimitedLog()
 
     def slot(self, key: str) -> int:
         return self._slot.get(key, 1)
 
-    def place(self, key: str, labels: frozenset[Labels], connected: Mapping[str, bool]) -> int:
-        """The slot of agent `key` whose series carry `labels`; `connected`: every agent the
-        registry holds, by key, and whether it is connected. Changes only when the agent's
-        labels change (a first report, a device used for the first time)."""
+    def place(self, key: str, labels: frozenset[Labels],
+              connected: Callable[[str], bool]) -> int:
+        """The slot of agent `key` whose series carry `labels`; `connected(other)`: whether the
+        registry's agent `other` is connected. Changes only when the agent's labels change (a
+        first report, a device used for the first time)."""
         if self._labels.get(key) == labels and key in self._slot:
             return self._slot[key]
+        self._unindex(key)
         self._labels[key] = labels
-        rivals = [other for other, other_labels in self._labels.items()
-                  if other != key and connected.get(other) and other_labels & labels]
+        rivals: set[str] = set()
+        for label_set in labels:
+            holders = self._holders.setdefault(label_set, set())
+            rivals.update(other for other in holders if connected(other))
+            holders.add(key)
         taken = {self._slot[other] for other in rivals if other in self._slot}
         slot = next(n for n in range(1, len(taken) + 2) if n not in taken)
-        counted = self._collided.setdefault(key, set())
-        newly = [other for other in rivals if other not in counted]
-        if newly:
-            self.collisions_total += len(newly)
-            shared = sorted(set().union(*(self._labels[o] & labels for o in newly)))
-            log.warning("agents' series labels coincide: both accepted, told apart by agent_slot",
-                        extra={"agent": key, "others": newly, "agent_slot": slot,
-                               "labels": [dict(zip(SERIES_LABELS, s, strict=True))
-                                          for s in shared]})
-        counted.update(newly)
-        for other in newly:
-            self._collided.setdefault(other, set()).add(key)
+        if rivals and key not in self._counted:
+            self._counted.add(key)
+            self.collisions_total += 1
+            shown = sorted(rivals)[:self.SHOWN_RIVALS]
+            shared = sorted(label_set for label_set in labels
+                            if self._holders[label_set] & rivals)[:self.SHOWN_RIVALS]
+            self._lines.log("series_collision", log, "agents' series labels coincide: both "
+                            "accepted, told apart by agent_slot", {
+                                "agent": key, "others": shown, "rivals": len(rivals),
+                                "agent_slot": slot,
+                                "labels": [dict(zip(SERIES_LABELS, s, strict=True))
+                                           for s in shared]})
         self._slot[key] = slot
         return slot
 
+    def _unindex(self, key: str) -> None:
+        for label_set in self._labels.get(key, ()):
+            holders = self._holders.get(label_set)
+            if holders is not None:
+                holders.discard(key)
+                if not holders:
+                    del self._holders[label_set]
+
     def forget(self, key: str) -> None:
         """The agent expired: its slot is free."""
+        self._unindex(key)
         self._slot.pop(key, None)
         self._labels.pop(key, None)
-        self._collided.pop(key, None)
-        for counted in self._collided.values():
-            counted.discard(key)
+        self._counted.discard(key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 import time
@@ -12,7 +13,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from grpc import aio
 from prometheus_client import CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
@@ -22,7 +22,7 @@ from exporter.admin.collector import AdminCollector
 from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
 from exporter.admin.snapshot_dir import prepare_snapshot_dir, snapshot_dir_for
-from exporter.agents.grpc_server import start_grpc_server
+from exporter.agents.grpc_server import AgentsEndpoint
 from exporter.metrics.bounds_collector import BoundsCollector
 from exporter.metrics.collectors import (
     AgentsCollector,
@@ -35,6 +35,8 @@ from exporter.policy.engine import PolicyEngine
 from exporter.policy.runner import PolicyRunner
 from exporter.shared.bounded_http import HttpCollector
 from exporter.shared.config import apply_reload
+from exporter.shared.descriptors import agent_connections
+from exporter.shared.refusals import Refusals
 from exporter.shared.registry import Registry
 from exporter.sidecar.collector import SidecarCollector
 from exporter.sidecar.config import SidecarConfig
@@ -62,13 +64,15 @@ class Sidecar:
         self.policy_runner = PolicyRunner(self.policy, self.registry)
         self.admin: AdminHttpServer | None = None
         self.watcher: ConfigWatcher | None = None
-        if config_path is not None and config.reload.enabled:
+        if config_path is not None:  # polled where reload.enabled; read on SIGHUP either way
             self.watcher = ConfigWatcher(config_path, self.apply_config,
                                          config.reload.interval_seconds, in_force=config)
         # One collector per source; the admin API's joins them once it listens.
         self.metrics_registry = CollectorRegistry(auto_describe=False)
+        self.refusals = Refusals()
         for collector in (AllocatorCollector(self.registry), GpuCollector(self.registry, self.nvml),
-                          AgentsCollector(self.registry), BoundsCollector(self.registry),
+                          AgentsCollector(self.registry),
+                          BoundsCollector(self.registry, self.refusals),
                           SidecarCollector(self.watcher),
                           PolicyCollector(self.policy)):
             self.metrics_registry.register(collector)
@@ -76,7 +80,7 @@ class Sidecar:
         self.metrics_registry.register(self.http_collector)
         # The sidecar's own CPU and memory (process_cpu_seconds_total, ...): the soak watches them.
         ProcessCollector(registry=self.metrics_registry)
-        self.grpc_server: aio.Server | None = None
+        self.agents_endpoint: AgentsEndpoint | None = None
         self.http: MetricsHttpServer | None = None
         self.agent_targets: list[str] = []
         self._ready = False
@@ -102,24 +106,27 @@ class Sidecar:
             limits=self.config.metrics.limits)
         await self.http.start()
         self.http_collector.servers.append(self.http.http)
+        config = self.config
+        self.agents_endpoint = AgentsEndpoint(
+            self.registry, config.agents, self.refusals, agent_connections(
+                config.agents.max_connections, config.metrics.limits.max_connections,
+                config.admin.limits.max_connections if config.admin.enabled else 0))
         try:
-            self.grpc_server, self.agent_targets = await start_grpc_server(
-                self.registry, self.config.agents)
-        except Exception:
-            await self.http.stop()
-            raise
-        self._prepare_snapshot_dir()
-        try:
+            await self.agents_endpoint.start()
+            self.agent_targets = self.agents_endpoint.targets
+            assert self.agents_endpoint.front is not None
+            self.http_collector.servers.append(self.agents_endpoint.front)
+            self._prepare_snapshot_dir()
             await self._start_admin()
         except Exception:
-            await self.grpc_server.stop(0)
+            await self.agents_endpoint.stop(0)
             if self.admin is not None:
                 await self.admin.stop()
             await self.http.stop()
             raise
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self.policy_runner.run()))
-        if self.watcher is not None:
+        if self.watcher is not None and self.config.reload.enabled:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         self._ready = True
         policy = self.policy.config
@@ -128,7 +135,8 @@ class Sidecar:
             "nvml": bool(self.nvml and self.nvml.available),
             "admin": self.admin.addresses() if self.admin else [],
             "policy_rules": [r.name for r in policy.rules], "policy_dry_run": policy.dry_run,
-            "watching": str(self.config_path) if self.watcher else None})
+            "watching": str(self.config_path)
+            if self.watcher and self.config.reload.enabled else None})
 
     def _prepare_snapshot_dir(self) -> None:
         """Before any command can ask for a snapshot: the agents' snapshot directory, made so
@@ -147,11 +155,19 @@ class Sidecar:
             return
         service = AdminService(
             self.registry, timeout=lambda: self.config.admin.command_timeout_seconds,
-            snapshot_dir=admin.snapshot_path(self.config.agents.unix_socket))
+            snapshot_dir=admin.snapshot_path(self.config.agents.unix_socket),
+            snapshot_owners=self._snapshot_owners)
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
         await self.admin.start()
         self.http_collector.servers.append(self.admin.http)
         self.metrics_registry.register(AdminCollector(self.admin))
+
+    def _snapshot_owners(self) -> set[int]:
+        """Whose snapshot files the admin API serves: the users agents run as (those
+        agents.allowed_uids names, those seen on the agents' socket) and the sidecar's own."""
+        front = self.agents_endpoint.front if self.agents_endpoint is not None else None
+        return {os.geteuid(), *self.config.agents.allowed_uids,
+                *(front.seen_uids if front is not None else ())}
 
     def apply_config(self, new: SidecarConfig) -> list[str]:
         """Install reloaded settings (on the event loop); returns the changed fields that only
@@ -171,6 +187,18 @@ class Sidecar:
         self.policy_runner.reconfigure(effective.policy)
         self.config = effective
         return restart
+
+    def reload(self) -> None:
+        """SIGHUP: read the settings file now (a sidecar started without one has nothing to
+        read, and says so)."""
+        if self.watcher is None:
+            log.warning("SIGHUP: no settings file to reload (started without --config)")
+            return
+        self._spawn(self._reload_now(self.watcher))
+
+    @staticmethod
+    async def _reload_now(watcher: ConfigWatcher) -> None:
+        await watcher.reload_now()
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Runs `work` on the event loop beside the caller, cancelled with the others at stop;
@@ -202,8 +230,8 @@ class Sidecar:
             task.cancel()
         if self.admin is not None:
             await self.admin.stop()
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(grace)
+        if self.agents_endpoint is not None:
+            await self.agents_endpoint.stop(grace)
         if self.http is not None:
             await self.http.stop()
         if self.nvml is not None:
@@ -218,12 +246,14 @@ def training_finished(sidecar: Sidecar, grace_seconds: float) -> str | None:
     """Why the training is over, for --exit-after-training (Kubernetes before 1.29, where a
     sidecar is a regular container and must exit for the pod to complete); None while it runs.
 
-    Over when the trainer wrote `training-done` beside the agents' socket, or when every agent
-    that connected has been gone for `grace_seconds` (a trainer killed before it could write
-    the file). Before any agent connected, only the file ends it.
+    Over when the trainer wrote `training-done` beside the agents' socket or in the directory
+    above it (the shared volume, where the socket's directory is the sidecar's alone), or when
+    every agent that connected has been gone for `grace_seconds` (a trainer killed before it
+    could write the file). Before any agent connected, only the file ends it.
     """
     socket = sidecar.config.agents.unix_socket
-    if socket and (Path(socket).parent / TRAINING_DONE_FILE).exists():
+    if socket and any((folder / TRAINING_DONE_FILE).exists()
+                      for folder in (Path(socket).parent, Path(socket).parent.parent)):
         return f"{TRAINING_DONE_FILE} found"
     agents = sidecar.registry.agents()
     if sidecar.registry.ever_connected and not any(a.connected for a in agents):
@@ -236,9 +266,14 @@ def training_finished(sidecar: Sidecar, grace_seconds: float) -> str | None:
 async def _serve(config: SidecarConfig, exit_after_training: bool, grace_seconds: float,
                  config_path: str | Path | None = None) -> None:
     sidecar = Sidecar(config, config_path=config_path)
-    await sidecar.start()
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    started = False
+    # SIGHUP reloads the settings, as Prometheus does; until the sidecar is up it is ignored
+    # (its default action would end the process and leave its sockets behind).
+    loop.add_signal_handler(signal.SIGHUP, lambda: sidecar.reload() if started else None)
+    await sidecar.start()
+    started = True
+    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     while not stop.is_set():
@@ -260,7 +295,8 @@ def run_sidecar(config: SidecarConfig, exit_after_training: bool = False,
                 grace_seconds: float = 60.0, config_path: str | Path | None = None) -> None:
     """Run until SIGTERM or SIGINT (the `allocwatch sidecar` command), or, with
     exit_after_training, until the training is over. With `config_path`, the file is watched
-    and reloaded when it changes."""
+    and reloaded when it changes, or at once on SIGHUP."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the event loop handles it
     asyncio.run(_serve(config, exit_after_training, grace_seconds, config_path))
 
 

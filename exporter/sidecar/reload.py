@@ -1,4 +1,5 @@
-"""Hot reload: the sidecar polls its YAML file and applies a valid new version without a restart.
+"""Hot reload: the sidecar polls its YAML file and applies a valid new version without a restart;
+SIGHUP reads it at once (as Prometheus does), also where polling is off (reload.enabled: false).
 
 Polling, not inotify: a Kubernetes ConfigMap volume updates by swapping the `..data` symlink to a
 new directory, which inotify watches on the file itself miss, and polling costs one small read
@@ -133,12 +134,38 @@ class ConfigWatcher:
             self._unsettled_hash = digest
             return None
         self._unsettled_hash = None
+        return self._parsed(digest, data)
+
+    @staticmethod
+    def _parsed(digest: str, data: bytes) -> Change:
         if len(data) > MAX_FILE_BYTES:
             return Change(digest, refusal=f"the file is larger than {MAX_FILE_BYTES} bytes")
         try:
             return Change(digest, config=config_from_bytes(data))
         except ConfigError as err:
             return Change(digest, refusal=str(err))
+
+    def read_now(self) -> Change | None:
+        """The file as it is now, parsed, without waiting for two reads to agree (whoever sent
+        SIGHUP says it is whole); None when it holds the settings in force."""
+        data = self._read()
+        if isinstance(data, OSError):
+            return Change(unreadable=data)
+        digest = content_hash(data)
+        if digest == self.current_hash:
+            return None
+        self._unsettled_hash = None
+        return self._parsed(digest, data)
+
+    async def reload_now(self) -> str | None:
+        """On SIGHUP, as Prometheus does: read the file now (on a worker thread) and install or
+        refuse it; the result label, None when the file holds the settings in force."""
+        change = await asyncio.to_thread(self.read_now)
+        if change is None:
+            log.info("SIGHUP: the settings file holds the settings in force",
+                     extra={"path": str(self.path)})
+            return None
+        return self.settle(change)
 
     def settle(self, change: Change) -> str:
         """Install, refuse or note what a poll found; the result label."""

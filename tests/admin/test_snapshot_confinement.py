@@ -1,6 +1,8 @@
 """The admin API serves only files it finds in its snapshot directory, by name, opened without
-following links. An agent's answer names a path, and a hostile agent may name any file (the
-sidecar's TLS key, say): the path is never opened, only a name in that directory is."""
+following links (in the directory's path too), of one link and owned by a user agents run as.
+An agent's answer names a path, and a hostile agent may name any file (the sidecar's TLS key,
+say): the path is never opened, only a name in that directory is; and a directory swapped for a
+link, or a hard link planted there, serves nothing."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from support.streams import Stream, device, hello, report
 from support.waiting import wait_for
 
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
+from exporter.admin.snapshots import SnapshotUnavailable, open_snapshot
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"-----BEGIN PRIVATE KEY-----\nnot for agents\n"
@@ -94,3 +97,47 @@ def test_a_snapshot_the_agent_wrote_there_is_served(sidecar, tmp_path: Path) -> 
         assert status == 200 and data == path.read_bytes()
     finally:
         agent.stop()
+
+
+def test_the_snapshot_directory_swapped_for_a_link_is_not_followed(
+        sidecar, tmp_path: Path) -> None:
+    """Renamed, and a link to the sidecar's own files put in its place: nothing is served."""
+    secrets_dir = tmp_path / "tls"
+    secrets_dir.mkdir()
+    (secrets_dir / "srv.key").write_bytes(SECRET)
+    directory = tmp_path / "run" / "snapshots"
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.rename(directory.with_name("snapshots.old"))
+    directory.symlink_to(secrets_dir)
+    (admin,) = sidecar.sidecar.admin.addresses()
+    status, body = call(admin, "GET", "/v1/snapshots/srv.key")
+    assert status == 409 and "link" in body["error"] and SECRET not in repr(body).encode()
+    # A link higher up the path is not followed either.
+    (tmp_path / "linked").symlink_to(tmp_path)
+    with pytest.raises(SnapshotUnavailable) as refused:
+        open_snapshot(tmp_path / "linked" / "tls", "srv.key")
+    assert refused.value.status == 409 and "link" in str(refused.value)
+
+
+def test_a_hard_link_planted_there_is_not_served(sidecar, tmp_path: Path) -> None:
+    key = tmp_path / "tls.key"
+    key.write_bytes(SECRET)
+    directory = tmp_path / "run" / "snapshots"
+    directory.mkdir(parents=True, exist_ok=True)
+    os.link(key, directory / "snapshot-linked.pickle.gz")  # root could, to any file
+    (admin,) = sidecar.sidecar.admin.addresses()
+    status, body = call(admin, "GET", "/v1/snapshots/snapshot-linked.pickle.gz")
+    assert status == 409 and "2 links" in body["error"] and SECRET not in repr(body).encode()
+
+
+def test_a_file_of_a_user_no_agent_runs_as_is_not_served(sidecar, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    directory = tmp_path / "run" / "snapshots"
+    directory.mkdir(parents=True, exist_ok=True)
+    stranger = directory / "snapshot-stranger.pickle.gz"
+    stranger.write_bytes(SECRET)
+    os.chown(stranger, 65534, 65534)  # nobody: no agent runs as nobody here
+    (admin,) = sidecar.sidecar.admin.addresses()
+    status, body = call(admin, "GET", "/v1/snapshots/snapshot-stranger.pickle.gz")
+    assert status == 409 and "uid 65534" in body["error"] and SECRET not in repr(body).encode()

@@ -10,8 +10,10 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -180,7 +182,7 @@ def test_the_examples_name_the_image_to_rewrite(example: str) -> None:
 
 
 def test_a_pod_the_component_made_starts_the_agent_through_its_environment_alone(
-        tmp_path: Path) -> None:
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The bare Job's own `torchrun ... train.py`, with nothing but the Component's environment
     (ALLOCWATCH_RUN=1, the installed .pth file): the worker's import of torch starts the agent,
     which connects to the sidecar as the pod's one agent; torchrun's launcher starts none.
@@ -196,7 +198,9 @@ def test_a_pod_the_component_made_starts_the_agent_through_its_environment_alone
     (user_dir / "kustomization.yaml").write_text(yaml.safe_dump({
         "resources": [os.path.relpath(DEPLOY / "base", user_dir), "job.yaml"],
         "components": [component_from(user_dir)]}))
-    work = tmp_path / "pod"
+    # A short path: a Unix socket's path has at most 107 bytes, and pytest's tmp_path is long.
+    work = Path(tempfile.mkdtemp(prefix="aw-pod-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
     pod = LocalPod(work / "volumes", user_dir, metrics_port=free_port(), as_users=False)
     stop_file = work / "stop"
     argv = pod.argv(pod.trainer, replace={
@@ -207,7 +211,7 @@ def test_a_pod_the_component_made_starts_the_agent_through_its_environment_alone
     sidecar = pod.start(pod.sidecar, pod.argv(pod.sidecar), cwd=work)
     trainer = None
     try:
-        wait_for(lambda: (pod.socket_dir() / "agent.sock").exists() or sidecar.poll() is not None,
+        wait_for(lambda: (pod.sidecar_dir() / "agent.sock").exists() or sidecar.poll() is not None,
                  timeout=60, what="the sidecar's socket")
         assert sidecar.poll() is None, stop(sidecar)
         # PYTHONPATH emptied: the hook can come from the installed .pth file alone.

@@ -19,6 +19,8 @@ from support.deploy import (
     METRICS_PORT,
     REPO,
     SIDECAR,
+    SIDECAR_DIR,
+    SIDECAR_UID,
     SOCKET_DIR,
     all_containers,
     canonical_sidecar,
@@ -350,11 +352,16 @@ def test_sidecar_pod_wiring(example: str) -> None:
         for container in all_containers(spec):
             mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
             assert mounts.get("allocwatch-socket") == SOCKET_DIR, f"{where} {container['name']}"
-        assert Path(socket_path).parent == Path(SOCKET_DIR)
+        # the sockets in the sidecar's own directory inside it; the agents check its user
+        assert Path(socket_path).parent == Path(SIDECAR_DIR)
+        assert sidecar["securityContext"]["runAsUser"] == SIDECAR_UID, where
+        sidecar_env = {e["name"]: e["value"] for e in sidecar.get("env", [])}
+        assert sidecar_env["ALLOCWATCH_ADMIN"] == f"unix://{SIDECAR_DIR}/admin.sock", where
         for container in spec["containers"]:
             if container["name"] != SIDECAR:
                 env = {e["name"]: e for e in container["env"]}
                 assert env["ALLOCWATCH_TARGET"]["value"] == f"unix://{socket_path}", where
+                assert env["ALLOCWATCH_SIDECAR_UID"]["value"] == str(SIDECAR_UID), where
 
         # the config comes from the ConfigMap that deploy/base generates, under a stable name
         assert volumes["allocwatch-config"]["configMap"]["name"] == config["metadata"]["name"], (
@@ -368,8 +375,8 @@ def test_sidecar_pod_wiring(example: str) -> None:
         assert Path(config_flag).name in config["data"]
 
         # who the process is, through the downward API, on every training container (the
-        # agent reads it; the sidecar needs none of it)
-        assert "env" not in sidecar, where
+        # agent reads it; the sidecar needs none of it: only where ctl finds its admin API)
+        assert [e["name"] for e in sidecar["env"]] == ["ALLOCWATCH_ADMIN"], where
         for container in spec["containers"]:
             if container["name"] == SIDECAR:
                 continue
@@ -450,28 +457,31 @@ def port_set(rule: dict, protocol: str) -> set[int]:
     return found
 
 
-ALL_PORTS = set(range(1, 65536))
 
-
-def test_networkpolicy_restricts_the_metrics_port_and_nothing_else() -> None:
-    """Once a policy selects a pod, whatever it does not allow is denied: so it allows every
-    other port from anywhere, and the training pods' other traffic is as it was."""
-    policy = one(build("deploy/base"), "NetworkPolicy")
-    for example in EXAMPLES:
-        for where, template in example_pods(example):
-            assert selector_matches(
-                policy["spec"]["podSelector"], template["metadata"]["labels"]
-            ), where
-    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress (datasets, checkpoints) untouched
-    metrics_rules = [r for r in policy["spec"]["ingress"] if METRICS_PORT in port_set(r, "TCP")]
-    assert len(metrics_rules) == 1
-    [metrics] = metrics_rules
+def test_the_networkpolicies_admit_prometheus_to_the_metrics_port_and_the_pods_to_each_other(
+) -> None:
+    """Opt-in: deploy/base ships none. Once a policy selects a pod, whatever no policy allows
+    is denied: the opt-in policies allow the metrics port from Prometheus and the training pods'
+    traffic to each other, and nothing from anywhere else."""
+    assert not [r for r in build("deploy/base") if r["kind"] == "NetworkPolicy"]
+    policies = {p["metadata"]["name"]: p for p in build("deploy/networkpolicy")
+                if p["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"allocwatch-sidecar", "allocwatch-training-pods"}
+    for policy in policies.values():
+        for example in EXAMPLES:
+            for where, template in example_pods(example):
+                assert selector_matches(
+                    policy["spec"]["podSelector"], template["metadata"]["labels"]
+                ), where
+        assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress untouched
+        assert all(rule.get("from") for rule in policy["spec"]["ingress"])  # never "anyone"
+    [metrics] = policies["allocwatch-sidecar"]["spec"]["ingress"]
     assert port_set(metrics, "TCP") == {METRICS_PORT} and not port_set(metrics, "UDP")
-    assert metrics["from"] and all("namespaceSelector" in peer for peer in metrics["from"])
-    [others] = [r for r in policy["spec"]["ingress"] if r is not metrics]
-    assert "from" not in others  # any source
-    assert port_set(others, "TCP") == ALL_PORTS - {METRICS_PORT}
-    assert port_set(others, "UDP") == ALL_PORTS and port_set(others, "SCTP") == ALL_PORTS
+    assert all("namespaceSelector" in peer for peer in metrics["from"])
+    [pods] = policies["allocwatch-training-pods"]["spec"]["ingress"]
+    assert "ports" not in pods  # every port: rendezvous, NCCL's ephemeral ones
+    assert pods["from"] == [{"podSelector": policies["allocwatch-training-pods"]["spec"][
+        "podSelector"]}]  # the training pods of this namespace alone
 
 
 def test_prometheusrule_is_the_generated_one() -> None:
@@ -564,7 +574,7 @@ def test_sidecar_configmap_is_accepted_by_the_sidecar() -> None:
     config_map = one(build("deploy/base"), "ConfigMap")
     config = config_module.parse_config(yaml.safe_load(config_map["data"]["allocwatch.yaml"]))
     assert config.metrics.port == METRICS_PORT and config.metrics.address == "0.0.0.0"
-    assert config.agents.unix_socket == f"{SOCKET_DIR}/agent.sock"
+    assert config.agents.unix_socket == f"{SIDECAR_DIR}/agent.sock"
     assert config.agents.socket_mode == 0o666
 
 

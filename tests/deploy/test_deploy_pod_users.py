@@ -50,7 +50,7 @@ def test_a_snapshot_is_taken_downloaded_and_replayed_under_the_manifests_users(
     sidecar = pod.start(pod.sidecar, pod.argv(pod.sidecar), cwd=work)
     trainer = None
     try:
-        socket = pod.socket_dir() / "agent.sock"
+        socket = pod.sidecar_dir() / "agent.sock"
         wait_for(lambda: socket.exists() or sidecar.poll() is not None, timeout=30,
                  what="the sidecar's socket")
         assert sidecar.poll() is None, stop(sidecar)
@@ -78,7 +78,7 @@ def test_a_snapshot_is_taken_downloaded_and_replayed_under_the_manifests_users(
         assert out_file.stat().st_size > 0
 
         # written by root, readable by the sidecar's group, in the directory the sidecar made
-        directory = pod.socket_dir() / "snapshots"
+        directory = pod.sidecar_dir() / "snapshots"
         info = directory.stat()
         assert info.st_uid == SIDECAR_UID and info.st_mode & stat.S_ISGID
         [written] = [p for p in directory.iterdir() if p.name.endswith(".pickle.gz")]

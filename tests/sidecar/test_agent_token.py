@@ -148,7 +148,7 @@ def test_a_hello_on_tcp_without_the_token_is_refused(running, metadata) -> None:
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "agents.token_file" in err.details()
     assert running.sidecar.registry.agents() == []
-    assert values(url, "allocwatch_agents_refused_total", reason="unauthenticated") == [1.0]
+    assert values(url, "allocwatch_refused_total", reason="agent_token") == [1.0]
 
 
 def test_an_agent_with_the_token_file_reports_and_never_shows_it(

@@ -24,7 +24,9 @@ DASHBOARD = GRAFANA / "dashboards" / "allocwatch.json"
 SIDECAR = "allocwatch-sidecar"
 COMPONENT = DEPLOY / "components" / "allocwatch"
 METRICS_PORT = 9471
-SOCKET_DIR = "/run/allocwatch"
+SOCKET_DIR = "/run/allocwatch"  # the shared emptyDir's mount
+SIDECAR_DIR = "/run/allocwatch/sidecar"  # the sidecar's own directory in it: its sockets
+SIDECAR_UID = 65532
 
 # Every name the sidecar exposes, from the metric table (allocator_ext/protocol/metrics.py).
 SIDECAR_METRICS = frozenset(metric.name for metric in METRICS)

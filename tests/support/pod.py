@@ -108,7 +108,12 @@ class LocalPod:
         return re.sub(f"({pattern})(?=/|$|[^\\w.-])", lambda m: str(mounts[m.group(1)]), text)
 
     def socket_dir(self) -> Path:
+        """The shared emptyDir."""
         return self.volumes["allocwatch-socket"]
+
+    def sidecar_dir(self) -> Path:
+        """The sidecar's own directory in it, where its sockets and the snapshots are."""
+        return Path(self.sidecar_config["agents"]["unix_socket"]).parent
 
     def _rewrite_sidecar_config(self) -> None:
         args = self.sidecar["args"]
@@ -156,6 +161,8 @@ class LocalPod:
                     env[entry["name"]] = self.labels.get(path.split("'")[1], "")
                 else:
                     env[entry["name"]] = FIELDS[path]
+        if not self.as_users and "ALLOCWATCH_SIDECAR_UID" in env:
+            env["ALLOCWATCH_SIDECAR_UID"] = str(os.geteuid())  # the sidecar runs as we do here
         env.update(extra)
         return env
 
@@ -192,10 +199,14 @@ class LocalPod:
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess:
         """`kubectl exec POD -c allocwatch-sidecar -- allocwatch ctl ARGS`: as the sidecar's user,
-        at ctl's default address as the sidecar's mounts place it here."""
-        admin = self.host_path(self.sidecar, "unix:///run/allocwatch/admin.sock")
+        with its container's environment (ALLOCWATCH_ADMIN), else at ctl's default address, as
+        the sidecar's mounts place them here."""
+        extra = {}
+        if not any(e["name"] == "ALLOCWATCH_ADMIN" for e in self.sidecar.get("env", [])):
+            extra["ALLOCWATCH_ADMIN"] = self.host_path(self.sidecar,
+                                                       "unix:///run/allocwatch/admin.sock")
         return self.run(self.sidecar, self.argv({"command": ["allocwatch", "ctl", *args]}),
-                        cwd=self.root, ALLOCWATCH_ADMIN=admin)
+                        cwd=self.root, **extra)
 
     def _home(self, container: Mapping[str, Any]) -> dict[str, str]:
         """A user's HOME: the container's writable scratch (its root filesystem is read-only)."""
