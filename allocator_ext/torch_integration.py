@@ -81,6 +81,18 @@ def _layers(config: str | None) -> list[tuple[str, str]]:
     return layers
 
 
+def _no_cuda_reason(torch: Any) -> str | None:
+    """Why this process can have no CUDA device, found without a driver call (CUDA starts
+    where the program first uses it); None where it may have one."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    try:
+        ctypes.CDLL("libcuda.so.1")  # loads the library only: no driver call
+    except OSError as e:
+        return f"no NVIDIA driver found ({e})"
+    return None
+
+
 def _fallback(reason: str) -> bool:
     warnings.warn(f"allocwatch: keeping PyTorch's CUDA allocator: {reason}", stacklevel=3)
     return False
@@ -115,12 +127,9 @@ def install(config: str | None = None, native: bool | None = None) -> bool:
     base = None
     for text in ours:  # validate every layer before changing anything
         base = _core.parse_config(check_settings_text(text), base)["string"]
-    if torch.version.cuda is None:
-        return _fallback(f"torch {torch.__version__} is a CPU build")
-    try:
-        ctypes.CDLL("libcuda.so.1")  # loads the library only: no driver call
-    except OSError as e:
-        return _fallback(f"no NVIDIA driver found ({e})")
+    no_cuda = _no_cuda_reason(torch)
+    if no_cuda:
+        return _fallback(no_cuda)
 
     for text in ours:
         _core.torch_configure(text)
@@ -409,8 +418,26 @@ def _start_agent_now() -> None:
 def install_at_startup() -> None:
     """For `allocwatch run`, right after the program imported torch: install, and start the
     agent either way at the process's first CUDA use (with PyTorch's allocator as its source
-    where allocwatch's is not in)."""
-    if os.environ.get("ALLOCWATCH_ALLOCATOR", "1") == "0" or not install():
+    where allocwatch's is not in). What install() warns is said in one line each on stderr:
+    a warning's usual second line, the source line it points at, is allocwatch's own code
+    here, not the user's."""
+    keep = os.environ.get("ALLOCWATCH_ALLOCATOR", "1") == "0"
+    with warnings.catch_warnings(record=True) as caught:
+        installed = not keep and install()
+    for warning in caught:
+        if str(warning.message).startswith("allocwatch: "):
+            print(warning.message, file=sys.stderr)
+        else:  # someone else's (torch's, say): as it would have been shown
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno, source=warning.source)
+    if keep:
+        import torch
+
+        no_gpu = _no_cuda_reason(torch)
+        if no_gpu:
+            print(f"allocwatch: keeping PyTorch's CUDA allocator, as asked; {no_gpu}, so there "
+                  "is no GPU memory to watch and the agent does not start", file=sys.stderr)
+    if not installed:
         import torch
 
         def start_for_pytorchs() -> None:

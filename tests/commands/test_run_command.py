@@ -89,3 +89,33 @@ def test_a_bad_setting_or_no_command_is_refused() -> None:
     assert out.returncode == 2 and "expandable_segments:perhaps" in out.stderr
     out = allocwatch_run()
     assert out.returncode == 2 and "no command given" in out.stderr
+
+
+def _cpu_build() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda is not None:
+        pytest.skip(f"torch {torch.__version__} is a CUDA build: these lines are a CPU build's")
+
+
+def test_without_cuda_one_line_says_why_and_no_source_line_follows() -> None:
+    _cpu_build()
+    out = allocwatch_run("--", sys.executable, "-c", "import torch")
+    assert out.returncode == 0, out.stderr
+    # One line, not a warning's two (its second would echo allocwatch's own source line).
+    assert out.stderr.splitlines() == [
+        f"allocwatch: keeping PyTorch's CUDA allocator: torch {_torch_version()} is a CPU build"]
+
+
+def test_keeping_pytorchs_allocator_without_cuda_says_the_agent_does_not_start() -> None:
+    _cpu_build()
+    out = allocwatch_run("--keep-pytorch-allocator", "--", sys.executable, "-c", "import torch")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        f"allocwatch: keeping PyTorch's CUDA allocator, as asked; torch {_torch_version()} is a "
+        "CPU build, so there is no GPU memory to watch and the agent does not start"]
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
