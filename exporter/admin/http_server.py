@@ -4,14 +4,16 @@ header and body sizes; a chunked body is read, counted against the limit, never 
 
 Where it listens: a Unix socket (mode 0600 by default: file permissions are the access control),
 and, only when configured, TCP (loopback unless configured otherwise) where every request must
-carry `Authorization: Bearer TOKEN`, checked before the body is read (a refused request's
-body is only drained, within the body limit); the token is compared in constant time and never
-logged. With admin.tls_cert_file/tls_key_file the TCP listener speaks HTTPS
-(exporter.admin.tls), renewed certificates taken at the next handshake.
+carry `Authorization: Bearer TOKEN`, checked before the body is read (a refused request's body
+is never waited for); the token is compared in constant time and never logged. With
+admin.tls_cert_file/tls_key_file the TCP listener speaks HTTPS (exporter.admin.tls), renewed
+certificates taken at the next handshake.
 
 `parse_request` turns method, target and body into what to do, refusing anything else with an
 AdminError (and a status) before anything is sent; every request is logged (endpoint,
-selectors, peer, status), never its headers.
+selectors, peer, status), never its headers, but a refusal for a missing or wrong token is
+counted (allocwatch_refused_total{reason="admin_token"}) and logged rate-limited (a client
+may send thousands a second).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from exporter.admin.service import (
 from exporter.admin.tls import RenewingTlsContext
 from exporter.shared.bounded_http import BoundedHttpServer, HttpError, read_body
 from exporter.shared.config import ConfigError, shown
+from exporter.shared.refusals import Refusals
 from exporter.shared.tokens import RotatingToken, in_daemon_thread
 
 log = logging.getLogger("exporter.admin")
@@ -117,8 +120,10 @@ def _read_token(config: AdminConfig) -> tuple[RotatingToken, bytes | None]:
 
 
 class AdminHttpServer:
-    def __init__(self, config: AdminConfig, agents_socket: str, service: AdminService):
+    def __init__(self, config: AdminConfig, agents_socket: str, service: AdminService,
+                 refusals: Refusals | None = None):
         self.service = service
+        self._refusals = refusals or Refusals()
         self._config = config
         self._token = RotatingToken(config, "admin")
         self._token_reloads = 0
@@ -207,12 +212,15 @@ class AdminHttpServer:
             response = _json(500, {"error": f"{type(err).__name__}: {shown(str(err))}"})
         status = response.status
         self.count(endpoint, status)
-        level = logging.WARNING if status in (401, 403) else logging.INFO
         peer = request.transport.get_extra_info("peername") if request.transport else None
-        log.log(level, "admin request", extra={
-            "method": shown(method), "endpoint": endpoint, "status": status,
-            "peer": str(peer[0]) if isinstance(peer, tuple) and peer else "unix",
-            "duration_seconds": round(time.perf_counter() - started, 6), **fields})
+        extra = {"method": shown(method), "endpoint": endpoint, "status": status,
+                 "peer": str(peer[0]) if isinstance(peer, tuple) and peer else "unix",
+                 "duration_seconds": round(time.perf_counter() - started, 6), **fields}
+        if status == 401:  # a client without the token may send thousands a second
+            self._refusals.refuse("admin_token", log, "admin request refused", extra)
+        else:
+            log.log(logging.WARNING if status == 403 else logging.INFO, "admin request",
+                    extra=extra)
         return response
 
     async def _answer(self, request: web.BaseRequest, call: AdminCall,

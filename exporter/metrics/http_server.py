@@ -1,5 +1,7 @@
 """The sidecar's HTTP endpoint: /metrics, /healthz, /readyz and a landing page, served on the
 sidecar's event loop with every client resource bounded (exporter.shared.bounded_http).
+Optionally over HTTPS, and with a bearer token on /metrics and / (as the Prometheus operator's
+PodMonitor sends one); the probes' /healthz and /readyz stay open.
 
 /metrics speaks prometheus_client's exposition formats: the format is chosen from the Accept
 header (OpenMetrics when asked), written by exporter.metrics.exposition_format, and the body is
@@ -15,6 +17,7 @@ import concurrent.futures
 import gzip
 import html
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +29,9 @@ from prometheus_client.exposition import gzip_accepted
 from allocator_ext.protocol.version import PACKAGE_VERSION
 from exporter.metrics.exposition_format import ExpositionWriter
 from exporter.shared.bounded_http import BoundedHttpServer, HttpLimits
+from exporter.shared.refusals import Refusals
 from exporter.shared.registry import Registry
+from exporter.shared.tokens import RotatingToken
 
 log = logging.getLogger("exporter.http")
 
@@ -81,6 +86,9 @@ class Exposition:
 
 
 class MetricsHttpServer:
+    """`tls`: a callable giving the listening context (HTTPS), `token`: the bearer token
+    /metrics and / ask for; neither by default."""
+
     def __init__(
         self,
         address: str,
@@ -90,18 +98,30 @@ class MetricsHttpServer:
         is_ready: Callable[[], bool],
         is_healthy: Callable[[], bool],
         limits: HttpLimits | None = None,
+        *,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+        token: RotatingToken | None = None,
+        refusals: Refusals | None = None,
     ):
         self._address = address
         self._requested_port = port
         self._agents = agents
         self._is_ready = is_ready
         self._is_healthy = is_healthy
+        self._tls = tls
+        self._token = token
+        self._refusals = refusals or Refusals()
         self._exposition = Exposition(metrics_registry)
         self.http = BoundedHttpServer("metrics", self._handle, limits or HttpLimits())
         self.port = 0
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self._tls is not None else "http"
+
     async def start(self) -> None:
-        self.port = await self.http.listen_tcp(self._address, self._requested_port)
+        self.port = await self.http.listen_tcp(
+            self._address, self._requested_port, self._tls() if self._tls else None)
 
     async def stop(self) -> None:
         await self.http.close()
@@ -111,6 +131,13 @@ class MetricsHttpServer:
         if request.method not in ("GET", "HEAD"):
             return web.Response(status=405, text="only GET and HEAD\n", headers={"Allow": "GET"})
         path = request.path
+        if path in ("/metrics", "/") and self._token is not None and not await \
+                self._token.admits(request.headers.get("Authorization")):
+            peer = request.transport.get_extra_info("peername") if request.transport else None
+            self._refusals.refuse("metrics_token", log, "scrape refused: missing or wrong "
+                                  "bearer token", {"peer": str(peer[0]) if peer else "?"})
+            return web.Response(status=401, text="missing or wrong bearer token\n",
+                                headers={"WWW-Authenticate": 'Bearer realm="allocwatch"'})
         if path == "/metrics":
             return await self._metrics(request)
         if path == "/healthz":

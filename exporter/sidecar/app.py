@@ -22,6 +22,7 @@ from exporter.admin.collector import AdminCollector
 from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
 from exporter.admin.snapshot_dir import prepare_snapshot_dir, snapshot_dir_for
+from exporter.admin.tls import RenewingTlsContext
 from exporter.agents.grpc_server import AgentsEndpoint
 from exporter.metrics.bounds_collector import BoundsCollector
 from exporter.metrics.collectors import (
@@ -38,6 +39,7 @@ from exporter.shared.config import apply_reload
 from exporter.shared.descriptors import agent_connections
 from exporter.shared.refusals import Refusals
 from exporter.shared.registry import Registry
+from exporter.shared.tokens import RotatingToken
 from exporter.sidecar.collector import SidecarCollector
 from exporter.sidecar.config import SidecarConfig
 from exporter.sidecar.reload import ConfigWatcher
@@ -95,15 +97,20 @@ class Sidecar:
             host = "127.0.0.1"
         elif ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.http.port}"
+        return f"{self.http.scheme}://{host}:{self.http.port}"
 
     async def start(self) -> None:
         if self.nvml is not None:
             await asyncio.to_thread(self.nvml.start)
+        metrics = self.config.metrics
+        tls = (RenewingTlsContext(metrics.tls_cert_file, metrics.tls_key_file,
+                                  metrics.tls_client_ca_file) if metrics.tls_cert_file else None)
         self.http = MetricsHttpServer(
-            self.config.metrics.address, self.config.metrics.port, self.metrics_registry,
+            metrics.address, metrics.port, self.metrics_registry,
             self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy,
-            limits=self.config.metrics.limits)
+            limits=metrics.limits, tls=tls.listening_context if tls else None,
+            token=RotatingToken(metrics, "metrics") if metrics.token_file or metrics.token_env
+            else None, refusals=self.refusals)
         await self.http.start()
         self.http_collector.servers.append(self.http.http)
         config = self.config
@@ -157,7 +164,8 @@ class Sidecar:
             self.registry, timeout=lambda: self.config.admin.command_timeout_seconds,
             snapshot_dir=admin.snapshot_path(self.config.agents.unix_socket),
             snapshot_owners=self._snapshot_owners)
-        self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service)
+        self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service,
+                                     self.refusals)
         await self.admin.start()
         self.http_collector.servers.append(self.admin.http)
         self.metrics_registry.register(AdminCollector(self.admin))

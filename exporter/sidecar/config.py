@@ -20,8 +20,10 @@ from exporter.shared.config import (
     ConfigError,
     Port,
     Section,
+    check_tls_files,
     parse_yaml,
     read_settings_file,
+    read_token,
     setting,
 )
 
@@ -35,6 +37,25 @@ class MetricsConfig(Section):
     port: Port = 9471
     # Connections, deadlines and sizes (exporter.shared.bounded_http); a GET has no body.
     limits: HttpLimits = setting(default_factory=lambda: HttpLimits(max_body_bytes=0))
+    # Who may scrape, off by default: with a token, /metrics and / ask for
+    # `Authorization: Bearer TOKEN` (a PodMonitor's `authorization`); /healthz and /readyz stay
+    # open to the kubelet's probes. A rotated Secret behind the file takes effect at the next
+    # scrape.
+    token_file: str = ""
+    token_env: str = ""
+    # HTTPS (a PodMonitor's `scheme: https` and `tlsConfig`): PEM files, renewed ones served
+    # from the next handshake; with tls_client_ca_file, scrapers present a certificate signed
+    # by that CA.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+
+    def validate(self, path: str) -> None:
+        check_tls_files(self, path)
+        if self.token_file and self.token_env:
+            raise ConfigError(f"{path}: give token_file or token_env, not both")
+        if self.token_file or self.token_env:
+            read_token(self, path)  # refuse now, not at the first scrape
 
 
 @dataclasses.dataclass(frozen=True)

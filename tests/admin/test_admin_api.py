@@ -139,9 +139,11 @@ def test_tcp_needs_the_right_token_and_never_shows_it(tmp_path: Path,
         assert metric(running, "allocwatch_admin_requests_total", code="401") == 12.0
         for record in caplog.records:
             assert TOKEN not in repr(vars(record)) and TOKEN[:-1] not in repr(vars(record))
-        refused = [r for r in caplog.records if r.getMessage() == "admin request"
+        # Counted, and warned about at most five times a minute (a client may send thousands).
+        assert metric(running, "allocwatch_refused_total", reason="admin_token") == 12.0
+        refused = [r for r in caplog.records if r.getMessage() == "admin request refused"
                    and getattr(r, "status", 0) == 401]
-        assert len(refused) == 12 and refused[0].levelno == logging.WARNING
+        assert len(refused) == 5 and refused[0].levelno == logging.WARNING
     finally:
         agent.stop()
         running.stop()
