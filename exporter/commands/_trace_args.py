@@ -79,7 +79,7 @@ def device_memory_arg(text: str | None, peak_requested: int) -> int | None:
 
 def add_plot_argument(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--plot", metavar="FILE.png",
-                   help=f"{what} (needs matplotlib: pip install 'allocwatch[plot]')")
+                   help=f"{what} (needs matplotlib: pip install matplotlib, the plot extra)")
 
 
 def check_plot_target(path: str | None) -> None:
@@ -88,7 +88,7 @@ def check_plot_target(path: str | None) -> None:
         return
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError(f"--plot {path}: drawing needs matplotlib, which is not installed "
-                         "(pip install 'allocwatch[plot]')")
+                         "(pip install matplotlib: what the extra 'allocwatch[plot]' adds)")
     directory = Path(path).parent
     if not directory.is_dir():
         raise ValueError(f"--plot {path}: there is no directory {directory}")

@@ -148,5 +148,6 @@ def test_plot_without_matplotlib_names_the_plot_extra(
     for command in ("replay", "tune"):
         assert _run([command, EXAMPLE, "--plot", str(tmp_path / "x.png")]) == 2
         err = capsys.readouterr().err
-        assert "matplotlib, which is not installed (pip install 'allocwatch[plot]')" in err
+        assert "matplotlib, which is not installed (pip install matplotlib: what the extra " \
+            "'allocwatch[plot]' adds)" in err
         assert not (tmp_path / "x.png").exists()
