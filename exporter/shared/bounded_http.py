@@ -20,9 +20,11 @@ can take bounded: the metrics endpoint and the admin API both serve through it.
   bodies are read only through `read_body`, which refuses a body without a length (411), larger
   than `max_body_bytes` (413, chunked bodies included: counted as they arrive) or encoded (415;
   nothing is decompressed), and one that has not arrived whole `body_timeout_seconds` after the
-  headers (408); a connection waiting for its body can be evicted as an idle one can. A body
-  the handler did not read (a refusal, a GET with a body) is never waited for: what has arrived
-  is dropped, and the connection closes after the answer unless the body had ended;
+  headers (408); a connection waiting for its body can be evicted as an idle one can. A request
+  declaring a body over the limit (any body where it is 0, as on /metrics) is refused (413)
+  before its handler runs. A body the handler did not read (a refusal, a GET with a body) is
+  never waited for: what has arrived is dropped, and the connection closes after the answer
+  unless the body had ended;
 - answers: a body is written a chunk at a time, each once the client has taken the last
   (asyncio's write buffer limits), so a client that does not read holds at most a chunk and
   the kernel's buffer of it. The bodies that answers being written hold stay within
@@ -120,6 +122,18 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
         raise HttpError(408, f"the request body did not arrive within {timeout:g} s") from None
     finally:
         server.body_wait(request.protocol, False)
+
+
+def _within_body_limit(request: web.BaseRequest, limit: int) -> None:
+    """HttpError (413) for a request that declares a body the listener would never read
+    (larger than its limit; any at all where the limit is 0, as on /metrics): refused before
+    its handler does any work."""
+    if not request.body_exists:
+        return
+    length = request.content_length
+    if (length is not None and length > limit) or (
+            limit == 0 and "chunked" in request.headers.get("Transfer-Encoding", "").lower()):
+        raise HttpError(413, f"the body is larger than {limit} bytes")
 
 
 async def _read_within(request: web.BaseRequest, limit: int) -> bytes:
@@ -398,6 +412,7 @@ class BoundedHttpServer:
         self._server.request_started(protocol)
         try:
             try:
+                _within_body_limit(request, self.limits.max_body_bytes)
                 response = await self._handler(request)
             except HttpError as err:
                 response = web.Response(status=err.status, text=f"{err}\n")
