@@ -29,7 +29,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from exporter.admin.config import AdminConfig
 from exporter.admin.service import (
@@ -213,7 +213,9 @@ class AdminHttpServer:
         status = response.status
         self.count(endpoint, status)
         peer = request.transport.get_extra_info("peername") if request.transport else None
-        extra = {"method": shown(method), "endpoint": endpoint, "status": status,
+        # A method the protocol knows as it is; anything else a client sent, shortened.
+        extra = {"method": method if method in hdrs.METH_ALL else shown(method),
+                 "endpoint": endpoint, "status": status,
                  "peer": str(peer[0]) if isinstance(peer, tuple) and peer else "unix",
                  "duration_seconds": round(time.perf_counter() - started, 6), **fields}
         if status == 401:  # a client without the token may send thousands a second

@@ -3,10 +3,9 @@ SIGHUP reads it at once (as Prometheus does), also where polling is off (reload.
 
 Polling, not inotify: a Kubernetes ConfigMap volume updates by swapping the `..data` symlink to a
 new directory, which inotify watches on the file itself miss, and polling costs one small read
-every few seconds. Each poll stats the path (following symlinks: the signature is device, inode,
-mtime and size of the file it resolves to) and hashes its content; the content hash decides, so a
-swapped symlink, an in-place edit and a same-second rewrite are all seen, and a file rewritten
-with the same content is not a change.
+every few seconds. Each poll reads the file the path resolves to (following symlinks) and
+hashes its content; the content hash decides, so a swapped symlink, an in-place edit and a
+same-second rewrite are all seen, and a file rewritten with the same content is not a change.
 
 New content must read the same on two polls in a row before it counts. A file rewritten in place
 (`cat > file`, an editor that truncates, `kubectl cp`) is empty or cut short for a moment, and an
@@ -27,7 +26,6 @@ import collections
 import dataclasses
 import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +35,6 @@ from exporter.shared.config import MAX_FILE_BYTES, ConfigError
 from exporter.sidecar.config import SidecarConfig, config_from_bytes
 
 log = logging.getLogger("exporter.reload")
-
-
-def file_signature(path: Path) -> tuple[int, int, int, int]:
-    st = os.stat(path)  # follows symlinks: the ConfigMap's current target
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def content_hash(data: bytes) -> str:
@@ -75,7 +68,6 @@ class ConfigWatcher:
         self.apply = apply
         self.interval_seconds = interval_seconds
         self.current_hash: str | None = None
-        self.signature: tuple[int, int, int, int] | None = None
         self._refused_hash: str | None = None
         self._unsettled_hash: str | None = None  # new content seen once, not yet twice
         self._unreadable = False
@@ -84,7 +76,6 @@ class ConfigWatcher:
         self.reloads_total: collections.Counter[str] = collections.Counter()
         try:
             data = read_regular_file(self.path, MAX_FILE_BYTES)
-            self.signature = file_signature(self.path)
         except OSError:
             return
         if in_force is None or self._parses_to(data, in_force):
@@ -111,9 +102,7 @@ class ConfigWatcher:
 
     def _read(self) -> bytes | OSError:
         try:
-            data = read_regular_file(self.path, MAX_FILE_BYTES)  # follows the symlinks
-            self.signature = file_signature(self.path)
-            return data
+            return read_regular_file(self.path, MAX_FILE_BYTES)  # follows the symlinks
         except OSError as err:  # missing, unreadable, or no regular file (a FIFO)
             return err
 
@@ -186,7 +175,7 @@ class ConfigWatcher:
         self.current_hash, self._refused_hash = change.digest, None
         self.last_successful = True
         log.info("settings reloaded", extra={
-            "path": str(self.path), "sha256": change.digest[:16], "signature": self.signature,
+            "path": str(self.path), "sha256": change.digest[:16],
             "needs_restart": restart_needed or None})
         if restart_needed:
             log.warning("some changed settings take effect only after a restart",

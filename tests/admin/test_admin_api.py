@@ -44,6 +44,20 @@ def test_unix_socket_is_private_and_lists_agents_by_selector(two_agents) -> None
     assert call(address, "GET", "/v1/agents?colour=red")[0] == 400
 
 
+def test_each_request_is_logged_with_its_method_as_sent(
+        two_agents, caplog: pytest.LogCaptureFixture) -> None:
+    _, address, _ = two_agents
+    with caplog.at_level(logging.INFO, logger="exporter.admin"):
+        assert call(address, "GET", "/v1/agents")[0] == 200
+        assert call(address, "POST", "/v1/reset-peaks", {"rank": 0})[0] == 200
+        wait_for(lambda: len([r for r in caplog.records
+                              if r.getMessage() == "admin request"]) == 2,
+                 what="both requests logged")
+    methods = [r.method for r in caplog.records  # type: ignore[attr-defined]
+               if r.getMessage() == "admin request"]
+    assert methods == ["GET", "POST"]  # as sent: not the repr of a string ("'GET'")
+
+
 def test_commands_reach_exactly_the_selected_agents(two_agents) -> None:
     running, address, (first, second) = two_agents
     status, answer = call(address, "POST", "/v1/settings",

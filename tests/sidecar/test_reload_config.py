@@ -289,3 +289,20 @@ def test_a_sidecar_exits_while_a_reloaded_token_file_hangs(tmp_path: Path) -> No
     except subprocess.TimeoutExpired:
         pytest.fail("the sidecar did not exit within 30 s while the token file hung")
     assert out.returncode == 0 and out.stdout.strip() == "exited", out.stderr[-2000:]
+
+
+def test_a_reload_logs_what_an_operator_reads_and_nothing_internal(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "allocwatch.yaml"
+    path.write_text(settings_text(tmp_path))
+    running = start(path)
+    try:
+        with caplog.at_level(logging.INFO, logger="exporter.reload"):
+            replace_text(path, settings_text(tmp_path, expiry=5))
+            wait_for(lambda: running.sidecar.registry.expiry_seconds == 5.0, what="the reload")
+    finally:
+        running.stop()
+    (record,) = [r for r in caplog.records if r.getMessage() == "settings reloaded"]
+    standard = {*vars(logging.makeLogRecord({})), "message", "asctime"}
+    fields = {k for k in vars(record) if k not in standard}
+    assert fields == {"path", "sha256", "needs_restart"}  # no stat signature of the file
