@@ -323,7 +323,11 @@ class Agent:
                                                identity=self.identity))
         stream_done = threading.Event()
         options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-                   ("grpc.enable_retries", 0)]
+                   ("grpc.enable_retries", 0),
+                   # A connection of its own (gRPC shares one between the channels of a process
+                   # otherwise): the sidecar bounds the streams of a connection, and judges a
+                   # connection by the agent it carries.
+                   ("grpc.use_local_subchannel_pool", 1)]
         if self.tls is not None:
             try:
                 credentials = self.tls.credentials()

@@ -58,8 +58,9 @@ log = logging.getLogger("exporter.grpc")
 # gRPC health Watch streams open at once (nothing in a pod needs one: the kubelet's probes and
 # grpc_health_probe use Check).
 MAX_HEALTH_WATCHES = 16
-# Streams at once on one connection: an agent opens one.
-MAX_STREAMS_PER_CONNECTION = 8
+# Streams at once on one connection: an agent opens one (on a connection of its own), and a
+# process whose agents shared one would have one each.
+MAX_STREAMS_PER_CONNECTION = 16
 
 _REFUSAL_CODES: dict[type[AgentRefusedError], grpc.StatusCode] = {
     IdentityInUseError: grpc.StatusCode.ALREADY_EXISTS}
