@@ -9,9 +9,10 @@ which user is at the other end of a Unix socket. So the front accepts each conne
 - who: on the Unix socket, the peer's user (SO_PEERCRED) must be one `agents.allowed_uids`
   names (when it names any), else the connection is closed at once, counted
   (`allocwatch_refused_total{reason="peer_user"}`) and logged (rate-limited);
-- count: at most `max_connections` open, silent ones included; one more closes the oldest that
-  has not yet carried an accepted agent (silent ones, preface-only ones, health checks,
-  refused streams), else the newcomer is refused;
+- count: at most `max_connections` open, silent ones included; one more closes, of those that
+  have not yet carried an accepted agent (silent ones, preface-only ones, health checks,
+  refused streams), the one whose client has been quiet longest, else the newcomer is refused:
+  an agent shaking hands talks, so a crowd that connects and then keeps quiet goes first;
 - time: a connection must carry an agent's accepted hello within
   `agents.hello_timeout_seconds` of its accept (and a second more, for the stream's own
   refusal to reach the client first), else it is closed, whatever it sends meanwhile;
@@ -70,8 +71,9 @@ class _Side(asyncio.Protocol):
     """One end of a relayed connection: what it receives goes to the other end; it stops
     reading while the other end's transport cannot take more."""
 
-    def __init__(self, link: _Link):
+    def __init__(self, link: _Link, client: bool):
         self.link = link
+        self.client = client  # the end facing the connection's client
         self.transport: asyncio.Transport | None = None
         self.other: _Side | None = None
         self.early: list[bytes] = []  # received before the other end had its transport
@@ -85,6 +87,8 @@ class _Side(asyncio.Protocol):
             self.other.early.clear()
 
     def data_received(self, data: bytes) -> None:
+        if self.client:
+            self.link.front.heard(self.link)
         other = self.other.transport if self.other is not None else None
         if other is None:  # the instant between the two ends' set-up: one read at most
             self.early.append(data)
@@ -179,6 +183,8 @@ class AgentFront:
         self._unix_paths: dict[str, int] = {}  # the sockets bound, by path: their inodes
         # Not yet an agent's, in accept order (hence deadline order); agents' connections.
         self._pending: collections.OrderedDict[_Link, None] = collections.OrderedDict()
+        # The same, the one whose client has been quiet longest first: eviction's order.
+        self._quiet: collections.OrderedDict[_Link, None] = collections.OrderedDict()
         self._agents: set[_Link] = set()
         self._by_name: dict[str, _Link] = {}
         self._prefix = f"allocwatch-{os.getpid()}-{secrets.token_hex(6)}-"
@@ -270,15 +276,16 @@ class AgentFront:
         link = _Link(self, conn, origin, f"{self._prefix}{self._serial}",
                      self.loop.time() + self.hello_timeout + REFUSAL_SECONDS)
         self._pending[link] = None
+        self._quiet[link] = None
         self._by_name[link.name] = link
         self.loop.add_reader(conn.fileno(), self._spoke, link)
         if self._sweep is None:
             self._sweep = self.loop.call_at(link.deadline, self._expire)
 
     def _make_room(self) -> bool:
-        if not self._pending:
+        if not self._quiet:
             return False
-        next(iter(self._pending)).close()
+        next(iter(self._quiet)).close()
         self._count("idle_evicted")
         return True
 
@@ -310,13 +317,14 @@ class AgentFront:
         if ended:  # gone before a byte: nothing to relay
             link.close()
             return
+        self.heard(link)
         link.task = self.loop.create_task(self._relay(link))
 
     async def _relay(self, link: _Link) -> None:
         client, link.sock = link.sock, None
         assert client is not None
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        near, far = _Side(link), _Side(link)
+        near, far = _Side(link, client=True), _Side(link, client=False)
         near.other, far.other = far, near
         link.sides = [near, far]
         try:
@@ -347,12 +355,19 @@ class AgentFront:
         """The connection of `peer` carries an accepted agent: no deadline, not evicted."""
         link = self._by_name.get(peer.removeprefix(ABSTRACT_PEER))
         if link is not None and self._pending.pop(link, False) is None:
+            self._quiet.pop(link, None)
             self._agents.add(link)
             if link.origin.uid is not None:
                 self.seen_uids.add(link.origin.uid)
 
+    def heard(self, link: _Link) -> None:
+        """The client of `link` sent something: last in eviction's order, if not an agent's."""
+        if link in self._quiet:
+            self._quiet.move_to_end(link)
+
     def forget(self, link: _Link) -> None:
         self._pending.pop(link, None)
+        self._quiet.pop(link, None)
         self._agents.discard(link)
         self._by_name.pop(link.name, None)
 
