@@ -294,7 +294,7 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
         return 2
     if workload == "auto":
         workload = "sim" if no_gpu else "gpu"
-    configure_logging("warning", "text")  # the demo's own lines are the output
+    configure_logging("warning", "logfmt")  # the demo's own lines are the output
     signals = _StopSignals()
     try:
         return _run(duration, port, workload, out, signals)
@@ -306,6 +306,7 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
 
 
 def _run(duration: float, port: int, workload: str, out: Any, signals: _StopSignals) -> int:
+    from exporter.agents.grpc_server import ListenError
     from exporter.sidecar.app import SidecarThread
     from exporter.sidecar.config import (
         AgentsConfig,
@@ -322,13 +323,13 @@ def _run(duration: float, port: int, workload: str, out: Any, signals: _StopSign
             metrics=MetricsConfig(address="127.0.0.1", port=port),
             # The simulated workload has no GPU: spare the user NVML's warning.
             nvml=NvmlConfig(enabled=workload == "gpu"),
-            logging=LoggingConfig(level="warning", format="text"))
+            logging=LoggingConfig(level="warning", format="logfmt"))
         sidecar = child = None
         status = 0
         try:
             try:
                 sidecar = SidecarThread(config).start()
-            except OSError as err:
+            except (ListenError, OSError) as err:
                 print(f"allocwatch demo: cannot start the sidecar: {err} "
                       "(another program on that port? try --port 0)", file=sys.stderr)
                 return 1

@@ -102,8 +102,10 @@ class MetricsHttpServer:
         tls: Callable[[], ssl.SSLContext] | None = None,
         token: RotatingToken | None = None,
         refusals: Refusals | None = None,
+        path: str = "/metrics",
     ):
         self._address = address
+        self.path = path  # the exposition's (--web.telemetry-path)
         self._requested_port = port
         self._agents = agents
         self._is_ready = is_ready
@@ -131,14 +133,14 @@ class MetricsHttpServer:
         if request.method not in ("GET", "HEAD"):
             return web.Response(status=405, text="only GET and HEAD\n", headers={"Allow": "GET"})
         path = request.path
-        if path in ("/metrics", "/") and self._token is not None and not await \
+        if path in (self.path, "/") and self._token is not None and not await \
                 self._token.admits(request.headers.get("Authorization")):
             peer = request.transport.get_extra_info("peername") if request.transport else None
             self._refusals.refuse("metrics_token", log, "scrape refused: missing or wrong "
                                   "bearer token", {"peer": str(peer[0]) if peer else "?"})
             return web.Response(status=401, text="missing or wrong bearer token\n",
                                 headers={"WWW-Authenticate": 'Bearer realm="allocwatch"'})
-        if path == "/metrics":
+        if path == self.path:
             return await self._metrics(request)
         if path == "/healthz":
             ok = self._is_healthy()
@@ -150,7 +152,8 @@ class MetricsHttpServer:
         if path == "/":
             page = await self._exposition.run(self._landing_page)
             return web.Response(body=page, content_type="text/html", charset="utf-8")
-        return web.Response(status=404, text="not found: try /metrics, /healthz, /readyz or /\n")
+        return web.Response(status=404,
+                            text=f"not found: try {self.path}, /healthz, /readyz or /\n")
 
     async def _metrics(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
@@ -187,8 +190,8 @@ class MetricsHttpServer:
         page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>allocwatch sidecar</title></head>
 <body><h1>allocwatch sidecar {html.escape(PACKAGE_VERSION)}</h1>
-<p><a href="/metrics">/metrics</a> · <a href="/healthz">/healthz</a> ·
-<a href="/readyz">/readyz</a></p>
+<p><a href="{html.escape(self.path)}">{html.escape(self.path)}</a> ·
+<a href="/healthz">/healthz</a> · <a href="/readyz">/readyz</a></p>
 <h2>Agents ({len(rows)})</h2>
 <table border="1" cellpadding="4"><tr>{header}</tr>
 {"".join(rows) or '<tr><td colspan="12">no agent has connected</td></tr>'}

@@ -1,10 +1,13 @@
-"""Structured logs: one JSON object per line on stderr (or plain text for humans), and a rate
-limit for the lines that clients can cause at will."""
+"""Structured logs on stderr, one record per line: a JSON object, or logfmt (key=value pairs, as
+Prometheus' own exporters write for a person to read), by default logfmt on a terminal and JSON
+elsewhere (a container's log, which a collector parses); and a rate limit for the lines that
+clients can cause at will."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -19,8 +22,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": _timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -33,13 +35,53 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: str = "info", fmt: str = "json") -> None:
-    """Route the `exporter` and `allocator_ext` loggers to stderr in the chosen format."""
+_BARE = re.compile(r"[^\s\"=\\]+")  # a logfmt value that needs no quotes
+
+
+class LogfmtFormatter(logging.Formatter):
+    """Every record as `ts=… level=… logger=… msg="…" key=value …`, the fields passed in
+    extra= after the four; a value with spaces, quotes or `=` is quoted, a list or mapping
+    written as JSON."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        pairs = [("ts", _timestamp(record)), ("level", record.levelname.lower()),
+                 ("logger", record.name), ("msg", record.getMessage())]
+        pairs += [(k, v) for k, v in vars(record).items()
+                  if k not in _RESERVED and not k.startswith("_")]
+        if record.exc_info:
+            pairs.append(("exception", self.formatException(record.exc_info)))
+        return " ".join(f"{key}={_logfmt_value(value)}" for key, value in pairs)
+
+
+def _logfmt_value(value: Any) -> str:
+    if value is None:
+        return ""
+    text = (json.dumps(value, default=str) if isinstance(value, (dict, list, tuple))
+            else str(value).lower() if isinstance(value, bool) else str(value))
+    return text if _BARE.fullmatch(text) else json.dumps(text)
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    return (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z")
+
+
+LOG_FORMATS = ("auto", "json", "logfmt")
+
+
+def resolved_format(fmt: str) -> str:
+    """`auto`: logfmt where stderr is a terminal (a person reads it), JSON elsewhere."""
+    if fmt == "auto":
+        return "logfmt" if sys.stderr.isatty() else "json"
+    return fmt
+
+
+def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    """Route the `exporter` and `allocator_ext` loggers to stderr in the chosen format
+    (LOG_FORMATS)."""
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if resolved_format(fmt) == "json"
+                         else LogfmtFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         if getattr(old, "_allocwatch", False):

@@ -23,7 +23,7 @@ from exporter.admin.http_server import AdminHttpServer
 from exporter.admin.service import AdminService
 from exporter.admin.snapshot_dir import prepare_snapshot_dir, snapshot_dir_for
 from exporter.admin.tls import RenewingTlsContext
-from exporter.agents.grpc_server import AgentsEndpoint
+from exporter.agents.grpc_server import AgentsEndpoint, ListenError
 from exporter.metrics.bounds_collector import BoundsCollector
 from exporter.metrics.collectors import (
     AgentsCollector,
@@ -41,7 +41,7 @@ from exporter.shared.refusals import Refusals
 from exporter.shared.registry import Registry
 from exporter.shared.tokens import RotatingToken
 from exporter.sidecar.collector import SidecarCollector
-from exporter.sidecar.config import SidecarConfig
+from exporter.sidecar.config import Flags, SidecarConfig
 from exporter.sidecar.reload import ConfigWatcher
 
 log = logging.getLogger("exporter.sidecar")
@@ -51,7 +51,10 @@ class Sidecar:
     """Start with `await start()`, stop with `await stop()`; all on one event loop."""
 
     def __init__(self, config: SidecarConfig, nvml_module: ModuleType | Any | None = None,
-                 config_path: str | Path | None = None):
+                 config_path: str | Path | None = None, flags: Flags | None = None):
+        # The command line's flags over the file's settings, now and at every reload.
+        self.flags = flags or Flags()
+        file_config, config = config, self.flags.apply(config)
         self.config = config
         self.config_path = config_path
         self.registry = Registry(config.agents.expiry_seconds, config.agents.max_agents,
@@ -68,7 +71,7 @@ class Sidecar:
         self.watcher: ConfigWatcher | None = None
         if config_path is not None:  # polled where reload.enabled; read on SIGHUP either way
             self.watcher = ConfigWatcher(config_path, self.apply_config,
-                                         config.reload.interval_seconds, in_force=config)
+                                         config.reload.interval_seconds, in_force=file_config)
         # One collector per source; the admin API's joins them once it listens.
         self.metrics_registry = CollectorRegistry(auto_describe=False)
         self.refusals = Refusals()
@@ -110,8 +113,9 @@ class Sidecar:
             self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy,
             limits=metrics.limits, tls=tls.listening_context if tls else None,
             token=RotatingToken(metrics, "metrics") if metrics.token_file or metrics.token_env
-            else None, refusals=self.refusals)
-        await self.http.start()
+            else None, refusals=self.refusals, path=metrics.path)
+        await _listening("metrics", f"{_host_port(metrics.address, metrics.port)} "
+                         "(metrics.address and port, --web.listen-address)", self.http.start())
         self.http_collector.servers.append(self.http.http)
         config = self.config
         self.agents_endpoint = AgentsEndpoint(
@@ -119,7 +123,8 @@ class Sidecar:
                 config.agents.max_connections, config.metrics.limits.max_connections,
                 config.admin.limits.max_connections if config.admin.enabled else 0))
         try:
-            await self.agents_endpoint.start()
+            await _listening("agents", "agents.unix_socket, agents.tcp_port",
+                             self.agents_endpoint.start())
             self.agent_targets = self.agents_endpoint.targets
             assert self.agents_endpoint.front is not None
             self.http_collector.servers.append(self.agents_endpoint.front)
@@ -166,7 +171,11 @@ class Sidecar:
             snapshot_owners=self._snapshot_owners)
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service,
                                      self.refusals)
-        await self.admin.start()
+        where = [f"{self.admin.unix_path} (admin.unix_socket)"] if self.admin.unix_path else []
+        if admin.tcp_port is not None:
+            where.append(f"{_host_port(admin.tcp_address, admin.tcp_port)} "
+                         "(admin.tcp_address, tcp_port)")
+        await _listening("admin", " or ".join(where), self.admin.start())
         self.http_collector.servers.append(self.admin.http)
         self.metrics_registry.register(AdminCollector(self.admin))
 
@@ -181,7 +190,7 @@ class Sidecar:
         """Install reloaded settings (on the event loop); returns the changed fields that only
         a restart applies (listeners, ports), which keep their values until then."""
         old = self.config
-        effective, restart = apply_reload(old, new)
+        effective, restart = apply_reload(old, self.flags.apply(new))
         if self.admin is not None and effective.admin != old.admin:
             # Read off the event loop; the reload goes on meanwhile.
             self._spawn(self.admin.set_token(effective.admin))
@@ -271,9 +280,26 @@ def training_finished(sidecar: Sidecar, grace_seconds: float) -> str | None:
     return None
 
 
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _listening(listener: str, where: str, start: Coroutine[Any, Any, None]) -> None:
+    """Starts one of the sidecar's three listeners; a failure (a port another program holds, a
+    socket path that cannot be made) is a ListenError that names the listener and its
+    settings, since the system's own message ("Address already in use") names neither."""
+    try:
+        await start
+    except ListenError as err:
+        raise ListenError(f"the {listener} listener: {err}") from None
+    except OSError as err:
+        raise ListenError(f"the {listener} listener cannot listen on {where}: "
+                          f"{err.strerror or err}") from None
+
+
 async def _serve(config: SidecarConfig, exit_after_training: bool, grace_seconds: float,
-                 config_path: str | Path | None = None) -> None:
-    sidecar = Sidecar(config, config_path=config_path)
+                 config_path: str | Path | None = None, flags: Flags | None = None) -> None:
+    sidecar = Sidecar(config, config_path=config_path, flags=flags)
     loop = asyncio.get_running_loop()
     started = False
     # SIGHUP reloads the settings, as Prometheus does; until the sidecar is up it is ignored
@@ -300,12 +326,13 @@ async def _serve(config: SidecarConfig, exit_after_training: bool, grace_seconds
 
 
 def run_sidecar(config: SidecarConfig, exit_after_training: bool = False,
-                grace_seconds: float = 60.0, config_path: str | Path | None = None) -> None:
+                grace_seconds: float = 60.0, config_path: str | Path | None = None,
+                flags: Flags | None = None) -> None:
     """Run until SIGTERM or SIGINT (the `allocwatch sidecar` command), or, with
     exit_after_training, until the training is over. With `config_path`, the file is watched
     and reloaded when it changes, or at once on SIGHUP."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the event loop handles it
-    asyncio.run(_serve(config, exit_after_training, grace_seconds, config_path))
+    asyncio.run(_serve(config, exit_after_training, grace_seconds, config_path, flags))
 
 
 class SidecarThread:

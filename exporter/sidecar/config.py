@@ -25,7 +25,9 @@ from exporter.shared.config import (
     read_settings_file,
     read_token,
     setting,
+    shown,
 )
+from exporter.shared.logs import LOG_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,8 @@ class MetricsConfig(Section):
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
+    # Where the exposition is served (--web.telemetry-path); /healthz, /readyz and / stay.
+    path: str = setting("/metrics", parse=lambda value, where: telemetry_path(value, where))
 
     def validate(self, path: str) -> None:
         check_tls_files(self, path)
@@ -68,7 +72,8 @@ class NvmlConfig(Section):
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig(Section):
     level: str = setting("info", choices=("debug", "info", "warning", "error"), reload=True)
-    format: str = setting("json", choices=("json", "text"))
+    # auto: logfmt on a terminal, JSON elsewhere (exporter.shared.logs).
+    format: str = setting("auto", choices=LOG_FORMATS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +94,46 @@ class SidecarConfig(Section):
     policy: PolicyConfig = setting(default_factory=PolicyConfig, reload=True)
     admin: AdminConfig = setting(default_factory=AdminConfig)
     reload: ReloadConfig = setting(default_factory=ReloadConfig)
+
+
+RESERVED_PATHS = ("/", "/healthz", "/readyz")
+
+
+def telemetry_path(value: Any, where: str) -> str:
+    """The exposition's path: absolute, one of its own; ConfigError naming `where`."""
+    if not isinstance(value, str) or not value.startswith("/") or any(
+            c.isspace() or c in "?#" for c in value):
+        raise ConfigError(f"{where}: expected a path such as /metrics, not {shown(value)}")
+    if value in RESERVED_PATHS:
+        raise ConfigError(f"{where}: {value} is the sidecar's own ({', '.join(RESERVED_PATHS)} "
+                          "are the landing page and the probes)")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """What `allocwatch sidecar`'s command line sets over the settings file, as other
+    exporters' flags do: the metrics listener's address and path, the logs' format and level.
+    Applied to the file's settings at start and to each reload of them, so that a reload never
+    undoes a flag (nor reports a flag's listener as a change that needs a restart)."""
+
+    listen_address: tuple[str, int] | None = None
+    telemetry_path: str | None = None
+    log_format: str | None = None
+    log_level: str | None = None
+
+    def apply(self, config: SidecarConfig) -> SidecarConfig:
+        metrics, log = config.metrics, config.logging
+        if self.listen_address is not None:
+            host, port = self.listen_address
+            metrics = dataclasses.replace(metrics, address=host, port=port)
+        if self.telemetry_path is not None:
+            metrics = dataclasses.replace(metrics, path=self.telemetry_path)
+        if self.log_format is not None:
+            log = dataclasses.replace(log, format=self.log_format)
+        if self.log_level is not None:
+            log = dataclasses.replace(log, level=self.log_level)
+        return dataclasses.replace(config, metrics=metrics, logging=log)
 
 
 def parse_config(raw: Any) -> SidecarConfig:

@@ -19,7 +19,8 @@ def test_defaults() -> None:
     assert config.agents.socket_mode == 0o660
     assert config.agents.tcp_port is None and config.agents.tcp_address == "127.0.0.1"
     assert config.metrics.address == "0.0.0.0"  # scraped from outside the pod
-    assert config.logging.format == "json"
+    assert config.logging.format == "auto"  # logfmt on a terminal, JSON in a container's log
+    assert config.metrics.path == "/metrics"
 
 
 def test_full_file(tmp_path: Path) -> None:
@@ -33,13 +34,13 @@ agents:
   expiry_seconds: 5
 metrics: {port: 9100}
 nvml: {enabled: false}
-logging: {level: debug, format: text}
+logging: {level: debug, format: logfmt}
 """)
     config = load_config(path)
     assert config.agents.socket_mode == 0o600
     assert config.agents.tcp_port == 7070 and config.agents.expiry_seconds == 5.0
     assert config.metrics.port == 9100 and not config.nvml.enabled
-    assert config.logging.level == "debug"
+    assert config.logging.level == "debug" and config.logging.format == "logfmt"
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -19,6 +19,7 @@ from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
 from allocator_ext.protocol.metrics import METRICS
+from exporter.agents.grpc_server import ListenError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -186,7 +187,9 @@ def test_metrics_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     port = free_port()
     first = start_sidecar(tmp_path / "a", metrics_port=port)
     try:
-        with pytest.raises(OSError):
+        with pytest.raises(ListenError, match=rf"the metrics listener cannot listen on "
+                           rf"\S+:{port} \(metrics.address and port, --web.listen-address\): "
+                           "Address already in use"):
             start_sidecar(tmp_path / "b", metrics_port=port)
     finally:
         first.stop()
