@@ -16,6 +16,10 @@ which user is at the other end of a Unix socket. So the front accepts each conne
 - time: a connection must carry an agent's accepted hello within
   `agents.hello_timeout_seconds` of its accept (and a second more, for the stream's own
   refusal to reach the client first), else it is closed, whatever it sends meanwhile;
+- rate: at most ACCEPTS_PER_SECOND new connections a second (a burst of ACCEPT_BURST, a job's
+  agents starting together): past it, the listeners are not read until the next is due, and
+  newcomers wait in the kernel's listen queue (then their connect retries), so a flood of
+  connections costs the sidecar a bounded share of its time whatever its rate;
 - cost: until a connection sends its first bytes it is a socket and a poll; then it is joined to
   the gRPC server's private socket and bytes are relayed both ways, each side read only while
   the other takes what it is given (asyncio's flow control), so a peer that does not read
@@ -49,6 +53,8 @@ log = logging.getLogger("exporter.grpc")
 
 ABSTRACT_PEER = "unix-abstract:"
 FLUSH_SECONDS = 5.0  # for the last bytes to one end once the other has closed
+ACCEPTS_PER_SECOND = 64.0
+ACCEPT_BURST = 128.0
 REFUSAL_SECONDS = 1.0  # past the hello deadline: the stream's DEADLINE_EXCEEDED goes first
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -190,6 +196,10 @@ class AgentFront:
         self._prefix = f"allocwatch-{os.getpid()}-{secrets.token_hex(6)}-"
         self._serial = 0
         self._sweep: asyncio.TimerHandle | None = None
+        # The accepts' token bucket: what is left of the burst, when last counted; the timer
+        # that reads the listeners again once it ran dry.
+        self._accepts = (ACCEPT_BURST, self.loop.time())
+        self._paused: asyncio.TimerHandle | None = None
         self._lock = threading.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.seen_uids: set[int] = set()  # of agents accepted on the Unix socket
@@ -234,6 +244,8 @@ class AgentFront:
 
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(self._backlog):  # bounded: a burst never holds the loop long
+            if not self._take_accept():
+                return
             try:
                 conn, address = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -250,6 +262,28 @@ class AgentFront:
 
     def _resume(self, listener: socket.socket) -> None:
         if listener in self._listeners:
+            self.loop.add_reader(listener.fileno(), self._accept, listener)
+
+    def _take_accept(self) -> bool:
+        """Whether the rate allows one more accept now; when not, stop reading the listeners
+        until it does."""
+        now = self.loop.time()
+        tokens, then = self._accepts
+        tokens = min(ACCEPT_BURST, tokens + (now - then) * ACCEPTS_PER_SECOND)
+        if tokens >= 1.0:
+            self._accepts = (tokens - 1.0, now)
+            return True
+        self._accepts = (tokens, now)
+        if self._paused is None:
+            for listener in self._listeners:
+                self.loop.remove_reader(listener.fileno())
+            self._paused = self.loop.call_later((1.0 - tokens) / ACCEPTS_PER_SECOND,
+                                                self._unpause)
+        return False
+
+    def _unpause(self) -> None:
+        self._paused = None
+        for listener in self._listeners:
             self.loop.add_reader(listener.fileno(), self._accept, listener)
 
     def _admit(self, conn: socket.socket, address: object) -> None:
@@ -390,6 +424,9 @@ class AgentFront:
             return sorted(self.dropped.items())
 
     async def close(self) -> None:
+        if self._paused is not None:
+            self._paused.cancel()
+            self._paused = None
         for listener in self._listeners:
             self.loop.remove_reader(listener.fileno())
             listener.close()
