@@ -99,7 +99,16 @@ class Crowd:
             await loop.sock_sendall(sock, self.request)
             if self.receive_buffer:  # read the first bytes (its build is done), then stop
                 await loop.sock_recv(sock, 1024)
-                await asyncio.sleep(until - loop.time())
+                while loop.time() < until:  # read nothing; note when the sidecar cuts it
+                    await asyncio.sleep(1.0)
+                    try:
+                        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        break  # reset: cut at its deadline or as a slow reader
+                else:
+                    return
             else:
                 while await loop.sock_recv(sock, 65536):
                     pass
