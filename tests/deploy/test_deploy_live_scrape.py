@@ -62,7 +62,7 @@ def shipped_config(tmp_path: Path, port: int) -> dict:
     config["agents"]["unix_socket"] = str(tmp_path / "run" / "agent.sock")
     config["metrics"].update(address="127.0.0.1", port=port)
     config["nvml"]["enabled"] = False  # no GPU here: the agent reports the device figures
-    config["logging"]["format"] = "text"
+    config["logging"]["format"] = "logfmt"
     return config
 
 
