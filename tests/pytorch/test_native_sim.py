@@ -161,6 +161,10 @@ FIND_IT = textwrap.dedent("""\
     except build.BuildError as e:
         print("no build here:", e)
     print("found:", build.built(torch))
+    sys.modules["torch"] = torch  # what `allocwatch native status` imports
+    from argparse import Namespace
+    from exporter.commands import native
+    print("status exit:", native.run(Namespace(action="status")))
     """)
 
 
@@ -183,6 +187,8 @@ def test_a_back_end_built_in_one_environment_serves_in_another_without_a_compile
     assert out.returncode == 0, out.stderr[-3000:]
     assert "compilers: []" in out.stdout, out.stdout
     assert "no build here: no C++ compiler (g++ not found)" in out.stdout, out.stdout
-    found = Path(out.stdout.split("found: ")[1].strip())
+    found = Path(out.stdout.split("found: ")[1].splitlines()[0].strip())
     assert found == final / backend.parent.name / build.LIBRARY_NAME, out.stdout
+    assert f"built for torch {torch_releases.GPU_RELEASE}+cu130 (CUDA 13.0, C++ ABI 1): " \
+           f"{found}" in out.stdout and "status exit: 0" in out.stdout, out.stdout
     _run_scenario(found, calls, runtime, "out_of_memory", environment)
