@@ -283,8 +283,11 @@ def test_tune_recommends_only_settings_under_which_no_recorded_oom_recurs(
     assert f"PyTorch's defaults ran out of memory {stats['num_ooms']} time(s) here." \
         in result["why"]
     assert "saves" not in result["why"]
-    assert f"reserves the least at its peak ({format_size(chosen['peak_reserved_bytes'])}, " \
-        in result["why"]
+    # The least, or within the margin of a tie with the least (then ranked on retries, then
+    # device calls).
+    size = format_size(chosen["peak_reserved_bytes"])
+    assert f"reserves the least at its peak ({size}, " in result["why"] or (
+        "rank as equal" in result["why"] and f"It reserves {size} (" in result["why"])
 
 
 def test_tune_says_there_is_no_recommendation_when_every_candidate_fails(
