@@ -52,6 +52,8 @@ from bench.sidecar.sidecar_load import (
     _figures,
     _percentiles,
     _raise_descriptor_limit,
+    start_workers,
+    wait_for_sidecar,
 )
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -430,24 +432,9 @@ def main() -> int:
     workers: list[subprocess.Popen] = []
     phases = []
     try:
-        for _ in range(200):
-            try:
-                _figures(port, set())
-                break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            raise SystemExit("the sidecar did not start")
+        wait_for_sidecar(port)
         rss_start = usage.rss_mib()
-        per_worker = [args.agents // args.workers + (i < args.agents % args.workers)
-                      for i in range(args.workers)]
-        first = 0
-        for count in per_worker:
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.sidecar.sidecar_load", "--worker",
-                 f"unix://{run / 'agent.sock'}", str(first), str(count), str(args.rate)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO))
-            first += count
+        workers.extend(start_workers(run / "agent.sock", args.agents, args.workers, args.rate))
         deadline = time.monotonic() + 60
         while _figures(port, {"allocwatch_agents_connected"}).get(
                 "allocwatch_agents_connected", 0) < args.agents:

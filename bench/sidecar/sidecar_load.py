@@ -337,6 +337,33 @@ def run_phase(name: str, seconds: float, port: int, scrapers: int, interval: flo
     return result
 
 
+def wait_for_sidecar(port: int) -> None:
+    """Until the sidecar's /metrics answers (10 s at most)."""
+    for _ in range(200):
+        try:
+            _figures(port, set())
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit("the sidecar did not start")
+
+
+def start_workers(socket_path: Path, agents: int, workers: int,
+                  rate: float) -> list[subprocess.Popen]:
+    """`agents` agents reporting `rate` times a second to the sidecar at `socket_path`, spread
+    over `workers` worker processes of this module (ranks 0..agents-1)."""
+    started = []
+    first = 0
+    for i in range(workers):
+        count = agents // workers + (i < agents % workers)
+        started.append(subprocess.Popen(
+            [sys.executable, "-m", "bench.sidecar.sidecar_load", "--worker",
+             f"unix://{socket_path}", str(first), str(count), str(rate)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO))
+        first += count
+    return started
+
+
 def _raise_descriptor_limit(wanted: int) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
@@ -391,24 +418,9 @@ def main() -> int:
     wanted = {"allocwatch_reports_received_total", "allocwatch_agents_connected",
               "allocwatch_http_connections_closed_total", "allocwatch_agents_refused_total"}
     try:
-        for _ in range(200):
-            try:
-                _figures(port, wanted)
-                break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            raise SystemExit("the sidecar did not start")
+        wait_for_sidecar(port)
         rss_start = usage.rss_mib()
-        per_worker = [args.agents // args.workers + (i < args.agents % args.workers)
-                      for i in range(args.workers)]
-        first = 0
-        for count in per_worker:
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", __spec__.name, "--worker", f"unix://{socket_path}",
-                 str(first), str(count), str(args.rate)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO))
-            first += count
+        workers.extend(start_workers(socket_path, args.agents, args.workers, args.rate))
         deadline = time.monotonic() + 60
         while _figures(port, wanted).get("allocwatch_agents_connected", 0) < args.agents:
             if time.monotonic() > deadline:
