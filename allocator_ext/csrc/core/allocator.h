@@ -263,6 +263,9 @@ class CachingAllocator {
   void release_spares_beyond(std::size_t keep_pages, std::size_t page);
   void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
+  // An explicit reclaim's wait for the stream of `block`'s segment before its pages are unmapped
+  // now, once a stream (`waited`: the streams waited for so far).
+  void wait_before_unmapping(const Block* block, std::vector<StreamId>& waited);
   // Unmaps the whole pages of a free block now; the caller has waited for the device.
   std::size_t unmap_block(Block* block, std::size_t limit = 0,
                           std::vector<SparePhysical>* keep = nullptr);
@@ -276,6 +279,8 @@ class CachingAllocator {
   // Finishes the moves whose events completed; with wait, every move (waiting on the host).
   void finish_page_moves(bool wait);
   void finish_page_move(Block* block, const std::vector<Range>& still_mapped);
+  // An unmapped block joins the unmapped address space around it and its pool's set of it.
+  void become_unmapped_space(Block* block);
   void release_expandable_segment(Block* block);
   std::size_t take_back_free_pages(BlockPool* pool, Block* exclude, std::size_t bytes);
   std::size_t grow_size(const BlockPool* pool, std::size_t needed) const;

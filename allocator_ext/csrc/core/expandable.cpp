@@ -397,12 +397,10 @@ std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
                                           std::vector<SparePhysical>* keep) {
   Range unmapped = block->expandable->unmap(Range{block->ptr, block->size}, limit, keep);
   if (unmapped.size == 0) return 0;
-  BlockPool& pool = *block->pool;
   carve_pages(block, unmapped);
-  try_merge_blocks(block, block->prev, pool);
-  try_merge_blocks(block, block->next, pool);
-  pool.unmapped.insert(block);
-  count_released(pool, TraceAction::segment_unmap, unmapped.ptr, unmapped.size, block->stream);
+  become_unmapped_space(block);
+  count_released(*block->pool, TraceAction::segment_unmap, unmapped.ptr, unmapped.size,
+                 block->stream);
   return unmapped.size;
 }
 
@@ -466,6 +464,10 @@ void CachingAllocator::finish_page_moves(bool wait) {
 void CachingAllocator::finish_page_move(Block* block, const std::vector<Range>& still_mapped) {
   for (const Range& r : still_mapped) device_->unmap(r.ptr, r.size);
   block->unmap_pending = false;
+  become_unmapped_space(block);
+}
+
+void CachingAllocator::become_unmapped_space(Block* block) {
   BlockPool& pool = *block->pool;
   try_merge_blocks(block, block->prev, pool);
   try_merge_blocks(block, block->next, pool);

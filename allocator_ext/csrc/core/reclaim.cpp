@@ -60,6 +60,15 @@ std::size_t CachingAllocator::release_cached_blocks() {
   return released;
 }
 
+void CachingAllocator::wait_before_unmapping(const Block* block, std::vector<StreamId>& waited) {
+  // A block of whole pages only: the device must be done with them (cuMemUnmap does not wait).
+  if (block->size < block->expandable->page_size()) return;
+  const StreamId s = block->expandable->stream();
+  if (std::find(waited.begin(), waited.end(), s) != waited.end()) return;
+  host_wait_stream(s);
+  waited.push_back(s);
+}
+
 std::size_t CachingAllocator::release_blocks(BlockPool& pool) {
   std::size_t released = 0;
   std::vector<Block*> to_unmap;
@@ -75,14 +84,7 @@ std::size_t CachingAllocator::release_blocks(BlockPool& pool) {
   // Unmapping does not wait for kernels still using the memory: each segment's stream first,
   // once (an explicit reclaim may wait; Note [moving pages] in expandable.cpp).
   std::vector<StreamId> waited;
-  for (Block* block : to_unmap) {
-    const StreamId s = block->expandable->stream();
-    if (block->size >= block->expandable->page_size() &&
-        std::find(waited.begin(), waited.end(), s) == waited.end()) {
-      host_wait_stream(s);
-      waited.push_back(s);
-    }
-  }
+  for (Block* block : to_unmap) wait_before_unmapping(block, waited);
   for (Block* block : to_unmap) {
     released += unmap_block(block);
     if (!block->is_split()) release_expandable_segment(block);
@@ -186,11 +188,7 @@ std::size_t CachingAllocator::garbage_collect() {
   for (Block* b : free_expandable) {
     if (total_allocated_memory_ <= gc_threshold) break;
     if (b->size < b->expandable->page_size()) continue;
-    const StreamId s = b->expandable->stream();
-    if (std::find(waited.begin(), waited.end(), s) == waited.end()) {
-      host_wait_stream(s);
-      waited.push_back(s);
-    }
+    wait_before_unmapping(b, waited);
     unmapped += unmap_block(b, total_allocated_memory_ - gc_threshold);
   }
   if (unmapped > 0) {
