@@ -32,6 +32,7 @@ from allocator_ext.native.releases import RELEASES
 RUNTIME_WHEELS = {
     "12.8": "nvidia-cuda-runtime-cu12===12.8.90",
     "13.0": "nvidia-cuda-runtime===13.0.96",
+    "13.2": "nvidia-cuda-runtime===13.2.86",
 }
 COMPLETE = ".complete"
 
@@ -47,9 +48,12 @@ def download(requirement: str, into: Path) -> Path:
     """The one wheel of `requirement` (`===`: never a local build such as 2.13.0+cpu that a
     machine's own wheel folder may offer)."""
     into.mkdir(parents=True, exist_ok=True)
+    # A machine's pip constraints (a cap on the torch it may install) would refuse a release
+    # above them; an exact version downloaded and never installed is not theirs to choose.
+    env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
     done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                            "--only-binary=:all:", "--dest", str(into), requirement],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"pip download {requirement} failed:\n{done.stderr[-2000:]}")
     wheels = sorted(into.glob("*.whl"))

@@ -62,7 +62,8 @@
 //         allocator (a raw pointer before), setUseOnOOM(device, pool, bool) (no bool before),
 //         recordHistory's skip_actions;
 //   2.12: getContextForPointer, attachOomRejectionObserver;
-//   2.14: supportsUserMetadata (false unless overridden); its headers need C++20 (build.py).
+//   2.14: supportsUserMetadata (false unless overridden); its headers need C++20 (build.py);
+//   2.15: none (TraceEntry gains internal_metadata_, left empty).
 #define ALLOCWATCH_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 #if !ALLOCWATCH_TORCH_AT_LEAST(2, 9)

@@ -34,6 +34,7 @@ RELEASES = (
     Release("2.12.1", "13.0"),
     Release("2.13.0", "13.0"),
     Release("2.14.1", "13.0"),
+    Release("2.15.0", "13.2"),
 )
 
 
@@ -53,12 +54,12 @@ def supported(version: str) -> Release | None:
 
 
 def supported_range() -> str:
-    """The supported lines as a reader says them: "2.9 to 2.14"."""
+    """The supported lines as a reader says them: "2.9 to 2.15"."""
     (low_major, low_minor), (high_major, high_minor) = RELEASES[0].line, RELEASES[-1].line
     return f"{low_major}.{low_minor} to {high_major}.{high_minor}"
 
 
 def cxx_standard(version: str) -> str:
-    """The C++ standard a release's headers need: 2.14's use C++20 (std::strong_ordering in
-    c10/util/intrusive_ptr.h); earlier ones are C++17."""
+    """The C++ standard a release's headers need: 2.14's and later use C++20
+    (std::strong_ordering in c10/util/intrusive_ptr.h); earlier ones are C++17."""
     return "c++20" if parse(version) >= (2, 14) else "c++17"

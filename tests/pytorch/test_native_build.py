@@ -56,11 +56,11 @@ def test_every_release_of_the_table_is_one_install_serves() -> None:
 
     for release in releases.RELEASES:
         assert releases.supported(release.version + "+cu130") == release
-    assert releases.supported("2.8.0") is None and releases.supported("2.15.0") is None
-    assert releases.supported_range() == "2.9 to 2.14"
-    newer, older = unsupported_release("2.15.0+cu130"), unsupported_release("2.8.0")
-    assert newer.startswith("torch 2.15.0+cu130 is newer than the releases allocwatch's native "
-                            "back end is built for (2.9 to 2.14)"), newer
+    assert releases.supported("2.8.0") is None and releases.supported("2.16.0") is None
+    assert releases.supported_range() == "2.9 to 2.15"
+    newer, older = unsupported_release("2.16.0+cu132"), unsupported_release("2.8.0")
+    assert newer.startswith("torch 2.16.0+cu132 is newer than the releases allocwatch's native "
+                            "back end is built for (2.9 to 2.15)"), newer
     assert "older than" in older and "the agent reports PyTorch's own" in older
 
 
