@@ -320,7 +320,8 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("text"),
       "Splits a PyTorch settings string into (the entries this allocator knows, as a settings "
-      "string; the others as (key, value) pairs). Validates nothing.");
+      "string; the others as (key, value) pairs). Refuses only a space inside a word "
+      "(ValueError naming the key); parse_config validates.");
   m.attr("NATIVE_CONFIG") = AllocatorConfig::native().to_string();
   m.attr("DEFAULT_CONFIG") = AllocatorConfig::allocwatch().to_string();
 

@@ -3,11 +3,17 @@ and refusal of bad input that names what is wrong and changes nothing."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.paths import REPO
 
 import allocator_ext as ae
+from allocator_ext import _core
 
 MiB = 1 << 20
 
@@ -83,6 +89,55 @@ def test_bad_settings_are_refused_with_a_message_naming_them(text: str, named: s
     with pytest.raises(ValueError) as err:
         ae.parse_config(text)
     assert named in str(err.value)
+
+
+def test_whitespace_around_separators_is_dropped_as_pytorchs_lexer_drops_it() -> None:
+    spaced = " native , expandable_segments : True,\tgarbage_collection_threshold: 0.6 ,\n" \
+             "roundup_power2_divisions:[ 256:1, >: 4 ]"
+    assert ae.parse_config(spaced) == ae.parse_config(
+        "native,expandable_segments:True,garbage_collection_threshold:0.6,"
+        "roundup_power2_divisions:[256:1,>:4]")
+    assert ae.parse_config("max_split_size_mb: 128")["max_split_size"] == 128 * MiB
+
+
+@pytest.mark.parametrize("text,message", [
+    # A ',' forgotten: PyTorch's lexer would glue "True" and the next key into one value.
+    ("expandable_segments:True garbage_collection_threshold:0.6",
+     "invalid allocator setting expandable_segments: a space between 'True' and "
+     "'garbage_collection_threshold' (settings are separated by ',')"),
+    # ... and read this as 128.
+    ("max_split_size_mb:1 28",
+     "invalid allocator setting max_split_size_mb: a space between '1' and '28'"),
+    ("native,roundup_power2_divisions:[256:1, 5 12:2]",
+     "invalid allocator setting roundup_power2_divisions: a space between '5' and '12'"),
+])
+def test_a_space_inside_a_word_is_refused_by_the_core_naming_the_key(text: str,
+                                                                      message: str) -> None:
+    # Straight to the core, past the Python check (check_settings_text) that the command line
+    # and the sidecar make first: torch.cuda.memory._set_allocator_settings under the native
+    # back end reaches the core with nothing in between.
+    a = ae.Allocator(ae.SimDevice(), "native,max_split_size_mb:512")
+    before = a.config()
+    for refuse in (lambda: ae.parse_config(text), lambda: ae.parse_config(text, pytorch_call=True),
+                   lambda: a.set_config(text), lambda: _core.known_settings(text)):
+        with pytest.raises(ValueError) as err:
+            refuse()
+        assert message in str(err.value)
+    assert a.config() == before
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_the_parser_on_its_own_takes_whitespace_as_its_comments_say(tmp_path: Path) -> None:
+    exe = tmp_path / "config_test"
+    subprocess.run(["c++", "-std=c++17", "-Wall", "-Wextra", "-Werror",
+                    f"-I{REPO / 'allocator_ext' / 'csrc'}",
+                    str(REPO / "tests" / "native" / "config_test.cpp"),
+                    str(REPO / "allocator_ext" / "csrc" / "core" / "config.cpp"), "-o", str(exe)],
+                   check=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FAIL" not in out.stdout
+    assert out.stdout.count("ok  ") >= 12
 
 
 def test_a_refused_change_leaves_the_settings_in_force() -> None:

@@ -98,3 +98,36 @@ def test_what_pytorchs_parser_refuses_allocwatchs_refuses(probe: Path) -> None:
         assert "error" in answer, call
         with pytest.raises(ValueError):
             _core.parse_config(call, "native", pytorch_call=True)
+
+
+# Whitespace around ',' ':' '[' ']': PyTorch's lexer drops it (std::isspace), and so does
+# allocwatch's.
+SPACED = [" max_split_size_mb : 40 ,\tgarbage_collection_threshold: 0.5 ",
+          "roundup_power2_divisions:[ 256:1, 512 : 2, >:8 ]", "expandable_segments :True"]
+
+
+def test_whitespace_around_separators_reads_as_pytorchs_parser_reads_it(probe: Path) -> None:
+    tight = ["".join(call.split()) for call in SPACED]
+    spaced_answers = _pytorch(probe, SPACED)
+    assert spaced_answers == _pytorch(probe, tight)
+    for call, same, answer in zip(SPACED, tight, spaced_answers, strict=True):
+        assert "error" not in answer, (call, answer)
+        assert (_core.parse_config(call, "native", pytorch_call=True)
+                == _core.parse_config(same, "native", pytorch_call=True)), call
+
+
+def test_a_space_inside_a_word_pytorch_glues_allocwatch_refuses_naming_the_key(
+        probe: Path) -> None:
+    # PyTorch's lexer glues the two halves: "1 28" reads as 128 without a word, and a ','
+    # forgotten makes "True" and the next key one value it then refuses. allocwatch refuses
+    # both, naming the key and the two words.
+    glued, forgotten_comma = _pytorch(probe, ["max_split_size_mb:1 28",
+                                              "expandable_segments:True max_split_size_mb:40"])
+    assert "error" not in glued and glued["settings"]["max_split_size_mb"] == "128"
+    assert "error" in forgotten_comma
+    with pytest.raises(ValueError, match="max_split_size_mb: a space between '1' and '28'"):
+        _core.parse_config("max_split_size_mb:1 28", "native", pytorch_call=True)
+    with pytest.raises(ValueError, match="expandable_segments: a space between 'True' and "
+                                         "'max_split_size_mb'"):
+        _core.parse_config("expandable_segments:True max_split_size_mb:40", "native",
+                           pytorch_call=True)

@@ -3,6 +3,7 @@
 #include "text.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -13,15 +14,41 @@ namespace allocwatch {
 
 namespace {
 
-// Splits like PyTorch's lexer: ',' ':' '[' ']' are tokens of their own; spaces are dropped.
+[[noreturn]] void fail(const std::string& key, const std::string& value, const std::string& why);
+
+bool is_separator(char c) { return c == ',' || c == ':' || c == '[' || c == ']'; }
+bool is_space(char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; }
+
+// Splits like PyTorch's lexer: ',' ':' '[' ']' are tokens of their own, and whitespace around
+// them is dropped. Whitespace between two characters of one word is refused, naming the entry's
+// key: PyTorch glues the two, so a ',' forgotten in "expandable_segments:True
+// max_split_size_mb:512" gives expandable_segments the value "Truemax_split_size_mb", and
+// "max_split_size_mb:1 28" would read as 128.
 std::vector<std::string> lex(const std::string& text) {
   std::vector<std::string> tokens;
-  std::string word;
-  for (char c : text) {
-    if (c == ',' || c == ':' || c == '[' || c == ']') {
+  std::string word, key;  // key: the first word of the entry being read
+  bool space_in_word = false;
+  int depth = 0;  // inside '[' ']' a ',' separates list items, not entries
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (is_separator(c)) {
+      if (key.empty() && !word.empty()) key = word;
       if (!word.empty()) tokens.push_back(std::move(word)), word.clear();
       tokens.emplace_back(1, c);
-    } else if (c != ' ' && c != '\t' && c != '\n') {
+      if (c == '[') ++depth;
+      if (c == ']' && depth > 0) --depth;
+      if (c == ',' && depth == 0) key.clear();
+      space_in_word = false;
+    } else if (is_space(c)) {
+      space_in_word = !word.empty();
+    } else {
+      if (space_in_word) {
+        std::size_t end = i;
+        while (end < text.size() && !is_separator(text[end]) && !is_space(text[end])) ++end;
+        fail(key.empty() ? word : key, "",
+             "a space between '" + word + "' and '" + text.substr(i, end - i) +
+                 "' (settings are separated by ',')");
+      }
       word.push_back(c);
     }
   }

@@ -63,8 +63,8 @@ std::string describe_values(const SettingInfo& setting);
 // Splits a PyTorch settings string (PYTORCH_CUDA_ALLOC_CONF, _set_allocator_settings) into the
 // entries this allocator knows, returned as a settings string, and the others ("key" and its
 // value as written, lists included), which steer parts of PyTorch it does not replace
-// (pinned memory, graph capture) or are PyTorch's own (per_process_memory_fraction). Nothing
-// is validated here; apply_config does that.
+// (pinned memory, graph capture) or are PyTorch's own (per_process_memory_fraction). Only a
+// space inside a word is refused here (ConfigError naming the key); apply_config validates.
 std::string known_settings(const std::string& text,
                            std::vector<std::pair<std::string, std::string>>* others);
 
