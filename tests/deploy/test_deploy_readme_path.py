@@ -105,6 +105,24 @@ def test_a_fresh_venv_sees_the_packages_of_the_venv_the_tests_run_in(tmp_path) -
     assert seen.stdout.split() == ["True", str(tmp_path / "fresh")]
 
 
+PLOT_EXTRA = "pip install --no-build-isolation -e '.[plot]'"
+
+
+def test_adding_the_plot_extra_to_a_checkout_reuses_its_compiled_extension(installed) -> None:
+    """README, "What-if on a recorded trace": the extra added to an installed checkout builds
+    nothing again (the build folder, pyproject.toml's build-dir, is kept and reused)."""
+    clone, python = installed
+    readme_says(PLOT_EXTRA)
+    again = subprocess.run([str(python), "-m", *PLOT_EXTRA.split()[:-1], ".[plot]", "-v"],
+                           cwd=clone, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "Building CXX object" not in again.stdout, again.stdout[-3000:]
+    assert "clearing cache" not in again.stdout + again.stderr
+    plotted = subprocess.run([str(python), "-c", "import matplotlib, allocator_ext._core"],
+                             cwd=clone.parent, capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr
+
+
 def test_from_a_fresh_clone_to_a_scrape_of_the_example_job(installed) -> None:
     clone, python = installed
     readme_says("kubectl apply -k deploy/examples/job", "kubectl kustomize deploy/examples/job",
