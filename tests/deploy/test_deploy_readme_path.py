@@ -109,8 +109,9 @@ PLOT_EXTRA = "pip install --no-build-isolation -e '.[plot]'"
 
 
 def test_adding_the_plot_extra_to_a_checkout_reuses_its_compiled_extension(installed) -> None:
-    """README, "What-if on a recorded trace": the extra added to an installed checkout builds
-    nothing again (the build folder, pyproject.toml's build-dir, is kept and reused)."""
+    """README, "What-if on a recorded trace": the extra added with --no-build-isolation to a
+    checkout installed that way builds nothing again (the build folder, pyproject.toml's
+    build-dir, is kept and reused; under build isolation it would be cleared)."""
     clone, python = installed
     readme_says(PLOT_EXTRA)
     again = subprocess.run([str(python), "-m", *PLOT_EXTRA.split()[:-1], ".[plot]", "-v"],
