@@ -20,7 +20,6 @@ from pathlib import Path
 from allocator_ext.protocol.metrics import BY_NAME
 
 OUTPUT = Path(__file__).resolve().parent / "dashboards" / "allocwatch.json"
-RUNBOOKS = "https://github.com/allocwatch/allocwatch/blob/main/docs/runbooks.md"
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
@@ -621,19 +620,9 @@ def dashboard() -> dict:
         "refresh": "30s",
         "fiscalYearStartMonth": 0,
         "liveNow": False,
-        "links": [
-            {
-                "type": "link",
-                "title": "Runbooks",
-                "url": RUNBOOKS,
-                "targetBlank": True,
-                "icon": "doc",
-                "tags": [],
-                "asDropdown": False,
-                "includeVars": False,
-                "keepTime": False,
-            }
-        ],
+        # No link to the runbooks: their address is the deployment's (deploy/components/
+        # runbook-url), which a dashboard shipped as a ConfigMap cannot take; each alert carries it.
+        "links": [],
         "annotations": {
             "list": [
                 {

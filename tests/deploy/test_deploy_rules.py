@@ -21,6 +21,8 @@ from support.deploy import (
 RULE_FILES = [RULES / "recording.yaml", RULES / "alerts.yaml"]
 TEST_FILES = sorted((RULES / "tests").glob("*.yaml"))
 RUNBOOKS = REPO / "docs" / "runbooks.md"
+# Where the rules say the docs are until a deployment sets it (deploy/components/runbook-url).
+DOCS_PLACEHOLDER = "https://allocwatch.invalid/docs"
 
 
 def rules_of(path: Path) -> list[dict]:
@@ -120,11 +122,29 @@ def test_every_alert_has_severity_summary_and_a_runbook_entry(alert: dict) -> No
     assert alert["labels"]["severity"] in ("info", "warning", "critical")
     assert alert["annotations"]["summary"] and alert["annotations"]["description"]
     url = alert["annotations"]["runbook_url"]
-    assert url.endswith("docs/runbooks.md#" + alert["alert"].lower())
+    assert url == f"{DOCS_PLACEHOLDER}/runbooks.md#{alert['alert'].lower()}"
     headings = re.findall(r"^## (\S+)\s*$", RUNBOOKS.read_text(), flags=re.M)
     assert alert["alert"] in headings, f"docs/runbooks.md has no section '## {alert['alert']}'"
     section = RUNBOOKS.read_text().split(f"## {alert['alert']}\n", 1)[1].split("\n## ", 1)[0]
     assert "**Check:**" in section and ("**Try" in section or "setting" in section), alert["alert"]
+
+
+def test_the_runbook_placeholder_can_never_lead_anywhere_and_its_docs_say_so() -> None:
+    """A default that names a real-looking host (an unregistered GitHub organisation) could be
+    claimed by anyone, who would then write what on-call engineers run: the placeholder lives
+    under .invalid (RFC 2606: never resolves, never delegated), and the component and the
+    deploy docs name it, so that a user knows what to replace."""
+    host = re.match(r"https://([^/]+)/", DOCS_PLACEHOLDER)
+    assert host and host.group(1).endswith(".invalid")
+    for says in ("deploy/components/runbook-url/kustomization.yaml", "docs/deploy.md"):
+        assert DOCS_PLACEHOLDER in (REPO / says).read_text(), says
+    shipped = [RULES / "alerts.yaml", RULES / "tests/alerts_test.yaml",
+               REPO / "deploy/monitoring/prometheusrule.yaml",
+               REPO / "grafana/dashboards/allocwatch.json"]
+    for path in shipped:
+        for url in re.findall(r"runbook_url: (\S+)", path.read_text()):
+            assert url.startswith(DOCS_PLACEHOLDER + "/runbooks.md#"), (path, url)
+        assert "github.com/allocwatch" not in path.read_text(), path
 
 
 @pytest.mark.parametrize("rule", ALERTS + RECORDS, ids=lambda r: r.get("alert") or r["record"])
