@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -106,6 +108,45 @@ def test_logs_default_to_json_where_stderr_is_no_terminal(tmp_path: Path) -> Non
         _, err = stopped(process)
     records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert any(r["msg"] == "sidecar started" for r in records), err
+
+
+def test_logs_default_to_logfmt_on_a_terminal(tmp_path: Path) -> None:
+    """A person running the sidecar in a terminal reads key=value lines, not JSON: stderr is
+    a real pseudo-terminal here."""
+    path, port = settings(tmp_path).read_text(), free_port()
+    (tmp_path / "auto.yaml").write_text(path.replace("format: json", "format: auto"))
+    terminal, its_end = pty.openpty()
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # read as it comes: a full terminal buffer would block the sidecar
+        while True:
+            try:
+                chunk = os.read(terminal, 65536)
+            except OSError:  # EIO: the sidecar, the only writer, has gone
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", "sidecar", "--config", str(tmp_path / "auto.yaml"),
+         "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "info"],
+        stdout=subprocess.DEVNULL, stderr=its_end, cwd=REPO)
+    os.close(its_end)
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: get(f"http://127.0.0.1:{port}/readyz") == 200
+                 or process.poll() is not None, timeout=60, what="the sidecar ready")
+    finally:
+        stopped(process)
+        reader.join(timeout=10)
+        os.close(terminal)
+    lines = b"".join(chunks).decode(errors="replace").splitlines()
+    started = [line for line in lines if 'msg="sidecar started"' in line]
+    assert started and started[0].startswith("ts="), lines
+    assert " level=info " in started[0]
+    assert not any(line.lstrip().startswith("{") for line in lines), lines
 
 
 @pytest.fixture
