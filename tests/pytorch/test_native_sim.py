@@ -40,7 +40,7 @@ NAMES = ["out_of_memory", "out_of_memory_under_fraction", "out_of_memory_in_a_pr
          "no_reuse_in_a_capture_without_the_setting", "raw_allocations_are_counted",
          "every_setting_through_set_allocator_settings",
          "pytorchs_settings_tests_in_one_process", "a_pool_with_its_own_allocator",
-         "pools_used_on_oom"]
+         "a_pool_allocator_that_calls_back_into_pytorch", "pools_used_on_oom"]
 
 
 def _compile(command: list[str]) -> None:

@@ -60,7 +60,7 @@ CachingAllocator::~CachingAllocator() {
   // where possible; a caller that tears down with allocations outstanding leaks them
   // deliberately rather than freeing memory that kernels may still use.
   try {
-    std::lock_guard<std::mutex> lock(mutex_);
+    Lock lock(*this);
     g_captures_underway -= static_cast<int>(captures_underway_.size());
     captures_underway_.clear();
     release_cached_blocks();
@@ -98,8 +98,60 @@ BlockPool& CachingAllocator::get_pool(std::size_t size, StreamId stream) {
   return is_small_request(size) ? small_blocks_ : large_blocks_;
 }
 
+// Where malloc stands between its passes under the lock (Note [pool allocators outside the
+// lock], allocator.h).
+struct CachingAllocator::MallocRound {
+  int stage = 1;               // the attempt at a new segment it is at (alloc_attempts); 4: none left
+  bool released = false;       // that attempt's release of cached blocks is done
+  bool collected = false;      // garbage collection ran
+  bool counted_retry = false;  // num_alloc_retries counted this request's retry
+  bool flush = false;          // stopped for queued frees, to run before the attempt
+  bool refused = false;        // the pool's allocator had no room for this attempt
+  std::shared_ptr<Device> ask;  // stopped to ask this pool's allocator for `size` bytes
+  std::shared_ptr<Device> from;  // it answered with `fresh`, not yet made a segment
+  void* fresh = nullptr;
+  std::size_t size = 0;
+  bool stopped() const { return flush || ask != nullptr; }
+};
+
 void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemoryReport* oom) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  Lock lock(*this);
+  MallocRound round;
+  for (;;) {
+    void* ptr = nullptr;
+    try {
+      ptr = malloc_pass(orig_size, stream, oom, round);
+    } catch (...) {
+      give_back(round);
+      throw;
+    }
+    if (!round.stopped()) {
+      give_back(round);  // served by a block that freed up meanwhile
+      return ptr;
+    }
+    round.flush = false;
+    lock.outside([&] {
+      if (round.ask == nullptr) return;
+      std::shared_ptr<Device> from = std::move(round.ask);
+      void* fresh = nullptr;
+      if (from->malloc(round.size, &fresh)) {
+        round.fresh = fresh;
+        round.from = std::move(from);
+      } else {
+        round.refused = true;
+      }
+    });
+  }
+}
+
+void CachingAllocator::give_back(MallocRound& round) {
+  if (round.fresh == nullptr) return;
+  outside_.push_back(OutsideWork{std::move(round.from), round.fresh, round.size});
+  round.fresh = nullptr;
+}
+
+void* CachingAllocator::malloc_pass(std::size_t orig_size, StreamId stream,
+                                    OutOfMemoryReport* oom, MallocRound& round) {
   // Recycle blocks whose cross-stream uses have finished. Querying events is illegal while a
   // graph is being captured, so that waits until no capture is underway.
   if (captures_underway_.empty() &&
@@ -119,20 +171,18 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemo
                             owner != nullptr && owner->plain_segments);
   AllocParams p{size, orig_size, stream, &pool, segment_size_for(size)};
 
-  bool found = get_free_block(p);
-  if (!found) {
-    // Garbage collection runs only under a memory fraction, and only once no cached block
-    // fits: it trades cached memory for fewer out-of-memory retries, not for speed.
-    if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
-      garbage_collect_cached_blocks();
-    }
-    found = alloc_block(p, false) ||
-            // Free enough oversize cached blocks (max_split_size) and retry.
-            (release_available_cached_blocks(p) && alloc_block(p, false)) ||
-            // Free every unsplit cached block and retry (counted as a retry).
-            (captures_underway_.empty() && (release_cached_blocks(), true) &&
-             alloc_block(p, true));
+  if (get_free_block(p)) {
+    const bool split = should_split(p.block, size) && !(owner != nullptr && owner->no_split);
+    return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
   }
+  // Garbage collection runs only under a memory fraction, and only once no cached block fits:
+  // it trades cached memory for fewer out-of-memory retries, not for speed.
+  if (!round.collected && set_fraction_ && config_.garbage_collection_threshold > 0.0) {
+    garbage_collect_cached_blocks();
+  }
+  round.collected = true;
+  bool found = alloc_attempts(p, round);
+  if (round.stopped()) return nullptr;
   // About to run out of memory: a request outside private pools may take a free block of a
   // pool marked use_on_oom, as a last resort (PyTorch's order: after every retry).
   if (!found && owner == nullptr && !use_on_oom_pools_.empty()) {
@@ -141,6 +191,7 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemo
     if (found) p = in_pool;
   }
   if (!found) {
+    give_back(round);
     OutOfMemoryReport report = out_of_memory(p);
     if (oom == nullptr) throw OutOfMemoryError(std::move(report));
     *oom = std::move(report);
@@ -152,6 +203,29 @@ void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemo
                                    served != owner && served != nullptr && served->plain_segments);
   const bool split = should_split(p.block, size) && !(served != nullptr && served->no_split);
   return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
+}
+
+bool CachingAllocator::alloc_attempts(AllocParams& p, MallocRound& round) {
+  for (; round.stage <= 3; ++round.stage, round.released = false, round.refused = false) {
+    if (!round.released) {
+      round.released = true;
+      // Free enough oversize cached blocks (max_split_size) and retry.
+      if (round.stage == 2 && !release_available_cached_blocks(p)) continue;
+      // Free every unsplit cached block and retry (counted as a retry).
+      if (round.stage == 3) {
+        if (!captures_underway_.empty()) continue;
+        release_cached_blocks();
+      }
+      // Segments of pools with an allocator of their own go back to it before the attempt.
+      if (!outside_.empty()) {
+        round.flush = true;
+        return false;
+      }
+    }
+    if (alloc_block(p, round.stage == 3, round)) return true;
+    if (round.ask != nullptr) return false;
+  }
+  return false;
 }
 
 bool CachingAllocator::get_free_block(AllocParams& p) {
@@ -211,8 +285,11 @@ bool CachingAllocator::should_split(const Block* block, std::size_t size) const 
   return size < config_.max_split_size && remaining > kSmallSize;
 }
 
-bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
-  if (is_retry) stats_.num_alloc_retries += 1;
+bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry, MallocRound& round) {
+  if (is_retry && !round.counted_retry) {
+    stats_.num_alloc_retries += 1;
+    round.counted_retry = true;
+  }
 
   // PyTorch's check of the memory fraction: reserved memory plus the whole request. With
   // reuse_free_pages map_block checks instead (expandable.cpp, Note [page policy]).
@@ -230,7 +307,23 @@ bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry) {
   }
 
   void* ptr = nullptr;
-  if (!segments_device(*p.pool).malloc(p.alloc_size, &ptr)) return false;
+  const PrivatePool* owner = p.pool->owner;
+  if (owner != nullptr && owner->segments != nullptr) {
+    // The pool's own allocator is asked outside the lock (Note [pool allocators outside the
+    // lock]): its answer arrives in the next pass.
+    if (round.refused) return false;
+    if (round.fresh == nullptr || round.from != owner->segments || round.size != p.alloc_size) {
+      give_back(round);  // an answer for another pool, which took this thread's requests since
+      round.ask = owner->segments;
+      round.size = p.alloc_size;
+      return false;
+    }
+    ptr = round.fresh;
+    round.fresh = nullptr;
+    round.from.reset();
+  } else if (!device_->malloc(p.alloc_size, &ptr)) {
+    return false;
+  }
   p.block = new_block(p.stream, p.alloc_size, p.pool, reinterpret_cast<std::uintptr_t>(ptr));
   count_reserved(*p.pool, TraceAction::segment_alloc, p.block->ptr, p.block->size, p.stream);
   return true;

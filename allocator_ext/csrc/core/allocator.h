@@ -214,7 +214,34 @@ class CachingAllocator {
   BlockPool& get_pool(std::size_t size, StreamId stream);
   bool get_free_block(AllocParams& p);
   std::size_t largest_free_block_locked() const;
-  bool alloc_block(AllocParams& p, bool is_retry);
+  // Note [pool allocators outside the lock]. A pool's own allocator (PrivatePool::segments: the
+  // user's, through torch.cuda.MemPool(allocator=...)) may call back into PyTorch, and so into
+  // this allocator, whose lock is not re-entrant: a Python allocator that logs
+  // torch.cuda.memory_allocated(), a free function that allocates. It is never called with
+  // mutex_ held. Its frees are queued under the lock (outside_) and run once the lock is let go
+  // (Lock). malloc runs in passes under the lock (MallocRound): where a pass needs a segment
+  // from such an allocator, or has queued frees that must happen before its next attempt (as
+  // PyTorch frees before it retries), it stops, the lock is let go for that work, and the next
+  // pass takes up the attempt where it stopped, looking for a free block again first, since
+  // other threads ran meanwhile.
+  struct OutsideWork {
+    std::shared_ptr<Device> from;  // keeps the pool's allocator alive until the work ran
+    void* ptr = nullptr;           // a segment to free; nullptr: only the reference to drop
+    std::size_t size = 0;
+  };
+  class Lock;
+  struct MallocRound;
+  void* malloc_pass(std::size_t orig_size, StreamId stream, OutOfMemoryReport* oom,
+                    MallocRound& round);
+  // PyTorch's attempts at a new segment, from round.stage on: a new segment; again after
+  // releasing oversize cached blocks; again after releasing every cached block (a retry).
+  bool alloc_attempts(AllocParams& p, MallocRound& round);
+  bool alloc_block(AllocParams& p, bool is_retry, MallocRound& round);
+  // A segment of a pool's allocator that malloc did not use goes back to it, outside the lock.
+  void give_back(MallocRound& round);
+  // Erases a private pool; the last reference to its allocator, if it has one, goes outside
+  // the lock.
+  void drop_pool(MempoolId id);
   Block* alloc_found_block(AllocParams& p, bool split_remainder);
   bool should_split(const Block* block, std::size_t size) const;
   void free_block(Block* block);
@@ -256,10 +283,6 @@ class CachingAllocator {
   void create_or_incref_pool_locked(MempoolId id, bool plain_segments,
                                     std::shared_ptr<Device> segments = nullptr);  // mutex_ held
   bool get_free_block_of_use_on_oom_pools(AllocParams& p);
-  // The device a pool's segments come from (PrivatePool::segments).
-  Device& segments_device(const BlockPool& pool) const {
-    return pool.owner != nullptr && pool.owner->segments ? *pool.owner->segments : *device_;
-  }
   void release_spares_beyond(std::size_t keep_pages, std::size_t page);
   void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
@@ -319,6 +342,7 @@ class CachingAllocator {
   std::vector<const Block*> all_blocks() const;
 
   mutable std::mutex mutex_;
+  std::vector<OutsideWork> outside_;  // Note [pool allocators outside the lock]; under mutex_
   std::shared_ptr<Device> device_;
   AllocatorConfig config_;
   DeviceStats stats_;
@@ -369,6 +393,57 @@ class CachingAllocator {
   };
   std::deque<PageMove> page_moves_;
   TraceRing trace_;
+};
+
+// The allocator's lock for the methods that may release a pool's segments or ask its allocator
+// for one (Note [pool allocators outside the lock]): the work queued under it runs after it is
+// let go.
+class CachingAllocator::Lock {
+ public:
+  explicit Lock(CachingAllocator& a) : a_(a), lock_(a.mutex_) {}
+  ~Lock() {
+    if (a_.outside_.empty()) return;  // the usual case: lock_ lets go, nothing else
+    std::vector<OutsideWork> work;
+    work.swap(a_.outside_);
+    lock_.unlock();
+    run(std::move(work));
+  }
+  Lock(const Lock&) = delete;
+  Lock& operator=(const Lock&) = delete;
+
+  // Lets go of the lock, runs the queued work, then `then`, and takes the lock again (also
+  // where `then` throws).
+  template <typename Then>
+  void outside(Then&& then) {
+    std::vector<OutsideWork> work;
+    work.swap(a_.outside_);
+    lock_.unlock();
+    struct Relock {
+      std::unique_lock<std::mutex>& lock;
+      ~Relock() { lock.lock(); }
+    } relock{lock_};
+    run(std::move(work));
+    then();
+  }
+
+ private:
+  // The frees first, in the order queued; then the references, so that an allocator whose
+  // pool is gone is destroyed here too, outside the lock. A pool's allocator reports its own
+  // failures (the native back end warns, naming it) and never throws; one that does loses
+  // that segment, as a failed free would, and the others are still freed.
+  static void run(std::vector<OutsideWork>&& work) noexcept {
+    for (OutsideWork& w : work) {
+      if (w.ptr == nullptr) continue;
+      try {
+        w.from->free(w.ptr, w.size);
+      } catch (...) {
+      }
+    }
+    work.clear();
+  }
+
+  CachingAllocator& a_;
+  std::unique_lock<std::mutex> lock_;
 };
 
 }  // namespace allocwatch

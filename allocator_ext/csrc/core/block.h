@@ -137,6 +137,8 @@ struct PrivatePool {
   // Where its segments come from, when not the allocator's device: an allocator of the user's
   // (torch.cuda.MemPool(allocator=...), devices/pool_segments_device.h). Its segments are
   // plain; the pool, and with it the user's allocator, lives until its last segment is freed.
+  // That allocator is never called under the allocator's lock (Note [pool allocators outside
+  // the lock], allocator.h).
   std::shared_ptr<Device> segments;
   BlockPool large_blocks;
   BlockPool small_blocks;

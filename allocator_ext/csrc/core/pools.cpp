@@ -99,7 +99,7 @@ bool CachingAllocator::get_free_block_of_use_on_oom_pools(AllocParams& p) {
 }
 
 std::size_t CachingAllocator::empty_pool_cache(MempoolId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  Lock lock(*this);
   // As empty_cache: releasing during a capture would invalidate it.
   if (captures_underway()) return 0;
   auto it = graph_pools_freeable_.find(id);
@@ -109,9 +109,17 @@ std::size_t CachingAllocator::empty_pool_cache(MempoolId id) {
   const std::size_t released = release_blocks(pool->small_blocks) + release_blocks(pool->large_blocks);
   if (pool->holds_no_memory()) {
     graph_pools_freeable_.erase(it);
-    graph_pools_.erase(id);
+    drop_pool(id);
   }
   return released;
+}
+
+void CachingAllocator::drop_pool(MempoolId id) {
+  auto it = graph_pools_.find(id);
+  if (it == graph_pools_.end()) return;
+  if (it->second->segments != nullptr)
+    outside_.push_back(OutsideWork{std::move(it->second->segments), nullptr, 0});
+  graph_pools_.erase(it);
 }
 
 bool CachingAllocator::check_pool_live_allocations(

@@ -51,8 +51,9 @@ std::size_t CachingAllocator::release_cached_blocks() {
     PrivatePool* pool = it->second;
     released += release_blocks(pool->small_blocks) + release_blocks(pool->large_blocks);
     if (pool->holds_no_memory()) {
-      graph_pools_.erase(it->first);
+      const MempoolId id = it->first;
       it = graph_pools_freeable_.erase(it);
+      drop_pool(id);
     } else {
       ++it;
     }
@@ -93,7 +94,15 @@ std::size_t CachingAllocator::release_blocks(BlockPool& pool) {
 }
 
 void CachingAllocator::release_block(Block* block) {
-  segments_device(*block->pool).free(reinterpret_cast<void*>(block->ptr), block->size);
+  const PrivatePool* owner = block->pool->owner;
+  if (owner != nullptr && owner->segments != nullptr) {
+    // Freed by the pool's own allocator once the lock is let go (Note [pool allocators outside
+    // the lock]); gone from the books now, so nothing hands it out meanwhile.
+    outside_.push_back(OutsideWork{owner->segments, reinterpret_cast<void*>(block->ptr),
+                                   block->size});
+  } else {
+    device_->free(reinterpret_cast<void*>(block->ptr), block->size);
+  }
   count_released(*block->pool, TraceAction::segment_free, block->ptr, block->size, block->stream);
   block->pool->blocks.erase(block);
   delete_block(block);
@@ -145,7 +154,7 @@ std::size_t CachingAllocator::garbage_collect_cached_blocks() {
 }
 
 std::size_t CachingAllocator::empty_cache() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  Lock lock(*this);
   // A reclaim sent by the sidecar can arrive from another thread at any moment; during a
   // capture it must not invalidate the user's graph.
   if (captures_underway()) return 0;

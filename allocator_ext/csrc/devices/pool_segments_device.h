@@ -4,6 +4,8 @@
 // that allocator's functions, and everything else (streams, events, memory information,
 // synchronisation) is the GPU's own, the device it wraps. Such a pool's segments are plain
 // (one allocation each, never pages of an expandable segment), as in PyTorch's allocator.
+// The core calls its malloc and free without its lock held (Note [pool allocators outside the
+// lock], core/allocator.h): the user's functions may call back into PyTorch's allocator.
 #pragma once
 
 #include <cstddef>

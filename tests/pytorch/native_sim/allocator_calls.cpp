@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,14 @@ c10::MempoolId_t pool(unsigned long long first, unsigned long long second) {
 struct PoolAllocatorCalls {
   long long allocations = 0, frees = 0, live = 0, destroyed = 0;
   std::size_t last_size = 0;
+  // Room for segments (0: no limit) and the bytes handed out, for scenarios that run it out.
+  std::size_t room = 0, live_bytes = 0;
+  // With reenter, each call first asks PyTorch's allocator for its statistics, and a free also
+  // allocates and frees memory of its own through it, as an allocator written in Python may
+  // (logging torch.cuda.memory_allocated(), working with a tensor).
+  bool reenter = false;
+  long long reentries = 0;
+  std::vector<long long> allocated_seen;  // allocated_bytes.all.current, at each raw_alloc
 };
 PoolAllocatorCalls g_pool_calls;
 constexpr std::uintptr_t kPoolRangeBase = std::uintptr_t{0x7a0000000000};
@@ -71,17 +80,34 @@ class PoolAllocator final : public cca::CUDAAllocator {
  public:
   ~PoolAllocator() override { ++g_pool_calls.destroyed; }
   void* raw_alloc(std::size_t nbytes) override {
+    if (g_pool_calls.reenter) {
+      g_pool_calls.allocated_seen.push_back(cca::getDeviceStats(0).allocated_bytes[0].current);
+      ++g_pool_calls.reentries;
+    }
+    if (g_pool_calls.room != 0 && g_pool_calls.live_bytes + nbytes > g_pool_calls.room)
+      return nullptr;  // no room, as PyTorch reads a pool allocator's null
     ++g_pool_calls.allocations;
     ++g_pool_calls.live;
     g_pool_calls.last_size = nbytes;
+    g_pool_calls.live_bytes += nbytes;
     void* ptr = reinterpret_cast<void*>(next_);
+    sizes_[ptr] = nbytes;
     next_ += (nbytes + (std::size_t{2} << 20) - 1) / (std::size_t{2} << 20) * (std::size_t{2} << 20);
     return ptr;
   }
   void raw_delete(void* ptr) override {
     TORCH_CHECK(owns(ptr), "the pool's allocator was asked to free ", ptr, ", not its own");
+    if (g_pool_calls.reenter) {
+      (void)cca::getDeviceStats(0);
+      void* own = cca::raw_alloc(std::size_t{1} << 20);
+      TORCH_CHECK(own != nullptr, "PyTorch's allocator gave the pool's allocator nothing");
+      cca::raw_delete(own);
+      ++g_pool_calls.reentries;
+    }
     ++g_pool_calls.frees;
     --g_pool_calls.live;
+    g_pool_calls.live_bytes -= sizes_.at(ptr);
+    sizes_.erase(ptr);
   }
   static bool owns(const void* ptr) {
     const auto at = reinterpret_cast<std::uintptr_t>(ptr);
@@ -146,6 +172,7 @@ class PoolAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(false, "the pool allocator stand-in serves raw_alloc and raw_delete only");
   }
   std::uintptr_t next_ = kPoolRangeBase;
+  std::map<void*, std::size_t> sizes_;
 };
 
 // The stand-in as the test holds it (torch.cuda.memory.CUDAPluggableAllocator's object):
@@ -230,6 +257,7 @@ long long aw_stat(const char* name) {
   if (key == "segment.all.current") return s.segment[0].current;
   if (key == "active_bytes.all.allocated") return s.active_bytes[0].allocated;
   if (key == "reserved_bytes.all.current") return s.reserved_bytes[0].current;
+  if (key == "num_alloc_retries") return s.num_alloc_retries;
   return -1;
 }
 
@@ -329,15 +357,32 @@ int aw_mempool_destroy(unsigned long long first, unsigned long long second, char
 // The test drops its own reference to the pool allocator, as `del allocator` does in Python.
 void aw_pool_allocator_drop() { g_pool_allocator.reset(); }
 
-// 0: allocations, 1: frees, 2: live segments, 3: destroyed, 4: the last segment's size.
+// 0: allocations, 1: frees, 2: live segments, 3: destroyed, 4: the last segment's size,
+// 5: calls that reached back into PyTorch's allocator, 6: bytes handed out.
 long long aw_pool_allocator_calls(int what) {
   switch (what) {
     case 0: return g_pool_calls.allocations;
     case 1: return g_pool_calls.frees;
     case 2: return g_pool_calls.live;
     case 3: return g_pool_calls.destroyed;
+    case 5: return g_pool_calls.reentries;
+    case 6: return static_cast<long long>(g_pool_calls.live_bytes);
     default: return static_cast<long long>(g_pool_calls.last_size);
   }
+}
+
+// The pool's allocator reaches back into PyTorch's in each call (PoolAllocatorCalls::reenter).
+void aw_pool_allocator_reenter(int on) { g_pool_calls.reenter = on != 0; }
+
+// The most the pool's allocator hands out at once (0: no limit).
+void aw_pool_allocator_room(std::size_t bytes) { g_pool_calls.room = bytes; }
+
+// allocated_bytes.all.current as PyTorch's allocator told the pool's allocator in its
+// raw_alloc calls, in order; -1 past the last.
+long long aw_pool_allocator_seen(int index) {
+  return index < static_cast<int>(g_pool_calls.allocated_seen.size())
+             ? g_pool_calls.allocated_seen[index]
+             : -1;
 }
 
 int aw_pool_allocator_owns(std::size_t address) {

@@ -9,9 +9,12 @@ Run by tests/pytorch/test_native_sim.py:
 from __future__ import annotations
 
 import ctypes
+import os
 import runpy
 import sys
+import threading
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 from allocator_ext import _core, native
@@ -34,6 +37,8 @@ class Calls:
         self.lib.aw_pytorch_max_split_size.restype = ctypes.c_size_t
         self.lib.aw_pool_allocator_calls.restype = ctypes.c_longlong
         self.lib.aw_pool_allocator_owns.argtypes = [ctypes.c_size_t]
+        self.lib.aw_pool_allocator_room.argtypes = [ctypes.c_size_t]
+        self.lib.aw_pool_allocator_seen.restype = ctypes.c_longlong
         for name in ("aw_mempool_create", "aw_mempool_destroy"):
             getattr(self.lib, name).argtypes = (
                 [ctypes.c_ulonglong, ctypes.c_ulonglong]
@@ -462,6 +467,80 @@ def a_pool_with_its_own_allocator(c: Calls) -> str:
     assert (calls(1), calls(2)) == (3, 0), (calls(1), calls(2))
     assert calls(3) == (1 if shared else 0), calls(3)  # dropped with the pool's last segment
     return f"3 segments from the pool's allocator, 3 back to it (torch 2.{c.lib.aw_torch_minor()})"
+
+
+def _without_deadlock(what: str, run: Callable[[], str], seconds: float = 60.0) -> str:
+    """run() on a thread of its own (ctypes lets go of the GIL in each call): a call still
+    waiting after `seconds` is a deadlock, and the process says so and ends at once, rather
+    than hanging until the test's time runs out."""
+    result: list[str] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            result.append(run())
+        except BaseException as e:  # raised again on this thread
+            errors.append(e)
+
+    worker = threading.Thread(target=body, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        print(f"FAIL: {what}: still waiting after {seconds:.0f} s, deadlocked", flush=True)
+        os._exit(3)
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+def a_pool_allocator_that_calls_back_into_pytorch(c: Calls) -> str:
+    """A pool's own allocator that calls PyTorch's allocator from inside its raw_alloc and
+    raw_delete (its statistics, as a Python allocator logging torch.cuda.memory_allocated()
+    would; an allocation and free of its own while freeing) is never called under the core's
+    lock, which is not re-entrant (Note [pool allocators outside the lock] in
+    core/allocator.h): each call completes and sees the allocator's state as it stands. And a
+    pool's segment released by the out-of-memory path goes back to its allocator before the
+    attempt that needs its room, as PyTorch frees before it tries again."""
+    calls = c.lib.aw_pool_allocator_calls
+
+    def calling_back() -> str:
+        c.lib.aw_pool_allocator_reenter(1)
+        pool = (0, 81)
+        c.ok("aw_mempool_create", *pool, 1, 0, 0)
+        _in_mempool(c, pool, MiB)
+        _in_mempool(c, pool, 30 * MiB)
+        seen = [c.lib.aw_pool_allocator_seen(i) for i in range(3)]
+        assert seen == [0, MiB, -1], seen  # the second call saw the first's 1 MiB
+        assert calls(5) == 2, calls(5)
+        c.lib.aw_free_all()
+        c.ok("aw_mempool_destroy", *pool)  # both segments back, each free calling back
+        assert (calls(1), calls(2), calls(5)) == (2, 0, 4), (calls(1), calls(2), calls(5))
+        c.lib.aw_pool_allocator_reenter(0)
+        return f"{calls(5)} calls back into PyTorch's allocator"
+
+    def room_before_the_attempt() -> str:
+        c.ok("aw_settings", b"max_split_size_mb:30")  # a 60 MiB block is oversize
+        c.lib.aw_pool_allocator_room(80 * MiB)
+        pool = (0, 82)
+        c.ok("aw_mempool_create", *pool, 1, 0, 0)
+        _in_mempool(c, pool, 60 * MiB)
+        c.lib.aw_free_all()  # cached in the pool, which is still in use
+        retries = c.stat("num_alloc_retries")
+        # 40 MiB: the cached 60 MiB block is beyond max_non_split_rounding of it, and 60 + 40
+        # exceed the room; releasing the oversize block makes room, once it is freed.
+        big = c.lib.aw_address(_in_mempool(c, pool, 40 * MiB))
+        assert c.lib.aw_pool_allocator_owns(big)
+        assert (calls(0), calls(1), calls(2), calls(6)) == (4, 3, 1, 40 * MiB), \
+            [calls(i) for i in (0, 1, 2, 6)]
+        assert c.stat("num_alloc_retries") == retries  # served at the second attempt
+        c.lib.aw_free_all()
+        c.ok("aw_mempool_destroy", *pool)
+        c.ok("aw_settings", b"")
+        assert (calls(1), calls(2), calls(6)) == (4, 0, 0), [calls(i) for i in (1, 2, 6)]
+        return "the released segment freed before the attempt that needed its room"
+
+    return (_without_deadlock("a pool's allocator calling back", calling_back) + "; "
+            + _without_deadlock("a pool's allocator out of room", room_before_the_attempt))
 
 
 def pools_used_on_oom(c: Calls) -> str:
