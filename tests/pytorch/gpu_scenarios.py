@@ -276,44 +276,92 @@ def _from_virtual_memory(ptr: int) -> bool:
     return True
 
 
+def _nccl_pool_allocator(folder: Path) -> tuple[object, object]:
+    """ncclMemAlloc and ncclMemFree behind a CUDAPluggableAllocator, built here against the
+    NCCL that torch runs with (nccl_pool_allocator.py), and what it counts."""
+    import nccl_pool_allocator
+
+    try:
+        library = nccl_pool_allocator.build_into(folder)
+    except nccl_pool_allocator.Missing as e:
+        raise AssertionError(f"torch has NCCL, but the allocator of its memory cannot be built: "
+                             f"{e}") from e
+    counters = nccl_pool_allocator.Counters(library)
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+        str(library), nccl_pool_allocator.ALLOC, nccl_pool_allocator.FREE)
+    return pluggable, counters
+
+
+def _register_mem_pool(backend: object, pool: object) -> str:
+    """backend.register_mem_pool(pool): "registered", or torch's refusal where it serves
+    registration only with its own mem_allocator (any other failure is raised)."""
+    try:
+        backend.register_mem_pool(pool)  # type: ignore[attr-defined]
+    except RuntimeError as e:
+        if "not supported" not in str(e):
+            raise
+        return f"registration refused by torch ({str(e).splitlines()[0]})"
+    return "registered"
+
+
 def nccl_mempool() -> str:
-    """A torch.cuda.MemPool made with NCCL's allocator (ProcessGroupNCCL.mem_allocator, as NCCL
-    buffer registration and symmetric memory make them) on a one-rank group: its segment comes
-    from ncclMemAlloc (virtual-memory allocations, where a pool without an allocator of its own
-    has cudaMalloc's), the pool registers with the communicator, an all_reduce runs on a tensor
-    of it, and deleting the pool gives the segment back to NCCL."""
+    """A torch.cuda.MemPool whose segments come from NCCL's allocator, on a one-rank NCCL group:
+    ProcessGroupNCCL.mem_allocator (as NCCL buffer registration and symmetric memory make such
+    pools), or, where torch refuses it (it asks for a device with multicast, which one GPU
+    without NVLink fabric lacks), ncclMemAlloc and ncclMemFree behind a CUDAPluggableAllocator,
+    as vLLM and Megatron build theirs. Its segment is NCCL's (counted by that allocator, or a
+    virtual-memory allocation where a pool without an allocator of its own has cudaMalloc's),
+    the pool registers with the communicator, an all_reduce runs on a tensor of it, and
+    deleting the pool gives the segment back to NCCL. Skipped only where torch has no NCCL."""
     import torch.distributed as dist
 
+    if not dist.is_nccl_available():
+        raise Unavailable(f"torch {torch.__version__} is built without NCCL")
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
     backend = dist.group.WORLD._get_backend(torch.device("cuda", 0))
+    counters = None
     try:
-        nccl_allocator = backend.mem_allocator
-    except RuntimeError as e:  # NCCL older than 2.19, or torch built without ncclMemAlloc
-        version = ".".join(map(str, torch.cuda.nccl.version()))
-        dist.destroy_process_group()
-        raise Unavailable(f"NCCL {version} under torch {torch.__version__}: {e}") from e
+        allocator = backend.mem_allocator
+        source = "ProcessGroupNCCL.mem_allocator"
+    except RuntimeError as e:  # "NCCL mem allocator is not supported in this NCCL version"
+        with tempfile.TemporaryDirectory() as folder:  # the library stays loaded
+            pluggable, counters = _nccl_pool_allocator(Path(folder))
+        allocator = pluggable.allocator()
+        source = (f"ncclMemAlloc through a pluggable allocator (NCCL {counters.version()}; "
+                  f"mem_allocator refused: {str(e).splitlines()[0]})")
     ours = torch.cuda.MemPool()
-    nccl = torch.cuda.MemPool(nccl_allocator)
+    nccl = torch.cuda.MemPool(allocator)
     with torch.cuda.use_mem_pool(ours):
         plain = torch.ones(16 * MiB // 4, device="cuda")
     with torch.cuda.use_mem_pool(nccl):
         t = torch.ones(16 * MiB // 4, device="cuda")
     segments = nccl.snapshot()
     assert len(segments) == 1 and not segments[0]["is_expandable"], segments
-    assert _from_virtual_memory(t.data_ptr()), "the pool's segment is not ncclMemAlloc's"
+    base, size = segments[0]["address"], segments[0]["total_size"]
+    assert base == t.data_ptr(), (hex(base), hex(t.data_ptr()))
+    virtual = _from_virtual_memory(base)
+    if counters is None:
+        assert virtual, "the pool's segment is not ncclMemAlloc's"
+    else:
+        assert counters.segment(base) == "live" and counters.live() == 1, \
+            (counters.segment(base), counters.live(), counters.last_error())
     assert not _from_virtual_memory(plain.data_ptr())
     reserved = torch.cuda.memory_reserved()
-    backend.register_mem_pool(nccl)
+    registered = _register_mem_pool(backend, nccl)
     dist.all_reduce(t)
     torch.cuda.synchronize()
     assert float(t[0].item()) == 1.0
-    backend.deregister_mem_pool(nccl)
-    size = segments[0]["total_size"]
+    if registered == "registered":
+        backend.deregister_mem_pool(nccl)
     del t, nccl, plain, ours
     assert torch.cuda.memory_reserved() <= reserved - size  # the deleted pool's segment went
+    if counters is not None:
+        assert counters.segment(base) == "freed" and counters.live() == 0, \
+            (counters.segment(base), counters.live(), counters.last_error())
     dist.destroy_process_group()
-    return f"a {size >> 20} MiB segment of ncclMemAlloc, registered, all_reduced, given back"
+    return (f"a {size >> 20} MiB segment of {source}, {'cuMem' if virtual else 'cudaMalloc'}-"
+            f"backed, {registered}, all_reduced, given back to NCCL")
 
 
 def graph_trees() -> str:
