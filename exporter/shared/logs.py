@@ -106,8 +106,11 @@ class RateLimitedLog:
         self._buckets: dict[str, tuple[float, float, int]] = {}
 
     def log(self, key: str, logger: logging.Logger, message: str,
-            fields: Mapping[str, Any] | None = None, level: int = logging.WARNING) -> bool:
-        """Log `message` unless lines of `key` have used their share; whether it went out."""
+            fields: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+            level: int = logging.WARNING) -> bool:
+        """Log `message` unless lines of `key` have used their share; whether it went out.
+        `fields` may be a function giving them, called only for a line that goes out (fields
+        that cost work to gather)."""
         now = self._clock()
         with self._lock:
             tokens, then, held = self._buckets.get(key, (float(self._burst), now, 0))
@@ -116,7 +119,7 @@ class RateLimitedLog:
                 self._buckets[key] = (tokens, now, held + 1)
                 return False
             self._buckets[key] = (tokens - 1.0, now, 0)
-        extra = dict(fields or {})
+        extra = dict((fields() if callable(fields) else fields) or {})
         if held:
             extra["suppressed"] = held
         logger.log(level, message, extra=extra)

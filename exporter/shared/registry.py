@@ -185,6 +185,7 @@ class Registry:
         self.series_dropped_total = 0
         self._lock = threading.Lock()
         self._agents: dict[str, AgentState] = {}
+        self._connected = 0  # of the agents, those connected
         self._departed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.reports_received_total = 0
         self.commands_total: Counter[tuple[str, str]] = Counter()
@@ -219,6 +220,7 @@ class Registry:
                 self.refused_total[err.reason] += 1
                 raise
             self._agents[key] = state
+            self._connected += 1
             self.ever_connected = True
             self.all_gone_since = None
             return state
@@ -230,10 +232,9 @@ class Registry:
         if old is not None and old.connected:
             raise IdentityInUseError(f"agent {key} is connected already: a second stream for "
                                      "one agent instance is refused")
-        connected = sum(1 for a in self._agents.values() if a.connected)
-        if old is None and connected >= self.max_agents:
+        if old is None and self._connected >= self.max_agents:
             raise AgentLimitError(
-                f"the sidecar already serves {connected} agents (agents.max_agents)")
+                f"the sidecar already serves {self._connected} agents (agents.max_agents)")
         state = AgentState(key=key, identity=identity, protocol=protocol, peer=peer)
         resumed = old is not None and old.identity.instance_id == identity.instance_id
         if old is not None and resumed:
@@ -290,15 +291,11 @@ class Registry:
                 return False
             if self._agents.get(state.key) is state:  # not forgotten meanwhile
                 report = self._fit_locked(state, report)
-                state.series_slot = self.series.place(
-                    state.key, labels_of(state.identity, report), self._connected_locked)
+                state.series_slot = self.series.place(state.key,
+                                                      labels_of(state.identity, report))
             state.last_report = report
             state.last_report_time = time.time()
             return True
-
-    def _connected_locked(self, key: str) -> bool:
-        agent = self._agents.get(key)
-        return agent is not None and agent.connected
 
     def _fit_locked(self, state: AgentState, report: pb.Report) -> pb.Report:
         """The report as the series bound lets it be kept (its devices that fit), its series
@@ -323,12 +320,14 @@ class Registry:
 
     def disconnect(self, state: AgentState) -> None:
         with self._lock:
-            if self._agents.get(state.key) is state:
+            if self._agents.get(state.key) is state and state.connected:
                 state.connected = False
+                self._connected -= 1
                 state.disconnected_monotonic = time.monotonic()
+                self.series.departed(state.key)
                 self._departed[state.key] = None
                 self._drop_departed_locked(self.max_departed)
-            if not any(a.connected for a in self._agents.values()):
+            if not self._connected:
                 self.all_gone_since = time.monotonic()
             if state.session is not None:
                 state.session.close()
