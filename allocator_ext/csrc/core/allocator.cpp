@@ -105,6 +105,7 @@ struct CachingAllocator::MallocRound {
   bool released = false;       // that attempt's release of cached blocks is done
   bool collected = false;      // garbage collection ran
   bool counted_retry = false;  // num_alloc_retries counted this request's retry
+  bool looked = false;         // the first pass: the cached blocks were just looked through
   bool flush = false;          // stopped for queued frees, to run before the attempt
   bool refused = false;        // the pool's allocator had no room for this attempt
   std::shared_ptr<Device> ask;  // stopped to ask this pool's allocator for `size` bytes
@@ -114,13 +115,56 @@ struct CachingAllocator::MallocRound {
   bool stopped() const { return flush || ask != nullptr; }
 };
 
+__attribute__((always_inline)) inline void CachingAllocator::set_params(AllocParams& p,
+                                                                      std::size_t orig_size,
+                                                                      StreamId stream) {
+  p.size = round_size(orig_size, config_.roundup_power2_divisions);
+  p.orig_size = orig_size;
+  p.stream = stream;
+  p.pool = &get_pool(p.size, stream);
+  p.alloc_size = segment_size_for(p.size);
+}
+
+// Inlined into malloc: one call less on the hot path is a measurable share of it.
+__attribute__((always_inline)) inline void* CachingAllocator::malloc_cached(std::size_t orig_size,
+                                                                          StreamId stream,
+                                                                          AllocParams& p) {
+  // Recycle blocks whose cross-stream uses have finished. Querying events is illegal while a
+  // graph is being captured, so that waits until no capture is underway.
+  if (captures_underway_.empty() &&
+      (!events_.empty() || !needs_events_deferred_until_no_capture_.empty() ||
+       !page_moves_.empty())) {
+    process_events_locked();
+  } else if (!freed_in_capture_.empty()) {
+    reuse_freed_in_capture(stream);
+  }
+  set_params(p, orig_size, stream);
+  // A torch.cuda.MemPool pool allocates as PyTorch would without expandable segments: one
+  // device allocation per segment, which is what its users (NCCL registration, IPC) expect.
+  const PrivatePool* owner = p.pool->owner;
+  const ScopedFlagOff plain(config_.expandable_segments,
+                            owner != nullptr && owner->plain_segments);
+  if (!get_free_block(p)) return nullptr;
+  const bool split = should_split(p.block, p.size) && !(owner != nullptr && owner->no_split);
+  return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
+}
+
 void* CachingAllocator::malloc(std::size_t orig_size, StreamId stream, OutOfMemoryReport* oom) {
   Lock lock(*this);
+  // The hot path: a cached block serves, and none of the passes' machinery is paid for.
+  AllocParams p{};
+  if (void* ptr = malloc_cached(orig_size, stream, p)) return ptr;
+  return malloc_new_segment(lock, p, oom);
+}
+
+void* CachingAllocator::malloc_new_segment(Lock& lock, const AllocParams& looked,
+                                           OutOfMemoryReport* oom) {
   MallocRound round;
+  round.looked = true;  // the first pass follows the lookup above without letting go the lock
   for (;;) {
     void* ptr = nullptr;
     try {
-      ptr = malloc_pass(orig_size, stream, oom, round);
+      ptr = malloc_pass(looked.orig_size, looked.stream, oom, round);
     } catch (...) {
       give_back(round);
       throw;
@@ -150,31 +194,28 @@ void CachingAllocator::give_back(MallocRound& round) {
   round.fresh = nullptr;
 }
 
+void* CachingAllocator::serve(AllocParams& p, const PrivatePool* requested_by) {
+  // The rules of the pool that serves: a use_on_oom pool's may differ from the request's.
+  const PrivatePool* served = p.pool->owner;
+  const ScopedFlagOff plain_served(config_.expandable_segments,
+                                   served != requested_by && served != nullptr &&
+                                       served->plain_segments);
+  const bool split = should_split(p.block, p.size) && !(served != nullptr && served->no_split);
+  return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
+}
+
 void* CachingAllocator::malloc_pass(std::size_t orig_size, StreamId stream,
                                     OutOfMemoryReport* oom, MallocRound& round) {
-  // Recycle blocks whose cross-stream uses have finished. Querying events is illegal while a
-  // graph is being captured, so that waits until no capture is underway.
-  if (captures_underway_.empty() &&
-      (!events_.empty() || !needs_events_deferred_until_no_capture_.empty() ||
-       !page_moves_.empty())) {
-    process_events_locked();
-  } else if (!freed_in_capture_.empty()) {
-    reuse_freed_in_capture(stream);
+  AllocParams p{};
+  if (round.looked) {  // malloc looked for a cached block under this same hold of the lock
+    round.looked = false;
+    set_params(p, orig_size, stream);
+  } else if (void* ptr = malloc_cached(orig_size, stream, p)) {
+    return ptr;  // a block freed up while the lock was let go
   }
-
-  const std::size_t size = round_size(orig_size, config_.roundup_power2_divisions);
-  BlockPool& pool = get_pool(size, stream);
-  // A torch.cuda.MemPool pool allocates as PyTorch would without expandable segments: one
-  // device allocation per segment, which is what its users (NCCL registration, IPC) expect.
-  const PrivatePool* owner = pool.owner;
+  const PrivatePool* owner = p.pool->owner;
   const ScopedFlagOff plain(config_.expandable_segments,
                             owner != nullptr && owner->plain_segments);
-  AllocParams p{size, orig_size, stream, &pool, segment_size_for(size)};
-
-  if (get_free_block(p)) {
-    const bool split = should_split(p.block, size) && !(owner != nullptr && owner->no_split);
-    return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
-  }
   // Garbage collection runs only under a memory fraction, and only once no cached block fits:
   // it trades cached memory for fewer out-of-memory retries, not for speed.
   if (!round.collected && set_fraction_ && config_.garbage_collection_threshold > 0.0) {
@@ -197,12 +238,7 @@ void* CachingAllocator::malloc_pass(std::size_t orig_size, StreamId stream,
     *oom = std::move(report);
     return nullptr;
   }
-  // The rules of the pool that serves: a use_on_oom pool's may differ from the request's.
-  const PrivatePool* served = p.pool->owner;
-  const ScopedFlagOff plain_served(config_.expandable_segments,
-                                   served != owner && served != nullptr && served->plain_segments);
-  const bool split = should_split(p.block, size) && !(served != nullptr && served->no_split);
-  return reinterpret_cast<void*>(alloc_found_block(p, split)->ptr);
+  return serve(p, owner);
 }
 
 bool CachingAllocator::alloc_attempts(AllocParams& p, MallocRound& round) {

@@ -231,6 +231,14 @@ class CachingAllocator {
   };
   class Lock;
   struct MallocRound;
+  // malloc's hot path: looks through the cached blocks and serves from one if it can;
+  // otherwise returns nullptr with `p` set for the request.
+  void* malloc_cached(std::size_t orig_size, StreamId stream, AllocParams& p);
+  void set_params(AllocParams& p, std::size_t orig_size, StreamId stream);
+  // Serves the request from p.block under the rules of the pool it belongs to.
+  void* serve(AllocParams& p, const PrivatePool* requested_by);
+  // No cached block served: passes under the lock until one is found or made.
+  void* malloc_new_segment(Lock& lock, const AllocParams& looked, OutOfMemoryReport* oom);
   void* malloc_pass(std::size_t orig_size, StreamId stream, OutOfMemoryReport* oom,
                     MallocRound& round);
   // PyTorch's attempts at a new segment, from round.stage on: a new segment; again after
