@@ -23,7 +23,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
+from prometheus_client.utils import floatToGoString, parse_version
 
 OPENMETRICS = "application/openmetrics-text"
 # Escapings under which a name made of these characters is written as it is.
@@ -82,11 +82,20 @@ class ExpositionWriter:
     in it (calling it)."""
 
     def __init__(self, accept: str):
-        self._theirs, self.content_type = choose_encoder(accept)
+        try:
+            self._theirs, self.content_type = choose_encoder(accept)
+        except TypeError:  # a version it cannot compare ("version=1.x"): the default format
+            self._theirs, self.content_type = choose_encoder("")
         self._openmetrics = self.content_type.startswith(OPENMETRICS)
-        escaping = next((part.split("=", 1)[1] for part in self.content_type.split("; ")
-                         if part.startswith("escaping=")), "underscores")
+        params = dict(part.split("=", 1) for part in self.content_type.split("; ")[1:])
+        escaping = params.get("escaping", "underscores")
         self._names_kept = escaping in _NAMES_KEPT
+        # What the bytes depend on. The content type repeats the version a client asked for,
+        # any at all, but an OpenMetrics version changes them only from 2.0.0 on (native
+        # histograms): the rest share one kind (choose_encoder keeps only versions that begin
+        # with a number).
+        self.kind = (self._openmetrics, escaping,
+                     self._openmetrics and int(parse_version(params["version"])[0]) >= 2)
 
     def __call__(self, registry: Collector) -> bytes:
         out: list[str] = []

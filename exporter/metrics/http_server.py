@@ -7,7 +7,8 @@ PodMonitor sends one); the probes' /healthz and /readyz stay open.
 header (OpenMetrics when asked), written by exporter.metrics.exposition_format, and the body is
 gzip-compressed when the scraper accepts it (`gzip_accepted`). Building it is CPU work, so it
 runs off the loop, on one worker thread (`Exposition`): a slow scrape can hold neither the
-agents' gRPC stream nor another scrape's connection, and concurrent scrapes share a build.
+agents' gRPC stream nor another scrape's connection; concurrent scrapes share a build, and a
+crowd of scrapes costs at most a few builds a second.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import concurrent.futures
 import gzip
 import html
 import logging
+import math
 import ssl
-import threading
 import time
 from collections.abc import Callable
 
@@ -35,42 +36,65 @@ from exporter.shared.tokens import RotatingToken
 
 log = logging.getLogger("exporter.http")
 
+# Builds of one kind of body start at least this far apart (Exposition).
+BUILD_INTERVAL_SECONDS = 0.25
+
 
 class Exposition:
-    """/metrics bodies, built on one worker thread.
+    """/metrics bodies, built on one worker thread; builds of one kind (the bytes' format and
+    compression) start at least `interval` seconds apart.
 
-    A scrape joins the build of its format that is queued or running, else queues a new one:
-    N scrapers arriving together cost one build and wait for one, not N. A joined body may
-    have started building before the request arrived, by less than one build's time: less
-    than the age of the agents' figures it shows (a report interval)."""
+    A scrape joins the build of its kind that is waiting for its start or running, else asks
+    for a new one, which starts at once, or `interval` after the last build of its kind
+    started. Scrapers arriving together cost one build and wait for one; a crowd of scrapes
+    (clients asking over and over, or never reading what they asked for) costs at most one
+    build of each kind an `interval`, however many they are, so that the worker, and with it
+    the interpreter's lock, stays free for the agents' streams and the next scrape. A body's
+    figures are read after its scrape arrived, but where it joined a build already running
+    (by less than one build's time: less than the age of the agents' figures it shows, a
+    report interval). A scrape waits for its start at most `interval`, and only where another
+    of its kind came less than `interval` before it (Prometheus scrapes a target every few
+    seconds at the most)."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry,
+                 interval: float = BUILD_INTERVAL_SECONDS):
         self._registry = registry
+        self._interval = interval
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="allocwatch-exposition")
-        # Reentrant: a build that ends before its done callback is added runs the callback at
-        # once, on the thread that holds the lock.
-        self._lock = threading.RLock()
-        self._building: dict[tuple[str, bool], concurrent.futures.Future[bytes]] = {}
+        # Per kind (a few: ExpositionWriter.kind), on the event loop only: the build waiting or
+        # running, and when the latest build started (on the loop's clock).
+        self._building: dict[tuple[object, ...], asyncio.Task[bytes]] = {}
+        self._started: dict[tuple[object, ...], float] = {}
 
     async def body(self, accept: str, accept_encoding: str) -> tuple[bytes, str, bool]:
         """(body, content type, gzip-compressed)."""
         writer = ExpositionWriter(accept)
-        content_type = writer.content_type
         compressed = gzip_accepted(accept_encoding)
-        key = (content_type, compressed)
-        with self._lock:  # held across submit: the build cannot end before it is listed
-            future = self._building.get(key)
-            if future is None:
-                future = self._worker.submit(self._build, writer, compressed)
-                self._building[key] = future
-                future.add_done_callback(lambda done: self._built(key, done))
-        return await asyncio.wrap_future(future), content_type, compressed
+        key = (*writer.kind, compressed)
+        build = self._building.get(key)
+        if build is None or build.done():  # (done: ended, its callback not yet run)
+            loop = asyncio.get_running_loop()
+            start = max(loop.time(), self._started.get(key, -math.inf) + self._interval)
+            self._started[key] = start
+            build = self._building[key] = loop.create_task(
+                self._build_at(start, writer, compressed))
+            build.add_done_callback(lambda done: self._built(key, done))
+        # Shielded: a scraper that goes away ends its own wait, not the build of the others.
+        return await asyncio.shield(build), writer.content_type, compressed
 
-    def _built(self, key: tuple[str, bool], done: concurrent.futures.Future[bytes]) -> None:
-        with self._lock:  # finished: scrapes from now on start a fresh build
-            if self._building.get(key) is done:
-                del self._building[key]
+    async def _build_at(self, start: float, writer: ExpositionWriter, compressed: bool
+                        ) -> bytes:
+        wait = start - asyncio.get_running_loop().time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return await asyncio.wrap_future(self._worker.submit(self._build, writer, compressed))
+
+    def _built(self, key: tuple[object, ...], done: asyncio.Task[bytes]) -> None:
+        if self._building.get(key) is done:
+            del self._building[key]  # scrapes from now on ask for a new build
+        if not done.cancelled():
+            done.exception()  # seen by its scrapes, if any are left; else it is not news
 
     def _build(self, writer: ExpositionWriter, compressed: bool) -> bytes:
         body = writer(self._registry)
@@ -82,6 +106,8 @@ class Exposition:
         return asyncio.wrap_future(self._worker.submit(work))
 
     def close(self) -> None:
+        for build in self._building.values():
+            build.cancel()
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 

@@ -118,6 +118,29 @@ def test_the_sidecars_own_families_are_written_on_the_fast_path(families: Frozen
             "allocwatch_gpu_memory_total_bytes", "process_cpu_seconds"} <= names
 
 
+@pytest.mark.parametrize("accept", ["application/openmetrics-text;version=1.0.7",
+                                    "application/openmetrics-text;version=1.99;escaping=underscores"])
+def test_openmetrics_versions_below_two_are_one_kind_with_the_same_bytes(
+        families: Frozen, accept: str) -> None:
+    """Builds are shared by kind, so that a client naming a new version on each scrape does
+    not get a build of its own each time: what a version changes is the content type."""
+    first = ExpositionWriter("application/openmetrics-text;version=1.0.0")
+    writer = ExpositionWriter(accept)
+    theirs, content_type = choose_encoder(accept)
+    assert writer.kind == first.kind and writer.content_type == content_type
+    assert writer(families) == first(families) == theirs(families)
+    assert ExpositionWriter("application/openmetrics-text;version=2.0.0").kind != first.kind
+
+
+@pytest.mark.parametrize("accept", ["application/openmetrics-text;version=1.x",
+                                    "application/openmetrics-text;version=abc",
+                                    "text/plain;version=x.1"])
+def test_a_version_that_cannot_be_compared_gets_the_default_format(accept: str) -> None:
+    with pytest.raises(TypeError):  # prometheus_client's choice: a 500 for every such scrape
+        choose_encoder(accept)
+    assert ExpositionWriter(accept).content_type == choose_encoder("")[1]
+
+
 @settings(max_examples=2000, deadline=None)
 @given(st.one_of(st.floats(), st.integers(min_value=0, max_value=1 << 64).map(float),
                  st.integers(min_value=-(1 << 64), max_value=1 << 64)))
