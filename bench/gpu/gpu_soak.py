@@ -11,7 +11,9 @@ the median and longest step (a stall shows as a step far beyond the median), and
 agent saw (reconnects, dropped reports). The driver kills and restarts the sidecar, and after
 each restart waits for the agent to be back in /metrics with counters that did not go back.
 With --self-check the worker runs on the CPU and publishes allocwatch's core on the simulated
-device: it checks this script, not the GPU.
+device: it checks this script, not the GPU. It stops once the sidecar has been killed twice and
+the agent was back after each, however long the worker took to start (--kills N does the same
+on a GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from bench.lib.sidecar_process import SidecarProcess, scrape
 
 # ------------------------------------------------------------------------------- the worker
 
-def worker(target: str, seconds: float, self_check: bool) -> int:
+def worker(target: str, seconds: float, self_check: bool, stop_file: str | None) -> int:
     import torch
 
     import allocator_ext
@@ -48,7 +50,8 @@ def worker(target: str, seconds: float, self_check: bool) -> int:
     corrupt = steps = 0
     times = []
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    stop = Path(stop_file) if stop_file else None
+    while time.monotonic() < end and not (stop and stop.exists()):
         t0 = time.perf_counter()
         value = float(steps % 1000)
         x = torch.full((n,), value, device=device)
@@ -100,21 +103,26 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--kill-every", type=float, default=60.0, metavar="S")
+    p.add_argument("--kills", type=int, metavar="N",
+                   help="stop once the sidecar was killed N times, the agent waited for after "
+                        "each (--minutes then bounds the run)")
     p.add_argument("--self-check", action="store_true")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--worker", metavar="TARGET", help=argparse.SUPPRESS)
+    p.add_argument("--stop-file", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.self_check and args.minutes == 10.0:
-        # Long enough for two kills even where the worker takes seconds to start (a loaded machine).
-        args.minutes, args.kill_every = 0.75, 4.0
+        # Two kills, two seconds apart, whenever the worker is up (seconds on a loaded machine).
+        args.minutes, args.kill_every, args.kills = 2.0, 2.0, args.kills or 2
     if args.worker:
-        return worker(args.worker, args.minutes * 60, args.self_check)
+        return worker(args.worker, args.minutes * 60, args.self_check, args.stop_file)
 
     sidecar = SidecarProcess("allocwatch-soak-", agents_yaml="  expiry_seconds: 120\n",
                              extra_yaml="admin:\n  enabled: false\n").start()
     url = sidecar.metrics_url
+    stop_file = sidecar.folder / "stop"
     cmd = [sys.executable, "-m", __spec__.name, "--worker", sidecar.target, "--minutes",
-           str(args.minutes)]
+           str(args.minutes), "--stop-file", str(stop_file)]
     if args.self_check:
         cmd.append("--self-check")
     work = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -128,6 +136,9 @@ def main() -> int:
     next_kill = time.monotonic() + args.kill_every
     while work.poll() is None:
         time.sleep(0.2)
+        if args.kills is not None and kills >= args.kills:
+            stop_file.touch()  # the kills done, the agent waited for after each: enough
+            continue
         if time.monotonic() < next_kill or time.monotonic() > last_kill_at:
             continue
         sidecar.kill()
