@@ -20,10 +20,13 @@ which user is at the other end of a Unix socket. So the front accepts each conne
   agents starting together): past it, the listeners are not read until the next is due, and
   newcomers wait in the kernel's listen queue (then their connect retries), so a flood of
   connections costs the sidecar a bounded share of its time whatever its rate;
-- cost: until a connection sends its first bytes it is a socket and a poll; then it is joined to
-  the gRPC server's private socket and bytes are relayed both ways, each side read only while
-  the other takes what it is given (asyncio's flow control), so a peer that does not read
-  holds at most the transports' buffers.
+- cost: until a connection has sent the opening of an HTTP/2 connection (the preface and a
+  frame's header: 33 bytes, which a client sends at once) or bytes that cannot begin one (a TLS
+  ClientHello) it is a socket and a poll, what it sent kept; a crowd that sends the preface
+  alone never reaches the gRPC server. Then it is joined to the gRPC server's private socket
+  and bytes are relayed both ways, each side read only while the other takes what it is given
+  (asyncio's flow control), so a peer that does not read holds at most the transports'
+  buffers.
 
 The relay's end at the gRPC server is bound to an abstract name of its own, which the servicer
 reads back as the stream's peer (`unix-abstract:NAME`): `origin(peer)` says where the stream
@@ -56,6 +59,12 @@ FLUSH_SECONDS = 5.0  # for the last bytes to one end once the other has closed
 ACCEPTS_PER_SECOND = 64.0
 ACCEPT_BURST = 128.0
 REFUSAL_SECONDS = 1.0  # past the hello deadline: the stream's DEADLINE_EXCEEDED goes first
+# An HTTP/2 client opens with the preface and a SETTINGS frame, sent without waiting for the
+# server (RFC 9113, 3.4): a connection is relayed once it sent that much, the preface and a
+# frame's header. One that sends the preface and stops is held as it is, a socket and a poll,
+# never joined to the gRPC server.
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_OPENING = len(PREFACE) + 9
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -141,6 +150,7 @@ class _Link:
         self.deadline = deadline
         self.sides: list[_Side] = []
         self.task: asyncio.Task[None] | None = None
+        self.head = b""  # read from the client before the relay began (at most _OPENING)
         self.closed = False
 
     def close(self, flush: _Side | None = None) -> None:
@@ -339,19 +349,24 @@ class AgentFront:
     # ---------------------------------------------------------------- relaying
 
     def _spoke(self, link: _Link) -> None:
+        """The client sent something: relayed once it is past the connection's opening (or
+        cannot be the start of one), else held as it is, a socket and a poll."""
         sock = link.sock
         assert sock is not None
-        self.loop.remove_reader(sock.fileno())
         try:
-            ended = sock.recv(1, socket.MSG_PEEK) == b""
+            data = sock.recv(_OPENING - len(link.head))
         except (BlockingIOError, InterruptedError):
-            ended = False
+            return
         except OSError:
-            ended = True
-        if ended:  # gone before a byte: nothing to relay
+            data = b""
+        if not data:  # gone before its opening: nothing to relay
             link.close()
             return
         self.heard(link)
+        link.head += data
+        if len(link.head) < _OPENING and PREFACE.startswith(link.head[:len(PREFACE)]):
+            return  # the preface so far, and no frame after it yet
+        self.loop.remove_reader(sock.fileno())
         link.task = self.loop.create_task(self._relay(link))
 
     async def _relay(self, link: _Link) -> None:
@@ -360,6 +375,7 @@ class AgentFront:
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         near, far = _Side(link, client=True), _Side(link, client=False)
         near.other, far.other = far, near
+        near.early.append(link.head)  # what the client sent so far: the server's first bytes
         link.sides = [near, far]
         try:
             upstream.bind("\0" + link.name)

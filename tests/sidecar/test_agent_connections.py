@@ -3,7 +3,8 @@ user reaches it, no token needed to connect) 1,100 connections that send the HTT
 nothing more, under the usual 1,024-descriptor limit, run the sidecar out of nothing: they are
 capped, each closed at the hello deadline from its accept whatever it sent (a SETTINGS
 acknowledgement included), the oldest going first when a newcomer needs its place; scrapes,
-probes, the admin socket and a new agent get through throughout."""
+probes, the admin socket and a new agent get through throughout. A connection that sent the
+preface alone is held as a socket, never joined to the gRPC server."""
 
 from __future__ import annotations
 
@@ -130,6 +131,30 @@ def test_preface_only_connections_neither_exhaust_descriptors_nor_lock_out_anyon
                                  server="agents", reason=reason)
                   for reason in ("idle_evicted", "hello_timeout")}
         assert sum(sum(v) for v in closed.values()) >= CROWD - 300, closed
+
+
+def test_the_preface_alone_is_held_as_a_socket_and_a_frame_after_it_reaches_the_server(
+        tmp_path: Path) -> None:
+    with sidecar_with_tcp(tmp_path) as (process, url, port, _, _):
+        time.sleep(0.5)  # past the start's last steps
+        before = _descriptors(process.pid)
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5))
+                    for _ in range(40)]
+            for sock in held:
+                sock.sendall(PREFACE)
+            wait_for(lambda: values(url, "allocwatch_http_connections", server="agents")
+                     == [40.0], timeout=10, what="the 40 accepted")
+            time.sleep(0.5)
+            # One descriptor each: no relay, no connection of the gRPC server (three each).
+            assert _descriptors(process.pid) - before < 40 + 20
+            held[1].settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                held[1].recv(1)  # the server's SETTINGS never came: nothing reached it
+            # The SETTINGS frame that a client sends after its preface, in a write of its own.
+            held[0].sendall(EMPTY_SETTINGS)
+            frame = held[0].recv(9)
+            assert len(frame) == 9 and frame[3] == 0x04, frame  # the server's SETTINGS
 
 
 def test_a_connection_that_carries_no_agent_is_closed_at_the_hello_deadline(
