@@ -368,3 +368,18 @@ def test_pytorch_settings_split_into_ours_and_pytorchs_own() -> None:
     assert others == [("per_process_memory_fraction", "0.5"),
                       ("graph_capture_record_stream_reuse", "True")]
     assert ae.parse_config(known)["expandable_segments"] is True
+
+
+def test_a_segment_free_reaches_observers_while_the_segment_still_exists() -> None:
+    """NCCL's trace tracker deregisters a segment from its communicators on SEGMENT_FREE, so
+    the entry comes before the device frees the memory, as PyTorch records it before cudaFree."""
+    device = ae.SimDevice()
+    a = ae.Allocator(device, "native")
+    used_at_free: list[int] = []
+    a.add_trace_observer(
+        lambda e: used_at_free.append(device.used) if e["action"] == "segment_free" else None)
+    a.free(a.malloc(3 * MiB))
+    held = device.used
+    a.empty_cache()
+    assert held >= 20 * MiB and used_at_free == [held]
+    assert device.used == held - 20 * MiB

@@ -95,6 +95,9 @@ std::size_t CachingAllocator::release_blocks(BlockPool& pool) {
 
 void CachingAllocator::release_block(Block* block) {
   const PrivatePool* owner = block->pool->owner;
+  // Recorded before the memory goes, as PyTorch records SEGMENT_FREE before cudaFree: a trace
+  // tracker (NCCL's) deregisters the segment from its communicators while it still exists.
+  count_released(*block->pool, TraceAction::segment_free, block->ptr, block->size, block->stream);
   if (owner != nullptr && owner->segments != nullptr) {
     // Freed by the pool's own allocator once the lock is let go (Note [pool allocators outside
     // the lock]); gone from the books now, so nothing hands it out meanwhile.
@@ -103,7 +106,6 @@ void CachingAllocator::release_block(Block* block) {
   } else {
     device_->free(reinterpret_cast<void*>(block->ptr), block->size);
   }
-  count_released(*block->pool, TraceAction::segment_free, block->ptr, block->size, block->stream);
   block->pool->blocks.erase(block);
   delete_block(block);
 }
