@@ -102,7 +102,7 @@ def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles
 
 
 def test_growth_timeline_traces_each_settings_peak_to_its_requests(tmp_path: Path) -> None:
-    trace = "tests/data/traces/convnet__default.pickle.gz"
+    trace = "tests/data/traces/convnet_fixed__default.pickle.gz"
     out_file = tmp_path / "timeline.json"
     out = subprocess.run([sys.executable, "-m", "bench.replay.growth_timeline", trace, "--config",
                           "", "--config", "native", "--json", str(out_file)], cwd=REPO,
@@ -119,7 +119,7 @@ def test_growth_timeline_traces_each_settings_peak_to_its_requests(tmp_path: Pat
         assert result["peak_reserved_over_requested"][i] == pytest.approx(peak)
         assert max(row["reserved"][i] for row in result["rows"]) == pytest.approx(peak)
     assert all(row["action"] and row["event"] >= 0 for row in result["rows"])
-    # PyTorch's rules reserve more than allocwatch's on this trace (1.96 against 1.01).
+    # PyTorch's rules reserve more than allocwatch's on this trace (1.70 against 1.02).
     assert result["peak_reserved_over_requested"][1] > result["peak_reserved_over_requested"][0]
 
 
@@ -132,11 +132,13 @@ def test_the_fixed_layout_bound_packs_requests_that_never_meet_into_the_same_byt
                            Lifetime(5, 10, 2, 0)]) == 6
     assert packed_span([Lifetime(0, 10, 4, 0), Lifetime(0, 5, 2, 0), Lifetime(5, 10, 2, 0),
                            Lifetime(4, 6, 3, 0)]) == 9
-    # On a recorded trace it cannot go below what the program holds at once.
+    # On a recorded trace it cannot go below what the program holds at once. (The packing
+    # compares each request with every one placed before it: the trace of 5,700 requests, not
+    # one of 14,000, which takes minutes.)
     out = subprocess.run([sys.executable, "-m", "bench.replay.growth_timeline",
-                          "tests/data/traces/convnet__default.pickle.gz", "--config", "native",
-                          "--fixed-layout-bound"], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
+                          "tests/data/traces/convnet_fixed__default.pickle.gz", "--config",
+                          "native", "--fixed-layout-bound"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(x for x in out.stdout.splitlines() if "packed with foresight" in x)
     assert 1.0 <= float(line.rsplit("=", 1)[1]) < 1.1
