@@ -159,28 +159,6 @@ def test_a_pytorchjob_without_workers_fails_the_build_naming_the_replica(tmp_pat
     assert "spec.pytorchReplicaSpecs.Worker" in result.stderr
 
 
-def test_the_sidecar_image_can_be_pinned_by_digest(tmp_path: Path) -> None:
-    digest = "sha256:" + "ab" * 32
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(bare("Job")))
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": ["job.yaml"], "components": [component_from(tmp_path)],
-        "images": [{"name": "ghcr.io/allocwatch/allocwatch-sidecar",
-                    "newName": "registry.example.com/allocwatch/allocwatch-sidecar",
-                    "digest": digest}]}))
-    [job] = kustomize_build(tmp_path)
-    sidecar = find_sidecar(job["spec"]["template"]["spec"])
-    assert sidecar["image"] == f"registry.example.com/allocwatch/allocwatch-sidecar@{digest}"
-
-
-@pytest.mark.parametrize("example", ["job", "job-legacy-sidecar"])
-def test_the_examples_name_the_image_to_rewrite(example: str) -> None:
-    kustomization = yaml.safe_load((DEPLOY / "examples" / example / "kustomization.yaml")
-                                   .read_text())
-    [image] = kustomization["images"]
-    assert image["name"] == canonical_sidecar()["image"].split(":")[0]
-    assert "newName" in image
-
-
 def test_a_pod_the_component_made_starts_the_agent_through_its_environment_alone(
         tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The bare Job's own `torchrun ... train.py`, with nothing but the Component's environment

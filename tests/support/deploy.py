@@ -23,6 +23,8 @@ DASHBOARD = GRAFANA / "dashboards" / "allocwatch.json"
 
 SIDECAR = "allocwatch-sidecar"
 COMPONENT = DEPLOY / "components" / "allocwatch"
+# The one place the sidecar image's name and tag are set, which every other copy takes.
+SIDECAR_IMAGE_COMPONENT = DEPLOY / "components" / "sidecar-image"
 METRICS_PORT = 9471
 SOCKET_DIR = "/run/allocwatch"  # the shared emptyDir's mount
 SIDECAR_DIR = "/run/allocwatch/sidecar"  # the sidecar's own directory in it: its sockets
@@ -137,10 +139,26 @@ def component_additions() -> dict:
     return pods[0]
 
 
+def sidecar_image_entry() -> dict:
+    """The `images:` entry of deploy/components/sidecar-image: the image's name, its tag."""
+    kustomization = yaml.safe_load((SIDECAR_IMAGE_COMPONENT / "kustomization.yaml").read_text())
+    [entry] = kustomization["images"]
+    return entry
+
+
+def sidecar_image() -> str:
+    """The sidecar image as every kustomization renders it unless a user sets theirs."""
+    entry = sidecar_image_entry()
+    return f"{entry['name']}:{entry['newTag']}"
+
+
 def canonical_sidecar() -> dict:
+    """The Component's sidecar as it renders: the manifest names the image without its tag,
+    which deploy/components/sidecar-image adds."""
     sidecar = find_sidecar(component_additions()["spec"])
     assert sidecar is not None
-    return sidecar
+    assert sidecar["image"] == sidecar_image_entry()["name"], sidecar["image"]
+    return {**sidecar, "image": sidecar_image()}
 
 
 def trainer_additions() -> dict:
