@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.paths import REPO
+from support.paths import BENCH_BUILD, BENCH_BUILD_GROUP, REPO
 from support.waiting import wait_for
 
 from allocator_ext.replay import load_trace
@@ -445,6 +445,7 @@ def test_host_profile_refuses_zero_steps() -> None:
     assert out.returncode == 2 and "--reps and --steps must be at least 1" in out.stderr
 
 
+@pytest.mark.xdist_group(BENCH_BUILD_GROUP)  # run_hotpath.sh builds there
 def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path) -> None:
     # Built with the project's only build requirement, a C++ compiler; the figures themselves
     # count only on the H200 host (docs/benchmarks.md).
@@ -461,6 +462,7 @@ def test_core_hot_path_benchmark_builds_and_reports_every_pattern(tmp_path: Path
     assert set(result["scale_ratio"]) == {"native", "allocwatch"}
 
 
+@pytest.mark.xdist_group(BENCH_BUILD_GROUP)
 def test_core_hot_path_benchmark_refuses_an_unknown_option() -> None:
     out = subprocess.run(["bash", "bench/native/run_hotpath.sh", "--round", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
@@ -509,6 +511,7 @@ def test_a_trace_program_frees_only_what_it_allocated(tmp_path: Path) -> None:
     assert allocated == int(ids) == sum(e.action == "alloc" for e in trace.events)
 
 
+@pytest.mark.xdist_group(BENCH_BUILD_GROUP)  # run_trace_ops.sh builds there
 def test_trace_ops_times_each_setting_without_device_calls(tmp_path: Path) -> None:
     # Built with a C++ compiler alone; the figures count only on an idle host.
     out_file = tmp_path / "trace_ops.json"
@@ -526,6 +529,7 @@ def test_trace_ops_times_each_setting_without_device_calls(tmp_path: Path) -> No
                for r in by_setting.values())
 
 
+@pytest.mark.xdist_group(BENCH_BUILD_GROUP)
 @pytest.mark.parametrize("line, why", [("a 0 512", "bad operation 'a 0 512'"),
                                        ("f 0", "bad operation 'f 0'"),
                                        ("a 5 512 0", "bad operation 'a 5 512 0'")])
@@ -533,9 +537,9 @@ def test_trace_ops_refuses_a_bad_program_naming_the_line(tmp_path: Path, line: s
                                                          why: str) -> None:
     program = tmp_path / "program.txt"
     program.write_text(f"allocwatch-program 1 1 1\n{line}\n")
-    subprocess.run(["bash", "bench/native/build.sh", str(REPO / "build" / "native"),
-                    "trace_ops"], cwd=REPO, capture_output=True, timeout=300, check=True)
-    done = subprocess.run([str(REPO / "build" / "native" / "trace_ops"), str(program),
+    subprocess.run(["bash", "bench/native/build.sh", str(BENCH_BUILD), "trace_ops"], cwd=REPO,
+                   capture_output=True, timeout=300, check=True)
+    done = subprocess.run([str(BENCH_BUILD / "trace_ops"), str(program),
                            "defaults"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"{program}:2: {why}" in done.stderr

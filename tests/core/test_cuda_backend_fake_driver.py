@@ -15,23 +15,27 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.paths import REPO
+from support.paths import BENCH_BUILD, BENCH_BUILD_GROUP, REPO
 
 BUILD = REPO / "bench" / "native" / "build.sh"
 BUILD_NATIVE = REPO / "bench" / "native" / "build_native.sh"
 
-pytestmark = pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
-                                reason="no CMake or no C++ compiler")
+pytestmark = [pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
+                                 reason="no CMake or no C++ compiler"),
+              pytest.mark.xdist_group(BENCH_BUILD_GROUP)]
 
 
 @pytest.fixture(scope="module")
-def native_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """bench/CMakeLists.txt's back-end test and stand-in driver (in fake_libcuda/)."""
-    out = tmp_path_factory.mktemp("fake_cuda")
-    result = subprocess.run(["bash", str(BUILD), str(out), "cuda_device_fake_driver_test",
-                             "fake_libcuda"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return out
+def native_build() -> Path:
+    """bench/CMakeLists.txt's back-end test, stand-in driver (in fake_libcuda/) and
+    device_call_costs (by build_native.sh, as the GPU session builds it), in the benchmarks'
+    build folder, where the core is compiled once for them and the benchmarks."""
+    for command in (["bash", str(BUILD_NATIVE), str(BENCH_BUILD)],
+                    ["bash", str(BUILD), str(BENCH_BUILD), "cuda_device_fake_driver_test",
+                     "fake_libcuda"]):
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+    return BENCH_BUILD
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +55,12 @@ def test_cuda_device_on_fake_driver(native_build: Path, fake_driver_dir: Path) -
     assert " 0 failed" in result.stdout
 
 
-def test_device_call_costs_writes_cost_table(fake_driver_dir: Path, tmp_path: Path) -> None:
-    build = subprocess.run(["bash", str(BUILD_NATIVE), str(tmp_path)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+def test_device_call_costs_writes_cost_table(native_build: Path, fake_driver_dir: Path,
+                                             tmp_path: Path) -> None:
     table = tmp_path / "costs.json"
     result = _run_with_fake_driver(
-        fake_driver_dir, [str(tmp_path / "device_call_costs"), "--quick", "--json", str(table)])
+        fake_driver_dir, [str(native_build / "device_call_costs"), "--quick", "--json",
+                          str(table)])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "memory check: mapped and plain device memory written and read back" in result.stdout
     costs = json.loads(table.read_text())
@@ -76,12 +79,10 @@ def test_device_call_costs_writes_cost_table(fake_driver_dir: Path, tmp_path: Pa
     assert "probe: one cuMemUnmap over 8 mappings refused" in result.stdout
 
 
-def test_device_call_costs_fails_clearly_without_a_driver(tmp_path: Path) -> None:
-    build = subprocess.run(["bash", str(BUILD_NATIVE), str(tmp_path)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+def test_device_call_costs_fails_clearly_without_a_driver(native_build: Path,
+                                                          tmp_path: Path) -> None:
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))  # a folder with no libcuda.so.1
-    result = subprocess.run([str(tmp_path / "device_call_costs"), "--quick"], env=env,
+    result = subprocess.run([str(native_build / "device_call_costs"), "--quick"], env=env,
                             capture_output=True, text=True, timeout=60)
     if result.returncode == 0:
         pytest.skip("a real CUDA driver is installed here")
