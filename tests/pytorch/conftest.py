@@ -1,7 +1,8 @@
 """The native back end built against the releases allocator_ext/native/releases.py lists, once
 per test session and in parallel (a build takes tens of seconds), for the tests that compile,
 load and drive it (test_native_build.py, test_native_sim.py): the releases those tests of the
-session ask for, all of them at the first test's request."""
+session ask for, all of them at the first test's request (under pytest-xdist, once for all the
+workers)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ def release_builds(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
             version = version or torch_releases.GPU_RELEASE
             if version not in wanted:
                 wanted.append(version)
-    builds = ReleaseBuilds(tmp_path_factory.mktemp("release_builds"), wanted)
+    # One folder for the whole run: under pytest-xdist every worker's session asks for the
+    # builds, and build.ensure_built's lock lets one process compile each while others wait.
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "release_builds"
+    root.mkdir(exist_ok=True)
+    builds = ReleaseBuilds(root, wanted)
     yield builds
     builds.close()

@@ -27,7 +27,9 @@ from support import torch_releases
 
 from allocator_ext.native import build, releases
 
-pytestmark = pytest.mark.timeout(torch_releases.BUILD_TIMEOUT_S)
+# One worker under pytest-xdist: each release's allocator_calls.so is compiled once (_built).
+pytestmark = [pytest.mark.timeout(torch_releases.BUILD_TIMEOUT_S),
+              pytest.mark.xdist_group("native_sim")]
 
 HERE = Path(__file__).resolve().parent / "native_sim"
 SCENARIOS = HERE / "scenarios.py"
