@@ -42,7 +42,8 @@ parser = pytest.importorskip(
 
 agent_module = pytest.importorskip("allocator_ext.agent", reason="the agent is not importable")
 
-pytestmark = pytest.mark.timeout(120)
+# One worker under pytest-xdist: the module's sidecar and agent (`live`) start once.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("live_scrape")]
 
 GPU_UUID = "GPU-11111111-2222-3333-4444-555555555555"
 GIB = 1 << 30

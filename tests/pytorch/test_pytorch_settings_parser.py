@@ -21,6 +21,8 @@ from support.settings_cases import ROWS, good_values
 from allocator_ext import _core
 
 torch = pytest.importorskip("torch")
+# One worker under pytest-xdist: the probe (`probe`) is compiled once.
+pytestmark = pytest.mark.xdist_group("settings_probe")
 PROBE = Path(__file__).resolve().parent / "pytorch_settings_probe.cpp"
 
 # test/test_cuda.py's test_allocator_settings, in order, and calls that name several keys.
