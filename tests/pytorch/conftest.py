@@ -6,6 +6,7 @@ workers)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import threading
@@ -16,6 +17,12 @@ import pytest
 from support import torch_releases
 
 from allocator_ext.native import build
+
+# A back end is built against the C++ runtime of the process that builds it
+# (build.process_libstdcxx): in a training process, the one torch loaded. It is loaded here as
+# torch loads it, at collection, so that every build of the session links the same way whichever
+# tests ran before (a session of these files alone never imports torch).
+ctypes.CDLL("libstdc++.so.6")
 
 
 class ReleaseBuilds:

@@ -13,7 +13,6 @@ between releases run against each release's."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -132,9 +131,9 @@ def test_a_compiler_that_links_its_own_libstdcxx_statically(
                        f"-static-libstdc++\n")
     wrapper.chmod(0o755)
     monkeypatch.setenv("CXX", str(wrapper))
-    # The build links the C++ runtime the process runs on: torch's, in a process that imported
-    # it; this one's is loaded here as torch would load it.
-    ctypes.CDLL("libstdc++.so.6")
+    # The build links the C++ runtime the process runs on (loaded by conftest.py, as torch
+    # loads it in a training process).
+    assert build.process_libstdcxx() is not None
     backend = build.ensure_built(release_builds.plan(torch_releases.GPU_RELEASE),
                                  root=tmp_path / "cache")
     exported = subprocess.run([nm, "-D", "--defined-only", str(backend)], capture_output=True,
