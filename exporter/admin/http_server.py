@@ -43,6 +43,7 @@ from exporter.admin.service import (
 from exporter.admin.tls import RenewingTlsContext
 from exporter.shared.bounded_http import BoundedHttpServer, HttpError, read_body
 from exporter.shared.config import ConfigError, shown
+from exporter.shared.precedence import Precedence
 from exporter.shared.refusals import Refusals
 from exporter.shared.tokens import RotatingToken, in_daemon_thread
 
@@ -121,7 +122,7 @@ def _read_token(config: AdminConfig) -> tuple[RotatingToken, bytes | None]:
 
 class AdminHttpServer:
     def __init__(self, config: AdminConfig, agents_socket: str, service: AdminService,
-                 refusals: Refusals | None = None):
+                 refusals: Refusals | None = None, precedence: Precedence | None = None):
         self.service = service
         self._refusals = refusals or Refusals()
         self._config = config
@@ -137,7 +138,7 @@ class AdminHttpServer:
         self._tls = (RenewingTlsContext(config.tls_cert_file, config.tls_key_file,
                                         config.tls_client_ca_file)
                      if config.tcp_port is not None and config.tls_cert_file else None)
-        self.http = BoundedHttpServer("admin", self._handle, config.limits)
+        self.http = BoundedHttpServer("admin", self._handle, config.limits, precedence)
 
     async def start(self) -> None:
         config = self._config

@@ -19,7 +19,8 @@ which user is at the other end of a Unix socket. So the front accepts each conne
 - rate: at most ACCEPTS_PER_SECOND new connections a second (a burst of ACCEPT_BURST, a job's
   agents starting together): past it, the listeners are not read until the next is due, and
   newcomers wait in the kernel's listen queue (then their connect retries), so a flood of
-  connections costs the sidecar a bounded share of its time whatever its rate;
+  connections costs the sidecar a bounded share of its time whatever its rate; they wait
+  there too while a scrape is being built (exporter.shared.precedence);
 - cost: until a connection has sent the opening of an HTTP/2 connection (the preface and a
   frame's header: 33 bytes, which a client sends at once) or bytes that cannot begin one (a TLS
   ClientHello) it is a socket and a poll, what it sent kept; a crowd that sends the preface
@@ -50,6 +51,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable
 
+from exporter.shared.precedence import Precedence
 from exporter.shared.refusals import Refusals
 
 log = logging.getLogger("exporter.grpc")
@@ -187,8 +189,9 @@ class AgentFront:
 
     def __init__(self, upstream: Callable[[Origin], str], *, max_connections: int,
                  hello_timeout: float, allowed_uids: Iterable[int], refusals: Refusals,
-                 backlog: int = 128):
+                 backlog: int = 128, precedence: Precedence | None = None):
         self.loop = asyncio.get_running_loop()
+        self._precedence = precedence
         self._upstream = upstream
         self.max_connections = max_connections
         self.hello_timeout = hello_timeout
@@ -253,6 +256,10 @@ class AgentFront:
         self.loop.add_reader(sock.fileno(), self._accept, sock)
 
     def _accept(self, listener: socket.socket) -> None:
+        if self._precedence is not None and self._precedence.defers(
+                lambda: self._resume(listener)):
+            self.loop.remove_reader(listener.fileno())  # newcomers wait while a scrape builds
+            return
         for _ in range(self._backlog):  # bounded: a burst never holds the loop long
             if not self._take_accept():
                 return
@@ -271,7 +278,8 @@ class AgentFront:
             self._admit(conn, address)
 
     def _resume(self, listener: socket.socket) -> None:
-        if listener in self._listeners:
+        # Not while the accepts' rate holds every listener: _unpause reads them all again.
+        if listener in self._listeners and self._paused is None:
             self.loop.add_reader(listener.fileno(), self._accept, listener)
 
     def _take_accept(self) -> bool:

@@ -42,6 +42,7 @@ from exporter.agents.config import AgentsConfig
 from exporter.agents.front import AgentFront, Origin
 from exporter.agents.screening import message_problem, screened_report, screened_result
 from exporter.shared.config import ConfigError
+from exporter.shared.precedence import Precedence
 from exporter.shared.refusals import Refusals
 from exporter.shared.registry import (
     AgentRefusedError,
@@ -333,8 +334,9 @@ class AgentsEndpoint:
     `targets` are the addresses agents dial; `await stop(grace)`."""
 
     def __init__(self, registry: Registry, config: AgentsConfig, refusals: Refusals,
-                 max_connections: int):
+                 max_connections: int, precedence: Precedence | None = None):
         self._registry = registry
+        self._precedence = precedence
         self._config = config
         self._refusals = refusals
         self._max_connections = max_connections
@@ -367,7 +369,8 @@ class AgentsEndpoint:
         self.front = AgentFront(
             lambda origin: secure if origin.tcp and credentials is not None else plain,
             max_connections=self._max_connections, hello_timeout=config.hello_timeout_seconds,
-            allowed_uids=config.allowed_uids, refusals=self._refusals)
+            allowed_uids=config.allowed_uids, refusals=self._refusals,
+            precedence=self._precedence)
         service = AgentService(self._registry, config, self.front, self._refusals,
                                agent_token(config))
         service.add_to(server)

@@ -8,7 +8,8 @@ header (OpenMetrics when asked), written by exporter.metrics.exposition_format, 
 gzip-compressed when the scraper accepts it (`gzip_accepted`). Building it is CPU work, so it
 runs off the loop, on one worker thread (`Exposition`): a slow scrape can hold neither the
 agents' gRPC stream nor another scrape's connection; concurrent scrapes share a build, and a
-crowd of scrapes costs at most a few builds a second.
+crowd of scrapes costs at most a few builds a second. While a build runs, the listeners sharing
+the `Precedence` leave new connections queued (exporter.shared.precedence).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from prometheus_client.exposition import gzip_accepted
 from allocator_ext.protocol.version import PACKAGE_VERSION
 from exporter.metrics.exposition_format import ExpositionWriter
 from exporter.shared.bounded_http import BoundedHttpServer, HttpLimits
+from exporter.shared.precedence import Precedence
 from exporter.shared.refusals import Refusals
 from exporter.shared.registry import Registry
 from exporter.shared.tokens import RotatingToken
@@ -129,6 +131,7 @@ class MetricsHttpServer:
         token: RotatingToken | None = None,
         refusals: Refusals | None = None,
         path: str = "/metrics",
+        precedence: Precedence | None = None,
     ):
         self._address = address
         self.path = path  # the exposition's (--web.telemetry-path)
@@ -140,7 +143,10 @@ class MetricsHttpServer:
         self._token = token
         self._refusals = refusals or Refusals()
         self._exposition = Exposition(metrics_registry)
-        self.http = BoundedHttpServer("metrics", self._handle, limits or HttpLimits())
+        # Marks each build; the listeners sharing it leave newcomers queued meanwhile.
+        self._precedence = precedence or Precedence()
+        self.http = BoundedHttpServer("metrics", self._handle, limits or HttpLimits(),
+                                      self._precedence)
         self.port = 0
 
     @property
@@ -184,8 +190,9 @@ class MetricsHttpServer:
     async def _metrics(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         try:
-            body, content_type, compressed = await self._exposition.body(
-                request.headers.get("Accept", ""), request.headers.get("Accept-Encoding", ""))
+            with self._precedence.scrape():
+                body, content_type, compressed = await self._exposition.body(
+                    request.headers.get("Accept", ""), request.headers.get("Accept-Encoding", ""))
         except Exception:
             log.exception("building the metrics failed")
             return web.Response(status=500, text="metrics collection failed\n")

@@ -5,7 +5,8 @@ can take bounded: the metrics endpoint and the admin API both serve through it.
   handed to aiohttp only once it has sent something (its first bytes, a TLS ClientHello, or
   its end), as the kernel's TCP_DEFER_ACCEPT would, which syncookies bypass past the SYN
   backlog. Until then it is a socket and a poll: a crowd of silent connections costs no
-  request handler, and closing one costs a close();
+  request handler, and closing one costs a close(). With a `Precedence`, new connections
+  wait in the kernel's queue while a scrape is being built (exporter.shared.precedence);
 - connections: at most `max_connections` open, silent ones included; one more closes the
   oldest silent one, else the oldest that never began a request (a client trickling its
   first request, a stalled TLS handshake), else the one idle longest; when every one is busy,
@@ -62,6 +63,7 @@ from prometheus_client.registry import Collector
 
 from exporter.shared.config import ConfigError, Section, setting
 from exporter.shared.families import counter, gauge, named
+from exporter.shared.precedence import Precedence
 from exporter.shared.socket_dir import SocketDirError, prepare_socket_dir
 
 log = logging.getLogger("exporter.http")
@@ -223,11 +225,13 @@ class _Acceptor:
     is those first bytes, left in the kernel's buffer as only readability was polled). Keeps
     the listeners' connections, silent ones and aiohttp's, within `max_connections`."""
 
-    def __init__(self, server: _Server, limits: HttpLimits, count: Callable[[str], None]):
+    def __init__(self, server: _Server, limits: HttpLimits, count: Callable[[str], None],
+                 precedence: Precedence | None):
         self._loop = asyncio.get_running_loop()
         self._server = server
         self._limits = limits
         self._count = count
+        self._precedence = precedence
         self._listeners: list[socket.socket] = []
         # Accept order, hence deadline order: silent connections and their idle deadlines.
         self.waiting: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()
@@ -245,6 +249,10 @@ class _Acceptor:
         self._loop.add_reader(listener.fileno(), self._accept, listener, tls)
 
     def _accept(self, listener: socket.socket, tls: ssl.SSLContext | None) -> None:
+        if self._precedence is not None and self._precedence.defers(
+                lambda: self._resume(listener, tls)):
+            self._loop.remove_reader(listener.fileno())  # newcomers wait while a scrape builds
+            return
         for _ in range(self._limits.backlog):  # bounded: a burst never holds the loop long
             try:
                 conn, _ = listener.accept()
@@ -376,7 +384,8 @@ class BoundedHttpServer:
     `await close()`. `handler(request)` answers each request; it runs on the loop, within the
     request deadline, and its response is sent within that deadline too."""
 
-    def __init__(self, name: str, handler: Handler, limits: HttpLimits):
+    def __init__(self, name: str, handler: Handler, limits: HttpLimits,
+                 precedence: Precedence | None = None):
         self.name = name
         self.limits = limits
         self._handler = handler
@@ -388,7 +397,7 @@ class BoundedHttpServer:
             max_field_size=limits.max_header_bytes, max_headers=MAX_HEADER_LINES,
             auto_decompress=False, lingering_time=0, access_log=None)
         self._server.cut_stalled_writer = self._cut_stalled_writer
-        self._acceptor = _Acceptor(self._server, limits, self.count)
+        self._acceptor = _Acceptor(self._server, limits, self.count, precedence)
         self._unix_paths: list[str] = []
         # Answers being written, the one whose client took a chunk least recently first; the
         # bodies they hold, by identity: [size, writers].

@@ -38,6 +38,7 @@ from exporter.policy.runner import PolicyRunner
 from exporter.shared.bounded_http import HttpCollector
 from exporter.shared.config import apply_reload
 from exporter.shared.descriptors import agent_connections
+from exporter.shared.precedence import Precedence
 from exporter.shared.refusals import Refusals
 from exporter.shared.registry import Registry
 from exporter.shared.tokens import RotatingToken
@@ -76,6 +77,8 @@ class Sidecar:
         # One collector per source; the admin API's joins them once it listens.
         self.metrics_registry = CollectorRegistry(auto_describe=False)
         self.refusals = Refusals()
+        # Scrapes first: while /metrics is built, every listener leaves newcomers queued.
+        self.precedence = Precedence()
         for collector in (AllocatorCollector(self.registry), GpuCollector(self.registry, self.nvml),
                           AgentsCollector(self.registry),
                           BoundsCollector(self.registry, self.refusals),
@@ -114,7 +117,7 @@ class Sidecar:
             self.registry, is_ready=lambda: self._ready, is_healthy=self._healthy,
             limits=metrics.limits, tls=tls.listening_context if tls else None,
             token=RotatingToken(metrics, "metrics") if metrics.token_file or metrics.token_env
-            else None, refusals=self.refusals, path=metrics.path)
+            else None, refusals=self.refusals, path=metrics.path, precedence=self.precedence)
         await _listening("metrics", f"{_host_port(metrics.address, metrics.port)} "
                          "(metrics.address and port, --web.listen-address)", self.http.start())
         self.http_collector.servers.append(self.http.http)
@@ -122,7 +125,8 @@ class Sidecar:
         self.agents_endpoint = AgentsEndpoint(
             self.registry, config.agents, self.refusals, agent_connections(
                 config.agents.max_connections, config.metrics.limits.max_connections,
-                config.admin.limits.max_connections if config.admin.enabled else 0))
+                config.admin.limits.max_connections if config.admin.enabled else 0),
+            self.precedence)
         try:
             await _listening("agents", "agents.unix_socket, agents.tcp_port",
                              self.agents_endpoint.start())
@@ -171,7 +175,7 @@ class Sidecar:
             snapshot_dir=admin.snapshot_path(self.config.agents.unix_socket),
             snapshot_owners=self._snapshot_owners)
         self.admin = AdminHttpServer(admin, self.config.agents.unix_socket, service,
-                                     self.refusals)
+                                     self.refusals, self.precedence)
         where = [f"{self.admin.unix_path} (admin.unix_socket)"] if self.admin.unix_path else []
         if admin.tcp_port is not None:
             where.append(f"{_host_port(admin.tcp_address, admin.tcp_port)} "
