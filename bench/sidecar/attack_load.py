@@ -12,11 +12,14 @@ bound, for --seconds each:
 - `amplified_answers`: an agent that answers every command with 100,000 device settings, while an
   admin client sends a settings command to it every two seconds.
 
-A prober asks /healthz every second. Per phase it prints scrape latency (p50, p99, max), failed
-scrapes and probes (must be 0), the sidecar's CPU share and largest RSS (must stay within
---rss-limit-mib, the manifests' memory limit); over the run, the well-behaved agents' reports
-lost (sent by them, never received: must be 0, read per agent from the admin API), and the
-ratio attack p99 / quiet p99 (≤ 2). Each attacker's counts say what it managed.
+A prober asks /healthz every second. The attack phase is timed once every crowd has gathered
+(opened as many connections as it keeps, counting those the sidecar closed meanwhile), so that
+the figures are those of an attack in progress. Per phase it prints scrape latency (p50, p99,
+max), failed scrapes and probes (must be 0), the sidecar's CPU share and largest RSS (must stay
+within --rss-limit-mib, the manifests' memory limit), and the attackers' own CPU share (on a
+small machine they share its cores with the sidecar); over the run, the well-behaved agents'
+reports lost (sent by them, never received: must be 0, read per agent from the admin API), and
+the ratio attack p99 / quiet p99 (≤ 2). Each attacker's counts say what it managed.
 
     python -m bench.sidecar.attack_load --json                  # 60 + 60 s
     python -m bench.sidecar.attack_load --seconds 20 --json     # a shorter run
@@ -33,6 +36,7 @@ import asyncio
 import http.client
 import json
 import os
+import queue
 import resource
 import signal
 import socket
@@ -58,11 +62,38 @@ from bench.sidecar.sidecar_load import (
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HOSTILE_RANK = 1000  # ranks of the hostile agents start here; the good ones are 0..N-1
+GATHER_SECONDS = 30.0  # at most, for the crowds to gather before the attack is timed
+GATHERED = "gathered"  # the attacker's first line once they have
 CLASSES = ("unsent_bodies", "preface_only", "watch_streams", "non_reading_scrapers",
            "unknown_fields", "amplified_answers")
 
 
 # ---------------------------------------------------------------------------- attackers
+
+
+class Deadline:
+    """When the attack ends (time.monotonic()): provisional while the crowds gather, then
+    `seconds` after they have. Streams opened before then are cancelled at the end."""
+
+    def __init__(self, at: float):
+        self.at = at
+        self._calls: list = []
+        self._lock = threading.Lock()
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def timeout(self) -> float:
+        return max(0.1, self.left())
+
+    def opened(self, call) -> None:
+        with self._lock:
+            self._calls.append(call)
+
+    def cancel_calls(self) -> None:
+        with self._lock:
+            for call in self._calls:
+                call.cancel()
 
 
 class Crowd:
@@ -74,22 +105,30 @@ class Crowd:
         self.name, self.port, self.count, self.request = name, port, count, request
         self.rate, self.receive_buffer = rate, receive_buffer
         self.opened = self.closed_by_sidecar = self.failed = 0
+        self.launched = 0
 
-    async def run(self, until: float) -> None:
+    @property
+    def gathered(self) -> bool:
+        """Whether it has opened (or begun to open) as many connections as it keeps: its
+        ramp is over (those the sidecar closes at once are never all open together)."""
+        return self.launched >= self.count
+
+    async def run(self, until: Deadline) -> None:
         loop = asyncio.get_running_loop()
         open_now: set[asyncio.Task[None]] = set()
-        while loop.time() < until:
-            while len(open_now) < self.count and loop.time() < until:
+        while until.left() > 0:
+            while len(open_now) < self.count and until.left() > 0:
                 task = loop.create_task(self._one(until))
                 open_now.add(task)
                 task.add_done_callback(open_now.discard)
+                self.launched += 1
                 await asyncio.sleep(1.0 / self.rate)
             await asyncio.sleep(0.05)
         for task in open_now:
             task.cancel()
         await asyncio.gather(*open_now, return_exceptions=True)
 
-    async def _one(self, until: float) -> None:
+    async def _one(self, until: Deadline) -> None:
         sock = socket.socket()
         if self.receive_buffer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer)
@@ -101,7 +140,7 @@ class Crowd:
             await loop.sock_sendall(sock, self.request)
             if self.receive_buffer:  # read the first bytes (its build is done), then stop
                 await loop.sock_recv(sock, 1024)
-                while loop.time() < until:  # read nothing; note when the sidecar cuts it
+                while until.left() > 0:  # read nothing; note when the sidecar cuts it
                     await asyncio.sleep(1.0)
                     try:
                         sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -124,7 +163,7 @@ class Crowd:
         return {"opened": self.opened, "closed_by_sidecar": self.closed_by_sidecar}
 
 
-def watch_streams(target: str, streams: int, until: float, out: dict) -> None:
+def watch_streams(target: str, streams: int, until: Deadline, out: dict) -> None:
     """Health Watch streams on `target`, each opened again once it ends."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -133,13 +172,13 @@ def watch_streams(target: str, streams: int, until: float, out: dict) -> None:
     lock = threading.Lock()
 
     def one(n: int) -> None:
-        while time.monotonic() < until:
+        while until.left() > 0:
             channel = grpc.insecure_channel(target,
                                             options=[("grpc.use_local_subchannel_pool", 1)])
             try:
                 call = health_pb2_grpc.HealthStub(channel).Watch(
-                    health_pb2.HealthCheckRequest(service=f"svc-{n}"),
-                    timeout=max(0.1, until - time.monotonic()))
+                    health_pb2.HealthCheckRequest(service=f"svc-{n}"), timeout=until.timeout())
+                until.opened(call)
                 with lock:
                     out["opened"] += 1
                 for _ in call:
@@ -157,7 +196,7 @@ def watch_streams(target: str, streams: int, until: float, out: dict) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(max(0.1, until - time.monotonic() + 5))
+        t.join(until.left() + 5)
 
 
 def _varint(n: int) -> bytes:
@@ -173,7 +212,7 @@ class _HostileStream:
     """One stream of a hostile agent: its hello, then its reports (with `padding`, unknown
     fields, where given) and the answers queued by `answer`."""
 
-    def __init__(self, hello, padding: bytes, until: float, out: dict):
+    def __init__(self, hello, padding: bytes, until: Deadline, out: dict):
         self.hello, self.padding, self.until, self.out = hello, padding, until, out
         self.stop = threading.Event()
         self.ready = threading.Condition()
@@ -189,7 +228,7 @@ class _HostileStream:
 
         yield self.hello
         sequence = 0
-        while not self.stop.is_set() and time.monotonic() < self.until:
+        while not self.stop.is_set() and self.until.left() > 0:
             with self.ready:
                 if not self.outgoing:
                     self.ready.wait(0.5)
@@ -206,7 +245,7 @@ class _HostileStream:
                 time.sleep(0.2)
 
 
-def hostile_agent(target: str, rank: int, until: float, out: dict, *, unknown: int = 0,
+def hostile_agent(target: str, rank: int, until: Deadline, out: dict, *, unknown: int = 0,
                   amplify: bool = False) -> None:
     """An agent on `target` whose reports carry `unknown` bytes of unknown fields, or which
     answers every command with 100,000 device settings (`amplify`); it reconnects when the
@@ -222,7 +261,7 @@ def hostile_agent(target: str, rank: int, until: float, out: dict, *, unknown: i
     padding = _varint((1000 << 3) | 2) + _varint(unknown) + b"u" * unknown if unknown else b""
     hello = pb.AgentMessage(hello=pb.Hello(protocol_version=local_version(), identity=(
         build_identity(backend="allocwatch", overrides={"rank": rank}))))
-    while time.monotonic() < until:
+    while until.left() > 0:
         stream = _HostileStream(hello, padding, until, out)
         channel = grpc.insecure_channel(target)
         connect = channel.stream_stream(
@@ -230,7 +269,8 @@ def hostile_agent(target: str, rank: int, until: float, out: dict, *, unknown: i
             request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
             response_deserializer=pb.SidecarMessage.FromString)
         try:
-            call = connect(stream.messages(), timeout=max(0.1, until - time.monotonic()))
+            call = connect(stream.messages(), timeout=until.timeout())
+            until.opened(call)
             out["streams"] += 1
             for message in call:
                 if message.HasField("command") and amplify:
@@ -246,12 +286,12 @@ def hostile_agent(target: str, rank: int, until: float, out: dict, *, unknown: i
         time.sleep(0.5)
 
 
-def admin_commands(admin_socket: str, rank: int, until: float, out: dict) -> None:
+def admin_commands(admin_socket: str, rank: int, until: Deadline, out: dict) -> None:
     """A settings command to the agent of `rank` every two seconds (what makes the amplifying
     agent answer)."""
     out.update(sent=0, answered=0, reply_bytes_max=0)
     body = json.dumps({"settings": "garbage_collection_threshold:0.8", "rank": rank}).encode()
-    while time.monotonic() < until:
+    while until.left() > 0:
         conn = _UnixHttp(admin_socket, timeout=30)
         try:
             conn.request("POST", "/v1/settings", body=body,
@@ -280,9 +320,10 @@ class _UnixHttp(http.client.HTTPConnection):
 
 def attacker(metrics_port: int, agents_tcp: str, agents_unix: str, admin_socket: str,
              seconds: float, classes: set[str]) -> None:
-    """The `classes` at once for `seconds`; prints what each managed as JSON."""
+    """The `classes` at once: once every crowd has gathered it prints GATHERED, then goes on
+    for `seconds`, and prints what each managed (and its own CPU time) as JSON."""
     _raise_descriptor_limit(4096)
-    until_mono = time.monotonic() + seconds
+    until = Deadline(time.monotonic() + GATHER_SECONDS + seconds)
     crowds = [
         Crowd("unsent_bodies", metrics_port, 300, b"GET /metrics HTTP/1.1\r\nHost: a\r\n"
               b"Transfer-Encoding: chunked\r\n\r\n", rate=200),
@@ -293,16 +334,16 @@ def attacker(metrics_port: int, agents_tcp: str, agents_unix: str, admin_socket:
     crowds = [crowd for crowd in crowds if crowd.name in classes]
     results: dict[str, dict] = {name: {} for name in (*CLASSES, "admin_commands")}
     threads = [
-        threading.Thread(target=watch_streams, args=(agents_tcp, 64, until_mono,
+        threading.Thread(target=watch_streams, args=(agents_tcp, 64, until,
                                                      results["watch_streams"]), daemon=True),
-        threading.Thread(target=hostile_agent, args=(agents_unix, HOSTILE_RANK, until_mono,
+        threading.Thread(target=hostile_agent, args=(agents_unix, HOSTILE_RANK, until,
                                                      results["unknown_fields"]),
                          kwargs={"unknown": 900 << 10}, daemon=True),
-        threading.Thread(target=hostile_agent, args=(agents_unix, HOSTILE_RANK + 1, until_mono,
+        threading.Thread(target=hostile_agent, args=(agents_unix, HOSTILE_RANK + 1, until,
                                                      results["amplified_answers"]),
                          kwargs={"amplify": True}, daemon=True),
         threading.Thread(target=admin_commands, args=(admin_socket, HOSTILE_RANK + 1,
-                                                      until_mono, results["admin_commands"]),
+                                                      until, results["admin_commands"]),
                          daemon=True),
     ]
     wanted = {"watch_streams": 0, "unknown_fields": 1, "amplified_answers": 2}
@@ -310,16 +351,32 @@ def attacker(metrics_port: int, agents_tcp: str, agents_unix: str, admin_socket:
         [threads[n], threads[3]] if name == "amplified_answers" else [threads[n]])]
     for thread in threads:
         thread.start()
+    # What each class has opened once it has gathered (threads fill in their counts).
+    opening = {"watch_streams": ("opened", 64), "unknown_fields": ("streams", 1),
+               "amplified_answers": ("streams", 1)}
+
+    def gathered() -> bool:
+        return all(crowd.gathered for crowd in crowds) and all(
+            results[name].get(key, 0) >= count for name, (key, count) in opening.items()
+            if name in classes)
+
+    async def announce() -> None:
+        while not gathered() and until.left() > seconds:
+            await asyncio.sleep(0.1)
+        until.at = time.monotonic() + seconds + 1.0  # past the timed phase's end
+        print(GATHERED, flush=True)
 
     async def crowds_run() -> None:
-        until = asyncio.get_running_loop().time() + seconds
-        await asyncio.gather(*(crowd.run(until) for crowd in crowds))
+        await asyncio.gather(announce(), *(crowd.run(until) for crowd in crowds))
 
     asyncio.run(crowds_run())
+    until.cancel_calls()  # streams opened while the deadline was provisional
     for thread in threads:
         thread.join(10)
     for crowd in crowds:
         results[crowd.name] = crowd.counts()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    results["cpu"] = {"seconds": round(usage.ru_utime + usage.ru_stime, 2)}
     print(json.dumps({k: v for k, v in results.items() if v}), flush=True)
 
 
@@ -344,17 +401,18 @@ def _prober(url: str, until: float, out: dict) -> None:
 def run_phase(name: str, seconds: float, port: int, scrapers: int, interval: float,
               usage: SidecarUsage, url: str, attack: list[str] | None) -> dict:
     attackers = None
+    rss_max = usage.rss_mib()
     if attack is not None:
+        attackers_started = time.monotonic()
         attackers = subprocess.Popen([sys.executable, "-m", __spec__.name, "--attacker",
-                                      *attack[:4], str(seconds + 4), attack[4]], cwd=REPO,
+                                      *attack[:4], str(seconds), attack[4]], cwd=REPO,
                                      stdout=subprocess.PIPE, text=True)
-        time.sleep(3.0)  # the crowds gathered before the scrapes are timed
+        rss_max = max(rss_max, _until_gathered(attackers, usage))
     start = time.monotonic() + 0.2
     crowd = [Scraper(port, start, interval, start + seconds) for _ in range(scrapers)]
     probe: dict = {}
     prober = threading.Thread(target=_prober, args=(url, start + seconds, probe), daemon=True)
     cpu_before = usage.cpu_seconds()
-    rss_max = usage.rss_mib()
     for scraper in crowd:
         scraper.start()
     prober.start()
@@ -375,8 +433,30 @@ def run_phase(name: str, seconds: float, port: int, scrapers: int, interval: flo
     if attackers is not None:
         out, _ = attackers.communicate(timeout=seconds + 120)
         result["attackers"] = json.loads(out.strip().splitlines()[-1])
+        result["attackers_cpu_share"] = round(result["attackers"]["cpu"]["seconds"] / (
+            time.monotonic() - attackers_started), 3)
         result["sidecar_rss_after_mib"] = round(usage.rss_mib(), 1)
     return result
+
+
+def _until_gathered(attackers: subprocess.Popen, usage: SidecarUsage) -> float:
+    """Waits for the attackers' crowds to gather (their first line); the sidecar's largest
+    RSS meanwhile."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(attackers.stdout.readline()),  # type: ignore
+                     daemon=True).start()
+    rss_max = 0.0
+    deadline = time.monotonic() + GATHER_SECONDS + 30
+    while time.monotonic() < deadline:
+        rss_max = max(rss_max, usage.rss_mib())
+        try:
+            line = lines.get(timeout=0.25)
+        except queue.Empty:
+            continue
+        if line.strip() != GATHERED:
+            raise SystemExit(f"the attackers did not gather: {line.strip() or 'exited'}")
+        return rss_max
+    raise SystemExit(f"the attackers did not gather within {GATHER_SECONDS + 30:g} s")
 
 
 def _good_agents_received(admin_socket: str, agents: int) -> int:
