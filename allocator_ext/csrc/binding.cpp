@@ -208,6 +208,7 @@ py::dict snapshot_dict(CachingAllocator& a) {
     seg["segment_type"] = s.is_large ? "large" : "small";
     seg["segment_pool_id"] = py::make_tuple(s.pool_id.first, s.pool_id.second);
     seg["is_expandable"] = s.is_expandable;
+    seg["registration_counter"] = s.registration_counter;
     seg["frames"] = py::list();
     py::list blocks;
     for (const BlockInfo& b : s.blocks) {

@@ -942,6 +942,11 @@ class AllocwatchAllocator final : public cca::CUDAAllocator {
     t.is_large = s.is_large;
     t.is_expandable = s.is_expandable;
     t.owner_private_pool_id = MempoolId_t{s.pool_id.first, s.pool_id.second};
+#if ALLOCWATCH_TORCH_AT_LEAST(2, 11)
+    // ProcessGroupNCCL::registerMemPool registers a pool's segments in this order, and refuses
+    // a segment without one.
+    t.registration_counter = s.registration_counter;
+#endif
     for (const allocwatch::BlockInfo& b : s.blocks) {
       TorchBlock block;
       block.size = static_cast<decltype(block.size)>(b.size);

@@ -154,6 +154,34 @@ def test_freed_neighbours_coalesce_into_one_block() -> None:
     assert a.check_invariants() == ""
 
 
+def test_segments_carry_the_order_they_were_created_in() -> None:
+    # PyTorch's snapshot numbers segments as they are created (registration_counter), and NCCL
+    # registers a pool's segments in that order, the same on every rank: a segment released
+    # leaves a gap, one created later comes after all.
+    _, a = native()
+    first, middle, last = (a.malloc(100 * MiB) for _ in range(3))
+    a.free(middle)
+    a.empty_cache()
+    later = a.malloc(100 * MiB)
+    order = {s["address"]: s["registration_counter"] for s in a.snapshot()["segments"]}
+    assert order == {first: 0, last: 2, later: 3}
+
+
+def test_an_expandable_segments_ranges_share_its_place_in_the_order() -> None:
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev)                         # allocwatch's defaults: expandable segments
+    small = a.malloc(512)
+    kept = [a.malloc(8 * MiB) for _ in range(3)]
+    a.free(kept[1])
+    a.empty_cache()                               # the middle pages go: two mapped ranges
+    segments = a.snapshot()["segments"]
+    large = [s["registration_counter"] for s in segments if s["segment_type"] == "large"]
+    [small_order] = [s["registration_counter"] for s in segments if s["segment_type"] == "small"]
+    assert len(large) == 2 and len(set(large)) == 1
+    assert sorted([small_order, large[0]]) == [0, 1]
+    a.free(small)
+
+
 def test_a_split_block_and_its_merge_keep_best_fit_order() -> None:
     # The hot path changes a cached block in place when its new size still sorts where it is;
     # here it does not, and best fit must still see the true sizes.

@@ -362,6 +362,7 @@ bool CachingAllocator::alloc_block(AllocParams& p, bool is_retry, MallocRound& r
   }
   p.block = new_block(p.stream, p.alloc_size, p.pool, reinterpret_cast<std::uintptr_t>(ptr));
   count_reserved(*p.pool, TraceAction::segment_alloc, p.block->ptr, p.block->size, p.stream);
+  registration_[p.block->ptr] = next_registration_++;
   return true;
 }
 

@@ -84,6 +84,10 @@ struct SegmentInfo {
   bool is_large = false;
   bool is_expandable = false;
   MempoolId pool_id{0, 0};
+  // The segment's place in the order segments were created (an expandable segment's mapped
+  // ranges share its own): NCCL registers a pool's segments in this order, the same on every
+  // rank, as PyTorch's snapshot gives it.
+  std::int32_t registration_counter = -1;
   std::vector<BlockInfo> blocks;
 };
 
@@ -391,6 +395,9 @@ class CachingAllocator {
   bool set_fraction_ = false;
   std::size_t device_total_ = 0;
   std::vector<std::unique_ptr<ExpandableSegment>> expandable_segments_;
+  // Each live segment's registration counter, by its base address (SegmentInfo).
+  std::unordered_map<std::uintptr_t, std::int32_t> registration_;
+  std::int32_t next_registration_ = 0;
   std::vector<SparePhysical> spare_pages_;  // taken back, about to be mapped elsewhere
   // Pages moved away and still mapped at their old place, oldest first, each with the events
   // after which the device no longer uses them there (Note [moving pages]).

@@ -179,6 +179,7 @@ Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
   expandable_segments_.push_back(
       std::make_unique<ExpandableSegment>(*device_, stream, address_space, page));
   ExpandableSegment* es = expandable_segments_.back().get();
+  registration_[es->base()] = next_registration_++;
   Block* candidate = new_block(stream, es->size(), pool, es->base());
   candidate->mapped = false;
   candidate->expandable = es;
@@ -479,6 +480,7 @@ void CachingAllocator::release_expandable_segment(Block* block) {
   block->pool->unmapped.erase(block);
   ExpandableSegment* es = block->expandable;
   delete_block(block);
+  registration_.erase(es->base());
   expandable_segments_.erase(
       std::find_if(expandable_segments_.begin(), expandable_segments_.end(),
                    [&](const std::unique_ptr<ExpandableSegment>& p) { return p.get() == es; }));

@@ -161,6 +161,8 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() {
     seg.stream = head->stream;
     seg.is_large = !head->pool->is_small;
     seg.is_expandable = head->expandable != nullptr;
+    auto order = registration_.find(seg.is_expandable ? head->expandable->base() : head->ptr);
+    if (order != registration_.end()) seg.registration_counter = order->second;
     auto id = pool_ids.find(head->pool);
     if (id != pool_ids.end()) seg.pool_id = id->second;
     for (const Block* b = head; b != nullptr && b->mapped; b = b->next) {

@@ -98,6 +98,7 @@ void CachingAllocator::release_block(Block* block) {
   // Recorded before the memory goes, as PyTorch records SEGMENT_FREE before cudaFree: a trace
   // tracker (NCCL's) deregisters the segment from its communicators while it still exists.
   count_released(*block->pool, TraceAction::segment_free, block->ptr, block->size, block->stream);
+  registration_.erase(block->ptr);
   if (owner != nullptr && owner->segments != nullptr) {
     // Freed by the pool's own allocator once the lock is let go (Note [pool allocators outside
     // the lock]); gone from the books now, so nothing hands it out meanwhile.
