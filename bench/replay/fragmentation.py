@@ -2,7 +2,7 @@
 
     python -m bench.replay.fragmentation [--config STR ...] [--traces GLOB ...] [--json FILE]
 
-For every trace (the project's H200 recordings in tests/data/traces and, where present, the
+For every trace (the project's H200 and H100 recordings in tests/data/traces and, where present, the
 shared traces beside the checkout) and every setting (default: allocwatch's defaults, PyTorch's
 defaults, PyTorch's expandable segments): peak reserved / peak requested, device calls priced
 as a share of the trace's active time, and the same replay under a device capped at 1.03 x the

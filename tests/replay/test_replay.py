@@ -29,9 +29,9 @@ def native_config(recorded_conf: str) -> str:
 @pytest.mark.parametrize("entry", [t for t in MANIFEST["traces"] if t["status"] == "ok"],
                          ids=lambda t: t["file"].split(".")[0])
 def test_replay_with_pytorchs_settings_reproduces_the_recorded_run(entry: dict) -> None:
-    """Traces recorded on an H200 (bench/replay/record_traces.py): PyTorch's rules are
-    deterministic, so the same settings must give exactly the recorded peak reserved and device
-    allocations."""
+    """Traces recorded on an H200 or an H100 (bench/replay/record_traces.py; the manifest names
+    each one's GPU): PyTorch's rules are deterministic, so the same settings must give exactly
+    the recorded peak reserved and device allocations."""
     trace = load_trace(RECORDED / entry["file"])
     r = replay(trace, config=native_config(entry["pytorch_cuda_alloc_conf"]),
                memory_fraction=entry["memory_fraction"]).report
