@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from build_in_worker import build_in_worker
 from support import torch_releases
 
 from allocator_ext.native import build, releases
@@ -79,21 +80,13 @@ def _fake_plan(tmp_path: Path, body: str) -> build.Plan:
                       describe="a fake torch")
 
 
-def _build_in_worker(args: tuple[build.Plan, str]) -> str:
-    plan, root = args
-    try:
-        return str(build.ensure_built(plan, root=Path(root)))
-    except build.BuildError as e:
-        return f"BuildError: {e}"
-
-
 def test_eight_workers_starting_together_build_it_once(tmp_path: Path) -> None:
     plan = _fake_plan(tmp_path, """\
         time.sleep(1.0)  # slow enough that every worker arrives while it runs
         out.write_bytes(b"library")
         """)
     with multiprocessing.get_context("spawn").Pool(8) as pool:
-        results = pool.map(_build_in_worker, [(plan, str(tmp_path / "cache"))] * 8)
+        results = pool.map(build_in_worker, [(plan, str(tmp_path / "cache"))] * 8)
     assert len(set(results)) == 1 and results[0].endswith(build.LIBRARY_NAME), results
     assert Path(results[0]).read_bytes() == b"library"
     assert (tmp_path / "compiles").read_text().count("compile") == 1
