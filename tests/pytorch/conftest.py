@@ -2,7 +2,8 @@
 per test session and in parallel (a build takes tens of seconds), for the tests that compile,
 load and drive it (test_native_build.py, test_native_sim.py): the releases those tests of the
 session ask for, all of them at the first test's request (under pytest-xdist, once for all the
-workers)."""
+workers). Where ALLOCWATCH_TEST_BUILDS names a folder, each is kept there between runs
+(support.kept_builds)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from support import torch_releases
+from support import kept_builds, torch_releases
 
 from allocator_ext.native import build
 
@@ -29,8 +30,9 @@ class ReleaseBuilds:
     """Each release's back end, built exactly as install() builds it (build.plan, linked against
     the release's own libc10)."""
 
-    def __init__(self, root: Path, wanted: list[str]) -> None:
+    def __init__(self, root: Path, wanted: list[str], kept: bool = False) -> None:
         self.root = root
+        self.kept = kept
         self.wanted = wanted
         self._lock = threading.Lock()
         self._futures: dict[str, Future[Path]] = {}
@@ -54,8 +56,19 @@ class ReleaseBuilds:
                     p = self.plan(v)
                 except (pytest.skip.Exception, pytest.fail.Exception):
                     continue  # that release's own test says so
-                self._futures[v] = self._pool.submit(build.ensure_built, p, self.root)
+                self._futures[v] = self._pool.submit(self._built, p)
         return self._futures[version].result()
+
+    def _built(self, p: build.Plan) -> Path:
+        # Kept: in a folder of its own, named by its command and toolchain (its sources are in
+        # its key), and never with a failure remembered for the next run.
+        root = kept_builds.folder(self.root, p.command) if self.kept else self.root
+        try:
+            return build.ensure_built(p, root)
+        except build.BuildError:
+            if self.kept:
+                (root / p.key / build.FAILED_NAME).unlink(missing_ok=True)
+            raise
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -73,9 +86,15 @@ def release_builds(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
                 wanted.append(version)
     # One folder for the whole run: under pytest-xdist every worker's session asks for the
     # builds, and build.ensure_built's lock lets one process compile each while others wait.
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "release_builds"
-    root.mkdir(exist_ok=True)
-    builds = ReleaseBuilds(root, wanted)
+    kept = kept_builds.kept_root()
+    if kept is not None:
+        root = kept / "release_builds"
+        root.mkdir(parents=True, exist_ok=True)
+        kept_builds.prune(root)
+    else:
+        base = tmp_path_factory.getbasetemp()
+        root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "release_builds"
+        root.mkdir(exist_ok=True)
+    builds = ReleaseBuilds(root, wanted, kept=kept is not None)
     yield builds
     builds.close()

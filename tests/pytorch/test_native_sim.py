@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import torch_releases
+from support import kept_builds, torch_releases
 
 from allocator_ext.native import build, releases
 
@@ -44,9 +44,19 @@ NAMES = ["out_of_memory", "out_of_memory_under_fraction", "out_of_memory_in_a_pr
          "a_pool_allocator_that_calls_back_into_pytorch", "pools_used_on_oom"]
 
 
-def _compile(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+def _compiled(command: list[str], source: Path, root: Path, name: str) -> Path:
+    """`command` (all but its output) run once: into the session's `root`, or kept between runs
+    in a folder named by the command and the source (support.kept_builds)."""
+    kept = kept_builds.kept_root()
+    where = kept_builds.folder(kept / "native_sim", command, [source]) if kept else root
+    target = where / name
+    if not target.is_file():
+        partial = where / f".{name}.{os.getpid()}"
+        done = subprocess.run([*command, "-o", str(partial)], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        os.replace(partial, target)
+    return target
 
 
 _BUILT: dict[str, tuple[Path, Path, Path]] = {}
@@ -62,14 +72,14 @@ def _built(release_builds, root: Path, version: str) -> tuple[Path, Path, Path]:
     plan = release_builds.plan(version)
     lib = torch_releases.folder(version) / "torch" / "lib"
     includes = [arg for arg in plan.command if arg.startswith("-I")]
-    calls = root / f"allocator_calls-{version}.so"
-    _compile([cxx, f"-std={releases.cxx_standard(version)}", "-O1", "-fPIC", "-shared",
-              "-D_GLIBCXX_USE_CXX11_ABI=1", *includes, str(HERE / "allocator_calls.cpp"),
-              "-o", str(calls), f"-L{lib}", "-lc10", "-lc10_cuda", f"-Wl,-rpath,{lib}"])
-    runtime = root / "cuda_runtime_stand_in.so"
-    if not runtime.exists():
-        _compile([cxx, "-x", "c", "-O1", "-fPIC", "-shared",
-                  str(HERE / "cuda_runtime_stand_in.c"), "-o", str(runtime)])
+    calls_source = HERE / "allocator_calls.cpp"
+    calls = _compiled([cxx, f"-std={releases.cxx_standard(version)}", "-O1", "-fPIC", "-shared",
+                       "-D_GLIBCXX_USE_CXX11_ABI=1", *includes, str(calls_source),
+                       f"-L{lib}", "-lc10", "-lc10_cuda", f"-Wl,-rpath,{lib}"],
+                      calls_source, root, f"allocator_calls-{version}.so")
+    runtime_source = HERE / "cuda_runtime_stand_in.c"
+    runtime = _compiled([cxx, "-x", "c", "-O1", "-fPIC", "-shared", str(runtime_source)],
+                        runtime_source, root, "cuda_runtime_stand_in.so")
     _BUILT[version] = backend, calls, runtime
     return _BUILT[version]
 
@@ -152,7 +162,7 @@ FIND_IT = textwrap.dedent("""\
     import shutil, sys
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
-    from support import torch_releases
+    from support import kept_builds, torch_releases
     from allocator_ext.native import build
 
     torch = torch_releases.torch_module(Path(sys.argv[2]))
