@@ -62,13 +62,9 @@ class ReleaseBuilds:
     def _built(self, p: build.Plan) -> Path:
         # Kept: in a folder of its own, named by its command and toolchain (its sources are in
         # its key), and never with a failure remembered for the next run.
-        root = kept_builds.folder(self.root, p.command) if self.kept else self.root
-        try:
-            return build.ensure_built(p, root)
-        except build.BuildError:
-            if self.kept:
-                (root / p.key / build.FAILED_NAME).unlink(missing_ok=True)
-            raise
+        if self.kept:
+            return kept_builds.ensure_built(p, self.root)
+        return build.ensure_built(p, self.root)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

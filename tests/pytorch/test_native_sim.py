@@ -136,16 +136,26 @@ def test_a_compiler_that_links_its_own_libstdcxx_statically(
     if nm is None:
         pytest.skip("no nm (binutils) to read the library's symbols")
     _backend, calls, runtime = built
-    wrapper = tmp_path / "g++-static-libstdc++"
-    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which(os.environ.get("CXX", "g++"))} "$@" '
-                       f"-static-libstdc++\n")
-    wrapper.chmod(0o755)
+    # Kept between runs (support.kept_builds) where builds are: the wrapper too, at a path of
+    # its own, since its path is the build's command.
+    kept = kept_builds.kept_root()
+    home = kept / "static_libstdcxx" if kept else tmp_path
+    home.mkdir(parents=True, exist_ok=True)
+    wrapper = home / "g++-static-libstdc++"
+    script = (f'#!/bin/sh\nexec {shutil.which(os.environ.get("CXX", "g++"))} "$@" '
+              f"-static-libstdc++\n")
+    if not wrapper.is_file() or wrapper.read_text() != script:
+        partial = home / f".{wrapper.name}.{os.getpid()}"
+        partial.write_text(script)
+        partial.chmod(0o755)
+        os.replace(partial, wrapper)
     monkeypatch.setenv("CXX", str(wrapper))
     # The build links the C++ runtime the process runs on (loaded by conftest.py, as torch
     # loads it in a training process).
     assert build.process_libstdcxx() is not None
-    backend = build.ensure_built(release_builds.plan(torch_releases.GPU_RELEASE),
-                                 root=tmp_path / "cache")
+    plan = release_builds.plan(torch_releases.GPU_RELEASE)
+    backend = (kept_builds.ensure_built(plan, home, [wrapper]) if kept
+               else build.ensure_built(plan, root=tmp_path / "cache"))
     exported = subprocess.run([nm, "-D", "--defined-only", str(backend)], capture_output=True,
                               text=True, check=True).stdout
     # std::ostream's number insertion (the function that crashed), or any function of

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from allocator_ext.native import build
+
 ENVIRONMENT = "ALLOCWATCH_TEST_BUILDS"
 # A kept build no run has used for this long is removed (every source change leaves one behind).
 UNUSED_S = 14 * 24 * 3600
@@ -34,11 +36,13 @@ def kept_root() -> Path | None:
 
 @functools.cache
 def _toolchain(compiler: str) -> bytes:
-    """The compiler's own account of itself (version, target, configuration) and the C
-    library's version: what a system update changes under an unchanged command."""
-    described = subprocess.run([compiler, "-v"], capture_output=True, timeout=60)
+    """The compiler's version (with its distribution's revision) and target, and the C
+    library's version: what a system update changes under an unchanged command. (Not `-v`: with
+    no input, a compiler wrapper that adds link flags runs the linker, naming temporary files.)"""
+    said = [subprocess.run([compiler, flag], capture_output=True, timeout=60).stdout
+            for flag in ("--version", "-dumpmachine")]
     libc = subprocess.run(["ldd", "--version"], capture_output=True, timeout=60)
-    return described.stdout + described.stderr + libc.stdout.split(b"\n", 1)[0]
+    return b"".join(said) + libc.stdout.split(b"\n", 1)[0]
 
 
 def folder(base: Path, command: Sequence[str], inputs: Iterable[Path] = ()) -> Path:
@@ -67,3 +71,13 @@ def prune(base: Path, now: float | None = None) -> None:
             continue  # being made by another session, or not one of these
         if unused:
             shutil.rmtree(child, ignore_errors=True)
+
+
+def ensure_built(plan: build.Plan, base: Path, inputs: Iterable[Path] = ()) -> Path:
+    """build.ensure_built(plan) in its kept folder under `base`; a failure is not kept."""
+    root = folder(base, plan.command, inputs)
+    try:
+        return build.ensure_built(plan, root)
+    except build.BuildError:
+        (root / plan.key / build.FAILED_NAME).unlink(missing_ok=True)
+        raise
