@@ -718,67 +718,6 @@ def test_a_settled_growth_creates_its_pages_where_the_fewest_are_missing() -> No
     assert [page_calls for _, page_calls in settled[2:]] == [0, 0, 0, 0]
 
 
-def _hole_before_a_free_block(a: ae.Allocator, dev: ae.SimDevice) -> dict[str, int]:
-    """Two free blocks, 30 and 32 MiB; a 50 MiB growth takes the 32 back and 18 MiB from the
-    front of the 30: an 18 MiB hole (20 in whole pages) before a 10 MiB free block."""
-    held = {"s": a.malloc(30 * MiB), "p": a.malloc(4 * MiB), "b": a.malloc(32 * MiB),
-            "q": a.malloc(4 * MiB)}
-    a.free(held.pop("s"))
-    a.free(held.pop("b"))
-    held["r"] = a.malloc(50 * MiB)
-    dev.synchronize()
-    a.process_events()                        # the moved pages' old mapping is gone: a hole
-    return held
-
-
-def test_growth_into_a_hole_ends_at_the_free_block_after_it() -> None:
-    # A 16 MiB request: the lowest place is the hole, which holds it alone; growing at its end
-    # into the 10 MiB free block after it maps 6 MiB, where the hole's start would map 16
-    # (Note [page policy], placement).
-    dev = ae.SimDevice(capacity=GiB)
-    a = ae.Allocator(dev)
-    held = _hole_before_a_free_block(a, dev)
-    assert a.stats()["reserved_bytes.all.current"] == 68 * MiB
-    created = dev.counters()["create"]["bytes"]
-    t = a.malloc(16 * MiB)
-    assert t + 16 * MiB == held["p"]           # it ends where the free block ended
-    assert dev.counters()["create"]["bytes"] - created == 6 * MiB
-    assert a.stats()["reserved_bytes.all.current"] == 74 * MiB
-    assert a.check_invariants() == ""
-    a.free(t)
-    for p in held.values():
-        a.free(p)
-    a.empty_cache()                           # the split hole is one block again: all released
-    assert a.stats()["reserved_bytes.all.current"] == 0
-    assert a.check_invariants() == ""
-
-
-def test_growth_at_a_holes_end_repeats_flat() -> None:
-    # The program of the test above in a loop, the device keeping up: the same choices every
-    # pass, flat from pass 2 without a device call (and below the lowest-place rule's 108 MiB).
-    step = [("s", 30), ("p", 4), ("b", 32), ("q", 4), ("s",), ("b",), ("r", 50), ("t", 16),
-            ("p",), ("q",), ("r",), ("t",)]
-    dev = ae.SimDevice(capacity=GiB)
-    a = ae.Allocator(dev)
-    rows = []
-    for _ in range(8):
-        before = sum(calls(dev, k) for k in ("create", "map_only", "unmap"))
-        held: dict[str, int] = {}
-        for op in step:
-            if len(op) == 2:
-                held[op[0]] = a.malloc(op[1] * MiB)
-            else:
-                a.free(held.pop(op[0]))
-            dev.synchronize()
-            a.process_events()
-        assert a.check_invariants() == ""
-        rows.append((a.stats()["reserved_bytes.all.peak"] // MiB,
-                     sum(calls(dev, k) for k in ("create", "map_only", "unmap")) - before))
-    assert rows[0][0] == 74
-    assert {peak for peak, _ in rows[1:]} == {86}
-    assert [page_calls for _, page_calls in rows[2:]] == [0] * 6
-
-
 def test_under_a_memory_fraction_growth_moves_free_pages_instead_of_retrying() -> None:
     # PyTorch checks reserved + the whole request against the fraction, and over it frees every
     # cached block and retries (a wait on every stream). allocwatch's defaults first take free

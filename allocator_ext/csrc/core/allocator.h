@@ -298,10 +298,6 @@ class CachingAllocator {
   void release_spares_beyond(std::size_t keep_pages, std::size_t page);
   void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
-  // The end of an unmapped block, split off where growing there into the free block after it
-  // maps fewer pages than growing at its start (expandable.cpp, Note [page policy],
-  // placement); otherwise the block itself.
-  Block* grow_at_end_of_hole(Block* hole, std::size_t size);
   // An explicit reclaim's wait for the stream of `block`'s segment before its pages are unmapped
   // now, once a stream (`waited`: the streams waited for so far).
   void wait_before_unmapping(const Block* block, std::vector<StreamId>& waited);

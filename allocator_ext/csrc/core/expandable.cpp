@@ -93,19 +93,7 @@
 // single replay reserves 1.0565 x its peak request instead of 1.0278 (and 1.054 x after 200
 // passes of moving). No rule keyed on the recurrence tells that first pass from a second, and
 // the moves cannot stay: docs/benchmarks.md, "Repeated passes", has the figures and the
-// variants that lost.
-//
-// Placement. Growth goes to the lowest place where the request fits, as PyTorch's does: it
-// keeps each segment in one piece and leaves the free memory high up, in whole pages that a
-// take-back can move. One exception: where that place is a hole followed by a free block too
-// small for the request, the request ends where the free block ends and only what the block
-// lacks is mapped, at the hole's end (grow_at_end_of_hole), where that maps fewer pages.
-// Mapping the hole's start left the free block unused beside the new pages (stream_pipeline:
-// 1.355 x its peak request, 1.225 with the rule). Choosing any other place for fewer new pages
-// (the least new memory of all places, or with a margin of 1 to 4 pages, or of a share of the
-// request) moved where later requests land: traces it never helped got worse by up to 0.01,
-// and convnet's repeated passes settled a pass late, 0.8 % above pass 2.
-//
+// variants that lost.//
 // Note [moving pages]
 // ~~~~~~~~~~~~~~~~~~~
 // A take-back never waits on the host. The training loop's CPU runs ahead of the GPU, and a
@@ -360,18 +348,12 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   // [page policy], repeated moves).
   const bool settled = config_.settle_page_moves && page_policy_.growth_moved_before();
   Block* candidate = find_expandable_block(stream, pool, size, settled);
-  Block* const found = candidate;
-  if (config_.reuse_free_pages) candidate = grow_at_end_of_hole(candidate, size);
-  const bool split = candidate != found;
   growing_ = Range{candidate->ptr, size};
   // The candidate starts a run of free and unmapped blocks with at least `size` bytes:
   //   unmapped -> null | unmapped -> free -> ... | free -> unmapped -> ...
   if (!candidate->mapped &&
       !map_block(candidate, std::min(candidate->size, grow_size(pool, size)),
                  std::min(candidate->size, size))) {
-    // Nothing was mapped: the end split off joins its hole again (a segment is released
-    // only as one unmapped block).
-    if (split && !candidate->mapped) try_merge_blocks(candidate->prev, candidate, *pool);
     return nullptr;
   }
   while (candidate->size < size) {
@@ -386,27 +368,6 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   }
   pool->blocks.erase(candidate);
   return candidate;
-}
-
-Block* CachingAllocator::grow_at_end_of_hole(Block* hole, std::size_t size) {
-  // [hole][free block smaller than the request]: the request can end where the free block
-  // ends, mapping only what the free block lacks at the hole's end (Note [page policy],
-  // placement).
-  Block* after = hole->next;
-  if (hole->mapped || !allocatable(after) || !after->mapped || after->size >= size) return hole;
-  const std::size_t page = hole->expandable->page_size();
-  const std::size_t at_end = whole_pages(size - after->size, page);
-  if (at_end >= hole->size || at_end >= whole_pages(std::min(hole->size, size), page)) return hole;
-  BlockPool& pool = *hole->pool;
-  pool.unmapped.erase(hole);
-  hole->size -= at_end;
-  pool.unmapped.insert(hole);
-  Block* end = new_block(hole->stream, at_end, &pool, hole->ptr + hole->size);
-  end->mapped = false;
-  end->expandable = hole->expandable;
-  end->splice(hole, after);
-  pool.unmapped.insert(end);
-  return end;
 }
 
 Block* CachingAllocator::carve_pages(Block* block, Range r) {
