@@ -2,6 +2,7 @@
 
     python -m bench.replay.record_traces --out DIR [--only NAME...] [--steps N]
     python -m bench.replay.record_traces --oom --out DIR [--only NAME...]  # runs out of memory
+    python -m bench.replay.record_traces --lockstep --out DIR [--only NAME...] [--rounds N]
     python -m bench.replay.record_traces --self-check     # no GPU needed: torch's CPU build will do
 
 Writes DIR/<workload>__<setting>.pickle.gz (torch.cuda.memory._snapshot(), no stack frames) and
@@ -39,6 +40,13 @@ side by side on the one GPU (about a minute on an H200). An oom_manifest.json al
 keeps the entries of the traces this run does not record, so that `--only convnet__gc`
 re-records one trace and leaves the others' entries as they were; so does a manifest.json
 (`--only graph default` adds one trace to the folder's manifest).
+
+--lockstep records, under PyTorch's defaults, what each pattern of bench.gpu.patterns runs in
+its lockstep phase on the GPU: the warm-up (the workload's largest shapes twice, then the
+pattern's quick steps of the warm-up seed) and --rounds rounds of those steps on the rounds'
+seeds (bench.gpu.step_lockstep). The warm-up at the largest shapes lays memory out differently
+from a run that starts small, so replaying these traces gives the figures the GPU benchmark
+measures. Writes DIR/<workload>__default_lockstep.pickle.gz and DIR/lockstep_manifest.json.
 
 The manifest gives, per trace, what torch.cuda.memory_stats() said at the end
 (reserved_bytes.all.peak, num_device_alloc, ...) beside the same figures counted from the trace
@@ -105,6 +113,11 @@ OOM_CAPS = (1.02, 0.98, 0.94, 0.90)
 OOM_MAX = 3        # out-of-memory errors a recording catches before it stops
 OOM_SUFFIX = "_oom"
 OOM_MANIFEST = "oom_manifest.json"
+# --lockstep: the patterns' lockstep programs (the warm-up and this many rounds by default: the
+# warm-up meets each pattern's peak, so two rounds keep the traces small).
+LOCKSTEP_SUFFIX = "_lockstep"
+LOCKSTEP_MANIFEST = "lockstep_manifest.json"
+LOCKSTEP_ROUNDS = 2
 
 MAX_ENTRIES = 2_000_000  # ring buffer size: far above any trace here, so it never wraps
 DEFAULT_MAX_EVENTS = 300_000  # keeps a trace file around 2 MB gzipped (about 6 B an event)
@@ -124,8 +137,27 @@ STATS_KEYS = (
 
 # ---- choosing what to record
 
-def trace_name(workload: str, setting: str, oom: bool = False) -> str:
-    return f"{workload}__{setting}" + (OOM_SUFFIX if oom else "")
+def trace_name(workload: str, setting: str, oom: bool = False, lockstep: bool = False) -> str:
+    return f"{workload}__{setting}" + (OOM_SUFFIX if oom else "") + (
+        LOCKSTEP_SUFFIX if lockstep else "")
+
+
+def lockstep_steps() -> dict[str, int]:
+    """Trace workload -> the steps a round of its pattern's quick lockstep run."""
+    from bench.gpu.patterns import PATTERNS
+    return {p.trace: p.quick for p in PATTERNS.values() if p.trace in WORKLOAD_NAMES}
+
+
+def select_lockstep_runs(only: list[str] | None) -> list[str]:
+    """The workloads --lockstep records: the patterns' (all, or those --only names)."""
+    every = list(lockstep_steps())
+    if not only:
+        return every
+    unknown = set(only) - set(every)
+    if unknown:
+        raise ValueError(f"unknown name(s) for --only with --lockstep: "
+                         f"{', '.join(sorted(unknown))}; known: {', '.join(every)}")
+    return [w for w in every if w in only]
 
 
 def select_runs(only: list[str] | None) -> list[tuple[str, str]]:
@@ -197,11 +229,11 @@ def record_under_lowering_caps(record_at: Callable[[float, float], dict[str, Any
 
 
 def merge_manifest(previous: dict[str, Any] | None, manifest: dict[str, Any],
-                   oom: bool = False) -> dict[str, Any]:
+                   oom: bool = False, lockstep: bool = False) -> dict[str, Any]:
     """`manifest` (this run's) with the entries of `previous` (the folder's earlier manifest,
-    of --oom's traces where `oom`) for the traces this run did not record, in the order they
-    are recorded; the earlier recordings they come from are named under
-    "earlier_recordings"."""
+    of --oom's or --lockstep's traces where `oom` or `lockstep`) for the traces this run did not
+    record, in the order they are recorded; the earlier recordings they come from are named
+    under "earlier_recordings"."""
     if not previous:
         return manifest
     recorded = {(t["workload"], t["setting"]) for t in manifest["traces"]}
@@ -212,7 +244,7 @@ def merge_manifest(previous: dict[str, Any] | None, manifest: dict[str, Any],
     ours = {(t["workload"], t["setting"]): t for t in manifest["traces"]}
     every = {**kept, **ours}
     order = sorted(every, key=lambda k: (WORKLOAD_NAMES.index(k[0]), list(SETTINGS).index(k[1])))
-    kept_names = {trace_name(*k, oom=oom) for k in kept}
+    kept_names = {trace_name(*k, oom=oom, lockstep=lockstep) for k in kept}
     earlier = [{**e, "traces": [n for n in e["traces"] if n in kept_names]}
                for e in previous.get("earlier_recordings", [])]
     earlier = [e for e in earlier if e["traces"]]
@@ -289,8 +321,21 @@ def summarize_trace(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 # ---- the recording process (one per trace)
 
+def run_lockstep_program(work: Any, workloads: Any, steps: int, rounds: int) -> int:
+    """What a lockstep phase of bench.gpu.step_lockstep runs in each process: its warm-up, then
+    `rounds` rounds of `steps` steps. Returns the steps run."""
+    from bench.gpu.step_lockstep import ROUND_SEED, WARMUP_SEED
+    workloads.warm_up(work, steps, WARMUP_SEED)
+    for r in range(rounds):
+        work.reseed(ROUND_SEED + r)
+        for _ in range(steps):
+            workloads.timed_step(work, work.draw())
+    return 2 + steps * (rounds + 1)
+
+
 def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: float | None,
-           max_events: int, save: bool, max_ooms: int = 0) -> dict[str, Any]:
+           max_events: int, save: bool, max_ooms: int = 0,
+           lockstep_rounds: int = 0) -> dict[str, Any]:
     import torch  # imported here: the environment was set for this process before it started
 
     from allocator_ext import workloads
@@ -312,21 +357,26 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
         torch.cuda.synchronize()
         return len(trace_events(torch.cuda.memory._snapshot()))
 
-    steps_run, ooms = run_steps(work, steps, max_events, max_ooms, events_so_far,
-                                torch.cuda.OutOfMemoryError)
+    if lockstep_rounds:
+        steps_run, ooms = run_lockstep_program(work, workloads, steps, lockstep_rounds), 0
+    else:
+        steps_run, ooms = run_steps(work, steps, max_events, max_ooms, events_so_far,
+                                    torch.cuda.OutOfMemoryError)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     snapshot = torch.cuda.memory._snapshot()
     stats = torch.cuda.memory_stats(0)
     torch.cuda.memory._record_memory_history(enabled=None)
 
-    recording = {
+    recording: dict[str, Any] = {
         "workload": workload, "setting": setting,
         "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "memory_fraction": fraction, "device_total_bytes": total,
         "allowed_bytes": int(fraction * total) if fraction is not None else None,
         "steps": steps_run,
     }
+    if lockstep_rounds:
+        recording["lockstep"] = {"steps_a_round": steps, "rounds": lockstep_rounds}
     if max_ooms:
         recording["ooms_caught"] = ooms
     snapshot["allocwatch_recording"] = recording  # replay needs the cap of capped traces
@@ -359,7 +409,8 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
         result["status"] = "no_oom"  # not what was asked for: no file to mistake for one
         save = False
     if save:
-        path = out_dir / f"{trace_name(workload, setting, bool(max_ooms))}.pickle.gz"
+        name = trace_name(workload, setting, bool(max_ooms), bool(lockstep_rounds))
+        path = out_dir / f"{name}.pickle.gz"
         with gzip.open(path, "wb", compresslevel=6) as f:
             pickle.dump(snapshot, f, protocol=4)
         result["file"] = path.name
@@ -369,11 +420,12 @@ def record(workload: str, setting: str, steps: int, out_dir: Path, fraction: flo
 
 def child_main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
-    name = trace_name(args.workload, args.setting, bool(args.max_ooms))
+    name = trace_name(args.workload, args.setting, bool(args.max_ooms), bool(args.lockstep))
     result_path = out_dir / (name + (".measure" if args.no_save else "") + RESULT_SUFFIX)
     try:
         result = record(args.workload, args.setting, args.steps, out_dir, args.memory_fraction,
-                        args.max_events, save=not args.no_save, max_ooms=args.max_ooms or 0)
+                        args.max_events, save=not args.no_save, max_ooms=args.max_ooms or 0,
+                        lockstep_rounds=args.rounds if args.lockstep else 0)
     except Exception as error:  # reported to the parent, which carries on with the others
         result = {"workload": args.workload, "setting": args.setting, "status": "failed",
                   "error": f"{type(error).__name__}: {error}"}
@@ -387,12 +439,12 @@ def child_main(args: argparse.Namespace) -> int:
 
 def run_child(workload: str, setting: str, steps: int, out_dir: Path, timeout_s: float,
               max_events: int | None, fraction: float | None = None, save: bool = True,
-              max_ooms: int = 0) -> dict[str, Any]:
+              max_ooms: int = 0, lockstep_rounds: int = 0) -> dict[str, Any]:
     """Records one trace in a process of its own; `max_events` None: the workload's own
     (MAX_EVENTS, else DEFAULT_MAX_EVENTS)."""
     max_events = max_events or MAX_EVENTS.get(workload, DEFAULT_MAX_EVENTS)
     timeout_s = max(timeout_s, MIN_TIMEOUT_S.get(workload, 0))
-    name = trace_name(workload, setting, bool(max_ooms))
+    name = trace_name(workload, setting, bool(max_ooms), bool(lockstep_rounds))
     result_path = out_dir / (name + ("" if save else ".measure") + RESULT_SUFFIX)
     result_path.unlink(missing_ok=True)
     argv = [sys.executable, "-m", __spec__.name, "--child", "--out", str(out_dir),
@@ -404,6 +456,8 @@ def run_child(workload: str, setting: str, steps: int, out_dir: Path, timeout_s:
         argv.append("--no-save")
     if max_ooms:
         argv += ["--max-ooms", str(max_ooms)]
+    if lockstep_rounds:
+        argv += ["--lockstep", "--rounds", str(lockstep_rounds)]
     started = time.perf_counter()
     try:
         proc = subprocess.run(argv, env=child_environment(setting), capture_output=True,
@@ -540,8 +594,32 @@ def oom_parent_main(args: argparse.Namespace) -> int:
     return 0 if len(ok) == len(results) else 1
 
 
-def one_line(result: dict[str, Any], oom: bool = False) -> str:
-    name = trace_name(result["workload"], result["setting"], oom)
+def lockstep_parent_main(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps_of = lockstep_steps()
+    results = []
+    for workload in select_lockstep_runs(args.only):
+        result = run_child(workload, "default", args.steps or steps_of[workload], out_dir,
+                           args.timeout_s, args.max_events, lockstep_rounds=args.rounds)
+        results.append(result)
+        print(one_line(result, lockstep=True), flush=True)
+    manifest = build_manifest(args, results)
+    manifest["lockstep_program"] = {
+        "warm_up": "the workload's largest shapes twice, then the steps of a round on the "
+                   "warm-up seed (bench.gpu.step_lockstep.WARMUP_SEED)",
+        "rounds": f"{args.rounds} rounds of the pattern's quick steps (bench.gpu.patterns), "
+                  "round r on seed ROUND_SEED + r", "setting": "PyTorch's defaults"}
+    path = out_dir / LOCKSTEP_MANIFEST
+    previous = json.loads(path.read_text()) if path.exists() else None
+    path.write_text(json.dumps(merge_manifest(previous, manifest, lockstep=True), indent=1))
+    ok = [r for r in results if r["status"] == "ok"]
+    print(f"{len(ok)} of {len(results)} lockstep traces recorded in {out_dir}")
+    return 0 if len(ok) == len(results) else 1
+
+
+def one_line(result: dict[str, Any], oom: bool = False, lockstep: bool = False) -> str:
+    name = trace_name(result["workload"], result["setting"], oom, lockstep)
     if result["status"] != "ok":
         return f"{name:28s} {result['status']}: {result.get('error', '')}"
     stats, trace = result["stats"], result["trace"]
@@ -643,7 +721,42 @@ def self_check() -> None:
         for _ in range(2):
             work.step()
     _self_check_oom_mode(torch, workloads)
+    _self_check_lockstep_mode(workloads)
     print("record_traces self-check passed")
+
+
+def _self_check_lockstep_mode(workloads: Any) -> None:
+    """--lockstep: its choices, its names, and its program stepped on the CPU."""
+    import torch
+
+    assert select_lockstep_runs(["graph", "trainer"]) == ["graph", "trainer"]
+    assert "kv_generate" in select_lockstep_runs(None)
+    try:
+        select_lockstep_runs(["graph__default"])
+        raise AssertionError("a trace name was taken for a workload with --lockstep")
+    except ValueError as error:
+        assert "graph__default" in str(error)
+    assert trace_name("graph", "default", lockstep=True) == "graph__default_lockstep"
+    args = parse_args(["--out", "x", "--lockstep", "--only", "graph", "--rounds", "3"])
+    assert args.lockstep and args.rounds == 3
+    merged = merge_manifest({"traces": [{"workload": "trainer", "setting": "default"}]},
+                            {"traces": [{"workload": "graph", "setting": "default"}]},
+                            lockstep=True)
+    assert merged["earlier_recordings"][0]["traces"] == ["trainer__default_lockstep"]
+    model, fixed_shapes = WORKLOADS["gpt_varlen"]
+    work = workloads.build(model, torch.device("cpu"), tiny=True, seed=1,
+                           fixed_shapes=fixed_shapes)
+    drawn: list[bool] = []
+    draw = work.draw
+
+    def counted_draw(*a: Any, **k: Any) -> Any:
+        drawn.append(k.get("largest", False))
+        return draw(*a, **k)
+
+    work.draw = counted_draw
+    assert run_lockstep_program(work, workloads, steps=2, rounds=2) == 2 + 2 * 3
+    # The warm-up meets the peak first (the largest shapes twice), then draws freely.
+    assert drawn[:2] == [True, True] and not any(drawn[2:]) and len(drawn) == 8
 
 
 class _FailingSteps:
@@ -716,6 +829,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="check without a GPU (CPU build of torch) and exit")
     parser.add_argument("--oom", action="store_true",
                         help="record traces that run out of memory under a cap (see above)")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="record the patterns' lockstep programs (see above)")
+    parser.add_argument("--rounds", type=int, default=LOCKSTEP_ROUNDS,
+                        help=f"with --lockstep: rounds after the warm-up (default "
+                             f"{LOCKSTEP_ROUNDS})")
     parser.add_argument("--max-ooms", type=int,
                         help=f"with --oom: errors a recording catches before it stops "
                              f"(default {OOM_MAX})")
@@ -730,9 +848,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--steps must be at least 1")
     if not args.self_check and not args.out:
         parser.error("--out is required")
+    if args.lockstep and args.oom:
+        parser.error("--lockstep and --oom record different programs: give one")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.only:
         try:
-            select_runs(args.only)
+            (select_lockstep_runs if args.lockstep and not args.child else select_runs)(args.only)
         except ValueError as error:
             parser.error(str(error))
     if args.max_ooms is not None and (args.max_ooms < 1 or not (args.oom or args.child)):
@@ -752,6 +874,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child:
         return child_main(args)
+    if args.lockstep:
+        return lockstep_parent_main(args)
     return oom_parent_main(args) if args.oom else parent_main(args)
 
 

@@ -42,6 +42,22 @@ def test_replay_with_pytorchs_settings_reproduces_the_recorded_run(entry: dict) 
     assert r["peak_reserved_bytes"] == r["recorded"]["peak_reserved_bytes"]
 
 
+LOCKSTEP = json.loads((RECORDED / "lockstep_manifest.json").read_text())
+
+
+@pytest.mark.parametrize("entry", LOCKSTEP["traces"], ids=lambda t: t["file"].split(".")[0])
+def test_replay_reproduces_the_patterns_lockstep_programs(entry: dict) -> None:
+    """The lockstep benchmark's program of each pattern (record_traces --lockstep: its warm-up
+    at the largest shapes, then rounds), recorded on the H100 under PyTorch's defaults, replays
+    exactly; its replay under allocwatch's rules is what the GPU benchmark measures."""
+    assert entry["status"] == "ok" and entry["lockstep"]["rounds"] >= 1
+    trace = load_trace(RECORDED / entry["file"])
+    r = replay(trace, config="native").report
+    assert r["peak_reserved_bytes"] == entry["stats"]["reserved_bytes.all.peak"]
+    assert r["num_device_alloc"] == entry["stats"]["num_device_alloc"]
+    assert r["peak_requested_bytes"] == entry["stats"]["requested_bytes.all.peak"]
+
+
 @pytest.mark.parametrize("name", ["gpt_varlen", "multistream", "ckpt"])
 def test_replay_reproduces_the_shared_traces(shared_traces: Path, name: str) -> None:
     r = replay(load_trace(shared_traces / f"{name}.pickle.gz"), config="native").report
