@@ -23,8 +23,9 @@ split the patterns among them) and writes one row per pattern and cap:
   the pattern's largest shapes, included);
 - the floor: the least any allocator under the core's rules could reserve
   (allocator_ext.replay.floor), from the pattern's trace recorded under PyTorch's defaults in
-  tests/data/traces (— where none is recorded); the fragmentation bar is 1.01, or the floor +
-  0.01 where it is above 1.00;
+  tests/data/traces: its recording of this very program where there is one
+  (`record_traces --lockstep`), else its plain recording (— where none is recorded); the
+  fragmentation bar is 1.01, or the floor + 0.01 where it is above 1.00;
 - allocwatch's step time over the faster of the other two (the one of less total step time
   in those rounds): the median per-step ratio, with its 95 % interval over the rounds
   resampled (bench.gpu.lockstep_pool's), the bar being <= 1.00;
@@ -141,13 +142,18 @@ def run(out_dir: Path, names: list[str], rounds: int, steps: int | None, quick: 
 # ---------------------------------------------------------------------------------- the table
 
 def floor_of(name: str, cache: dict[str, float | None]) -> float | None:
-    """The floor ratio of the pattern's trace, None where it is not recorded."""
+    """The floor ratio of the pattern's trace, None where it is not recorded: the recording of
+    the lockstep program itself where there is one (the row's own program: its warm-up at the
+    largest shapes changes which frees wait where), else the pattern's plain recording."""
     if name not in cache:
         from allocator_ext.replay import load_trace
         from allocator_ext.replay.floor import reserved_floor
 
-        path = TRACES / f"{PATTERNS[name].trace if name in PATTERNS else name}__default.pickle.gz"
-        cache[name] = reserved_floor(load_trace(path)).ratio if path.exists() else None
+        trace = PATTERNS[name].trace if name in PATTERNS else name
+        paths = [TRACES / f"{trace}__default_lockstep.pickle.gz",
+                 TRACES / f"{trace}__default.pickle.gz"]
+        path = next((p for p in paths if p.exists()), None)
+        cache[name] = reserved_floor(load_trace(path)).ratio if path else None
     return cache[name]
 
 

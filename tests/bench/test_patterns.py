@@ -249,3 +249,20 @@ def test_every_pattern_is_a_workload_and_the_gpu_checks_run_them_all() -> None:
     assert out.stdout.split() == list(patterns.PATTERNS)
     script = (REPO / "bench/gpu/gpu_checks.sh").read_text()
     assert "-m bench.gpu.patterns names" in script and "-m bench.gpu.patterns table" in script
+
+
+def test_the_floor_is_that_of_the_rows_own_program_where_it_is_recorded() -> None:
+    # kv_generate is recorded both ways and their floors differ: the row takes the recording of
+    # the lockstep program; convnet has only its plain recording.
+    from allocator_ext.replay import load_trace
+    from allocator_ext.replay.floor import reserved_floor
+    from bench.gpu.patterns import TRACES, floor_of
+
+    def floor(file: str) -> float:
+        return reserved_floor(load_trace(TRACES / file)).ratio
+
+    lockstep = floor("kv_generate__default_lockstep.pickle.gz")
+    assert lockstep != floor("kv_generate__default.pickle.gz")
+    assert floor_of("kv_generate", {}) == lockstep
+    assert not (TRACES / "convnet__default_lockstep.pickle.gz").exists()
+    assert floor_of("convnet", {}) == floor("convnet__default.pickle.gz")
