@@ -528,13 +528,7 @@ def parent_main(args: argparse.Namespace) -> int:
                 default_peaks[workload] = result["stats"]["reserved_bytes.all.peak"]
         print(one_line(result), flush=True)
 
-    manifest = build_manifest(args, results)
-    path = out_dir / "manifest.json"
-    previous = json.loads(path.read_text()) if path.exists() else None
-    path.write_text(json.dumps(merge_manifest(previous, manifest), indent=1))
-    failed = [r for r in results if r["status"] != "ok"]
-    print(f"{len(results) - len(failed)} of {len(results)} traces recorded in {out_dir}")
-    return 1 if failed else 0
+    return save_manifest(out_dir, "manifest.json", build_manifest(args, results), "traces")
 
 
 def record_oom_workload(workload: str, settings: list[str], args: argparse.Namespace,
@@ -586,12 +580,7 @@ def oom_parent_main(args: argparse.Namespace) -> int:
                            "(each trace's attempts)",
         "max_ooms": args.max_ooms,
         "on_oom": "the step is skipped, its gradients dropped, and the next step runs"}
-    path = out_dir / OOM_MANIFEST
-    previous = json.loads(path.read_text()) if path.exists() else None
-    path.write_text(json.dumps(merge_manifest(previous, manifest, oom=True), indent=1))
-    ok = [r for r in results if r["status"] == "ok"]
-    print(f"{len(ok)} of {len(results)} out-of-memory traces recorded in {out_dir}")
-    return 0 if len(ok) == len(results) else 1
+    return save_manifest(out_dir, OOM_MANIFEST, manifest, "out-of-memory traces", oom=True)
 
 
 def lockstep_parent_main(args: argparse.Namespace) -> int:
@@ -610,11 +599,19 @@ def lockstep_parent_main(args: argparse.Namespace) -> int:
                    "warm-up seed (bench.gpu.step_lockstep.WARMUP_SEED)",
         "rounds": f"{args.rounds} rounds of the pattern's quick steps (bench.gpu.patterns), "
                   "round r on seed ROUND_SEED + r", "setting": "PyTorch's defaults"}
-    path = out_dir / LOCKSTEP_MANIFEST
+    return save_manifest(out_dir, LOCKSTEP_MANIFEST, manifest, "lockstep traces", lockstep=True)
+
+
+def save_manifest(out_dir: Path, file: str, manifest: dict[str, Any], what: str,
+                  oom: bool = False, lockstep: bool = False) -> int:
+    """Writes this run's `manifest` merged with the folder's earlier one (merge_manifest) and
+    says how many of its traces were recorded; the exit status: 1 if any was not."""
+    path = out_dir / file
     previous = json.loads(path.read_text()) if path.exists() else None
-    path.write_text(json.dumps(merge_manifest(previous, manifest, lockstep=True), indent=1))
+    path.write_text(json.dumps(merge_manifest(previous, manifest, oom, lockstep), indent=1))
+    results = manifest["traces"]
     ok = [r for r in results if r["status"] == "ok"]
-    print(f"{len(ok)} of {len(results)} lockstep traces recorded in {out_dir}")
+    print(f"{len(ok)} of {len(results)} {what} recorded in {out_dir}")
     return 0 if len(ok) == len(results) else 1
 
 
