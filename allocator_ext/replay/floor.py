@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from allocator_ext.replay.trace import Trace, peak_requested_bytes
 
 PAGE_BYTES = 2 << 20        # the device's mapping granularity, and the core's page size
+BAR = 1.01                  # the fragmentation bar where the floor leaves room for it
+BAR_OVER_FLOOR = 0.01       # and what it allows over a floor above 1.00
 SMALL_REQUEST = 1 << 20     # requests up to this size are served from the small pool
 BLOCK_ROUNDING = 512        # every block's size is a multiple of this
 
@@ -44,10 +46,16 @@ class Floor:
         below on this trace."""
         return self.floor_bytes / self.peak_requested_bytes if self.peak_requested_bytes else 1.0
 
+    @property
+    def bar(self) -> float:
+        """The fragmentation bar on this trace: 1.01, or the floor + 0.01 where the floor is
+        above 1.00."""
+        return max(BAR, self.ratio + BAR_OVER_FLOOR)
+
     def as_dict(self) -> dict[str, float | int]:
         return {"peak_requested_bytes": self.peak_requested_bytes,
                 "floor_bytes": self.floor_bytes, "page_bytes": self.page_bytes,
-                "floor_ratio": self.ratio}
+                "floor_ratio": self.ratio, "bar": self.bar}
 
 
 def _pages(size: int, page: int) -> int:

@@ -12,7 +12,11 @@ before the device is asked, so retries there come from the allocator's own rule)
 counts and ratios
 from deterministic replays on the simulated device: the same on any machine.
 
-Printed: one row per trace and setting, then each setting's worst ratio, worst call share and
+Each trace's floor (allocator_ext/replay/floor.py: the least any allocator under the core's
+rules could reserve) sets its bar: 1.01, or the floor + 0.01 where the floor is above 1.00.
+
+Printed: one row per trace and setting, with the trace's bar and whether the ratio is within
+it, then each setting's count of traces within their bars, worst ratio, worst call share and
 total out-of-memory errors and retries; --json FILE writes the rows and the command.
 """
 
@@ -26,6 +30,7 @@ import sys
 from pathlib import Path
 
 from allocator_ext.replay import load_trace, replay
+from allocator_ext.replay.floor import reserved_floor
 from allocator_ext.replay.trace import peak_requested_bytes
 from bench import REPO
 
@@ -56,12 +61,14 @@ def main() -> int:
             if t.get("memory_fraction"):
                 fractions[t["file"]] = t["memory_fraction"]
     rows = []
-    print(f"{'trace':30s} {'setting':12s} {'ratio':>7s} {'calls %':>8s} | {'1.03x: oom':>10s} "
+    print(f"{'trace':30s} {'setting':12s} {'ratio':>7s} {'bar':>6s} {'calls %':>8s} | "
+          f"{'1.03x: oom':>10s} "
           f"{'retries':>7s} {'calls %':>8s} | {'fraction: oom':>13s} {'retries':>7s} "
           f"{'calls %':>8s}")
     for path in paths:
         trace = load_trace(path)
         cap = int(1.03 * peak_requested_bytes(trace))
+        floor = reserved_floor(trace)
         fraction = fractions.get(os.path.basename(path))
         for name, config in configs.items():
             free = replay(trace, config=config, memory_fraction=fraction).report
@@ -70,6 +77,8 @@ def main() -> int:
                                 memory_fraction=cap / H200_BYTES).report
             row = {"trace": os.path.basename(path), "setting": name, "config": free["config"],
                    "reserved_ratio": free["reserved_ratio"],
+                   "floor": floor.ratio, "bar": floor.bar,
+                   "within_bar": free["reserved_ratio"] <= floor.bar,
                    "device_call_share": free["device_call_share"],
                    "capped_ooms": capped["num_ooms"], "capped_retries": capped["num_alloc_retries"],
                    "capped_device_call_share": capped["device_call_share"],
@@ -78,6 +87,7 @@ def main() -> int:
                    "fraction_device_call_share": fractioned["device_call_share"]}
             rows.append(row)
             print(f"{row['trace'][:30]:30s} {name[:12]:12s} {row['reserved_ratio']:7.4f} "
+                  f"{row['bar']:6.3f}{' ' if row['within_bar'] else '*'}"
                   f"{100 * row['device_call_share']:8.3f} | {row['capped_ooms']:10d} "
                   f"{row['capped_retries']:7d} {100 * row['capped_device_call_share']:8.3f} | "
                   f"{row['fraction_ooms']:13d} {row['fraction_retries']:7d} "
@@ -85,7 +95,9 @@ def main() -> int:
                   flush=True)
     for name in configs:
         mine = [r for r in rows if r["setting"] == name]
-        print(f"{name}: worst ratio {max(r['reserved_ratio'] for r in mine):.4f}, worst call "
+        print(f"{name}: {sum(r['within_bar'] for r in mine)} of {len(mine)} traces within "
+              f"their bar (* above it), worst ratio "
+              f"{max(r['reserved_ratio'] for r in mine):.4f}, worst call "
               f"share {100 * max(r['device_call_share'] for r in mine):.3f} %, "
               f"OOMs at 1.03x: {sum(r['capped_ooms'] for r in mine)}, under a 1.03x fraction: "
               f"{sum(r['fraction_ooms'] for r in mine)} OOMs, "

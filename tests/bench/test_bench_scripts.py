@@ -18,6 +18,7 @@ from support.waiting import wait_for
 
 from allocator_ext.replay import load_trace
 from allocator_ext.replay.engine import replay
+from allocator_ext.replay.floor import reserved_floor
 from bench.gpu.torch_bench import HOTPATH_PATTERNS, TORCH_EMPTY, compare_hotpath
 from bench.replay.growth_timeline import packed_span
 
@@ -99,6 +100,23 @@ def test_steady_state_counts_device_calls_per_pass_and_a_repeating_trace_settles
     # The first pass is exactly what `allocwatch replay` prices: the same frees, the same waits.
     replayed = replay(load_trace(str(REPO / "tests/data/traces/convnet__default.pickle.gz")))
     assert passes[0]["call_share"] == pytest.approx(replayed.report["device_call_share"])
+
+
+def test_fragmentation_judges_each_trace_against_the_bar_its_floor_sets(tmp_path: Path) -> None:
+    # The record_stream pipeline: its floor (waiting frees, one pool per stream) is above 1.00,
+    # so its bar is the floor + 0.01, not 1.01.
+    trace = "tests/data/traces/stream_pipeline__default.pickle.gz"
+    out_file = tmp_path / "fragmentation.json"
+    out = subprocess.run([sys.executable, "-m", "bench.replay.fragmentation", "--traces", trace,
+                          "--config", "native", "--json", str(out_file)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [row] = json.loads(out_file.read_text())["rows"]
+    floor = reserved_floor(load_trace(str(REPO / trace)))
+    assert floor.ratio > 1.01
+    assert row["floor"] == floor.ratio and row["bar"] == pytest.approx(floor.ratio + 0.01)
+    assert row["within_bar"] == (row["reserved_ratio"] <= row["bar"]) and not row["within_bar"]
+    assert "native: 0 of 1 traces within their bar" in out.stdout
 
 
 def test_growth_timeline_traces_each_settings_peak_to_its_requests(tmp_path: Path) -> None:

@@ -58,6 +58,16 @@ def test_every_block_is_a_multiple_of_512_bytes() -> None:
     assert reserved_floor(program(*ones, ("alloc", 0x9999, 1, 1))).floor_bytes == 2 * PAGE_BYTES
 
 
+def test_the_bar_is_1_01_or_the_floor_plus_0_01_where_the_floor_leaves_no_room() -> None:
+    # One stream, 6 MiB in three pages: the floor is 1.00 and the bar 1.01.
+    plain = reserved_floor(program(("alloc", 0x1000, 6 * MiB, 1)))
+    assert plain.ratio == 1.0 and plain.bar == pytest.approx(1.01)
+    # 3 MiB on each of two streams: four pages for six MiB, a floor of 1.333, a bar of 1.343.
+    split = reserved_floor(program(("alloc", 0x1000, 3 * MiB, 1), ("alloc", 0x9000, 3 * MiB, 2)))
+    assert split.bar == pytest.approx(8 / 6 + 0.01)
+    assert split.as_dict()["bar"] == split.bar
+
+
 def test_a_page_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="page_bytes must be positive, got 0"):
         reserved_floor(program(("alloc", 0x1000, 1, 1)), page_bytes=0)
