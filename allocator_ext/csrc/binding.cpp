@@ -475,12 +475,16 @@ PYBIND11_MODULE(_core, m) {
           "which it never resets: the agent reads it once per report.")
       .def(
           "begin_allocate_to_pool",
-          [](CachingAllocator& a, std::pair<std::uint64_t, std::uint64_t> id, StreamId stream) {
-            a.begin_allocate_to_pool(id, [stream](StreamId s) { return s == stream; });
+          [](CachingAllocator& a, std::pair<std::uint64_t, std::uint64_t> id, StreamId stream,
+             bool plain_segments) {
+            a.begin_allocate_to_pool(id, [stream](StreamId s) { return s == stream; },
+                                     plain_segments);
           },
-          py::arg("pool_id"), py::arg("stream"),
+          py::arg("pool_id"), py::arg("stream"), py::arg("plain_segments") = false,
           "Start serving allocations on `stream` from the private pool `pool_id` (a pair of "
-          "ints), as during CUDA graph capture.")
+          "ints), as during CUDA graph capture. plain_segments: the pool's segments are plain "
+          "device allocations laid out by PyTorch's rules, as the native back end makes CUDA "
+          "graphs' pools.")
       .def("end_allocate_to_pool", &CachingAllocator::end_allocate_to_pool, py::arg("pool_id"),
            "Stop allocating to the private pool `pool_id`; its blocks stay reserved for it.")
       .def("release_pool", &CachingAllocator::release_pool, py::arg("pool_id"),

@@ -9,8 +9,9 @@ allocator can avoid under the core's rules sets the floor, and it counts:
   its `free_completed`; until then its bytes count as requested (PyTorch's
   `requested_bytes` counts them so, and so do the core and the replay), and as held;
 - page granularity: the device maps memory in pages (2 MiB); a block lives in a segment of one
-  stream and one pool (requests up to 1 MiB in the small pool, the rest in the large), so
-  each stream's pool needs whole pages for what it holds, at best packed without a gap;
+  stream and one pool (requests up to 1 MiB in the small pool, the rest in the large; a CUDA
+  graph's or a MemPool's private pool has its own, as the snapshot's segments say), so each
+  stream's pool needs whole pages for what it holds, at best packed without a gap;
 - sizes rounded to 512 bytes, as every block is.
 
 At each event of the trace the floor takes, for every (stream, pool), its live and waiting
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from allocator_ext.replay.trace import Trace, peak_requested_bytes
+from allocator_ext.replay.trace import Trace, peak_requested_bytes, private_pools
 
 PAGE_BYTES = 2 << 20        # the device's mapping granularity, and the core's page size
 BAR = 1.01                  # the fragmentation bar where the floor leaves room for it
@@ -68,12 +69,14 @@ def reserved_floor(trace: Trace, page_bytes: int = PAGE_BYTES) -> Floor:
         raise ValueError(f"page_bytes must be positive, got {page_bytes}")
     # As peak_requested_bytes counts them: a request holds its bytes from its alloc to its
     # free_completed (waiting for other streams' events included).
-    live: dict[int, tuple[int, tuple[int, bool]]] = {}  # address -> (request, (stream, small))
-    held: dict[tuple[int, bool], int] = {}              # (stream, small) -> rounded bytes
+    Key = tuple[int, tuple[int, int] | None, bool]          # (stream, private pool, small)
+    live: dict[int, tuple[int, Key]] = {}                   # address -> (request, key)
+    held: dict[Key, int] = {}                               # key -> rounded bytes
+    pool_of = private_pools(trace)
     pages = peak_pages = 0
-    for e in trace.events:
+    for i, e in enumerate(trace.events):
         if e.action == "alloc":
-            key = (e.stream, e.size <= SMALL_REQUEST)
+            key = (e.stream, pool_of[i], e.size <= SMALL_REQUEST)
             live[e.addr] = (e.size, key)
             size = -(-e.size // BLOCK_ROUNDING) * BLOCK_ROUNDING
             before = held.get(key, 0)

@@ -35,6 +35,7 @@ from allocator_ext.replay.trace import (
     TraceEvent,
     active_times,
     free_completes_at_once,
+    private_pools,
 )
 
 # Pending frees wait on events of streams that exist only in the replay.
@@ -205,6 +206,7 @@ class Replayer:
         self._empty_cache_at = _allocator_releases(events)
         self._free_at_once = [e.action == "free_requested" and free_completes_at_once(events, i)
                               for i, e in enumerate(events)]
+        self._pool_of = private_pools(trace)
         self.active_s = active_times(trace)  # each event's time, as the report counts it
         self.ooms = [RecordedOom(i, e.size, e.stream, e.addr, self.active_s[i], e.time_us)
                      for i, e in enumerate(events) if e.action == "oom"]
@@ -238,7 +240,7 @@ class Replayer:
         a = e.action
         consumed = 1
         if a == "alloc":
-            self._allocate(e.addr, e.size, e.stream)
+            self._allocate(e.addr, e.size, e.stream, self._pool_of[i])
         elif a == "free_requested":
             if self._served_ooms:
                 self._release_served_ooms()
@@ -277,12 +279,21 @@ class Replayer:
         self.events_replayed += consumed
         return e
 
-    def _allocate(self, addr: int, size: int, stream: int) -> None:
+    def _allocate(self, addr: int, size: int, stream: int,
+                  pool: tuple[int, int] | None = None) -> None:
+        # A private pool's allocations are made into it, as during the graph's capture, in
+        # plain segments: PyTorch lays its private pools out so whatever expandable_segments
+        # says, and so does allocwatch's native back end (docs/torch.md, "Private pools").
+        if pool is not None:
+            self.allocator.begin_allocate_to_pool(pool, stream, plain_segments=True)
         try:
             self._held[addr] = self.allocator.malloc(size, stream)
         except ae.OutOfMemoryError:
             self._failed.add(addr)
             return
+        finally:
+            if pool is not None:
+                self.allocator.end_allocate_to_pool(pool)
         self._sizes[addr] = size
         self.requested += size
         if self.requested > self.peak_requested:

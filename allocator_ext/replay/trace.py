@@ -8,6 +8,7 @@ wrong and where.
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import io
 import pickle
@@ -148,6 +149,33 @@ def free_completes_at_once(events: list[TraceEvent], i: int) -> bool:
     which a replay makes the block wait for (record_stream on a stream of its own)."""
     nxt = events[i + 1] if i + 1 < len(events) else None
     return nxt is not None and nxt.action == "free_completed" and nxt.addr == events[i].addr
+
+
+def private_pools(trace: Trace) -> list[tuple[int, int] | None]:
+    """Per event: for an allocation served from a private pool in the recorded run (a CUDA
+    graph's, or a torch.cuda.MemPool's), that pool's id; None otherwise. The trace's events do
+    not name pools, but the snapshot's segments do: an allocation inside a segment the
+    snapshot still lists with a pool id came from that pool (a segment freed before the
+    snapshot was taken counts as the default pool's)."""
+    pool_at = {(s.get("address"), s.get("total_size")): tuple(s.get("segment_pool_id") or (0, 0))
+               for s in trace.final_segments}
+    starts: list[int] = []                                  # live segments, sorted by address
+    ends: dict[int, tuple[int, tuple[int, int]]] = {}       # start -> (end, pool)
+    out: list[tuple[int, int] | None] = [None] * len(trace.events)
+    for i, e in enumerate(trace.events):
+        if e.action == "segment_alloc":
+            bisect.insort(starts, e.addr)
+            ends[e.addr] = (e.addr + e.size, pool_at.get((e.addr, e.size), (0, 0)))
+        elif e.action == "segment_free" and e.addr in ends:
+            starts.remove(e.addr)
+            del ends[e.addr]
+        elif e.action == "alloc":
+            j = bisect.bisect_right(starts, e.addr) - 1
+            if j >= 0:
+                end, pool = ends[starts[j]]
+                if e.addr < end and pool != (0, 0):
+                    out[i] = pool
+    return out
 
 
 def _read_bytes(path: Path) -> bytes:

@@ -41,6 +41,12 @@ what each pass's device calls cost once the cache is warm, and the retries and o
 errors of the later passes (under a cap, a run that creeps grows into it). The figures above
 that stay the first pass's.
 
+Allocations the recorded run made into a private pool (CUDA graphs, torch.compile's graph
+trees, torch.cuda.MemPool) replay into a private pool of their own, laid out in plain segments
+as PyTorch and allocwatch's native back end lay such pools out: the snapshot's segments say
+which pool each segment belonged to (a segment freed before the snapshot counts as the
+default pool's).
+
 A trace that ended in an out-of-memory error holds the request that failed (an `oom` event):
 the replay makes that request too, at its place and on its stream; where the allocator serves
 it, it is freed at the first free after it, where the recorded run began unwinding from the

@@ -37,6 +37,18 @@ def test_small_and_large_requests_never_share_a_page() -> None:
     assert floor.floor_bytes == 2 * PAGE_BYTES  # the 1 MiB request is small, the other large
 
 
+def test_a_private_pool_needs_pages_of_its_own() -> None:
+    # Two 512 KiB requests on one stream: one page, unless the snapshot's segments put the
+    # second in a CUDA graph's private pool, which shares no page with the default pool.
+    steps = [("segment_alloc", 1 << 30, 2 * MiB, 1), ("alloc", 1 << 30, MiB // 2, 1),
+             ("segment_alloc", 2 << 30, 2 * MiB, 1), ("alloc", 2 << 30, MiB // 2, 1)]
+    assert reserved_floor(program(*steps)).floor_bytes == PAGE_BYTES
+    pooled = program(*steps)
+    pooled.final_segments = [{"address": 2 << 30, "total_size": 2 * MiB,
+                              "segment_pool_id": (0, 1)}]
+    assert reserved_floor(pooled).floor_bytes == 2 * PAGE_BYTES
+
+
 def test_a_free_waiting_for_other_streams_holds_its_bytes_until_it_completes() -> None:
     # A is freed while another stream may still read it: B cannot have its bytes. Both count as
     # requested (as PyTorch's requested_bytes counts them), so the floor is whole pages of both.

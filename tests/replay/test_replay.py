@@ -13,7 +13,7 @@ import pytest
 from support.paths import REPO
 
 from allocator_ext.replay import TraceError, load_trace, replay
-from allocator_ext.replay.trace import parse_snapshot, peak_requested_bytes
+from allocator_ext.replay.trace import parse_snapshot, peak_requested_bytes, private_pools
 
 RECORDED = REPO / "tests" / "data" / "traces"
 MANIFEST = json.loads((RECORDED / "manifest.json").read_text())
@@ -112,6 +112,28 @@ def test_the_users_empty_cache_is_replayed() -> None:
     assert r["empty_cache_calls_replayed"] == 1
     assert r["num_device_free"] == 1
     assert r["unknown_actions"] == {"mystery": 1}
+
+
+def test_allocations_the_recorded_run_made_into_a_private_pool_replay_into_it() -> None:
+    # Two 512 KiB requests that one 2 MiB segment would hold, but the second was made into a
+    # CUDA graph's private pool (the snapshot's segments say which pool each segment is in), so
+    # the recorded run needed a segment for each; the replay must too.
+    segment_a, segment_b, kib512 = 1 << 30, 2 << 30, 512 << 10
+    events = [
+        {"action": "segment_alloc", "addr": segment_a, "size": 2 << 20, "stream": 0, "time_us": 1},
+        {"action": "alloc", "addr": segment_a, "size": kib512, "stream": 0, "time_us": 2},
+        {"action": "segment_alloc", "addr": segment_b, "size": 2 << 20, "stream": 0, "time_us": 3},
+        {"action": "alloc", "addr": segment_b, "size": kib512, "stream": 0, "time_us": 4},
+    ]
+    segments = [{"address": segment_a, "total_size": 2 << 20, "segment_pool_id": (0, 0)},
+                {"address": segment_b, "total_size": 2 << 20, "segment_pool_id": (0, 1)}]
+    trace = parse_snapshot({"device_traces": [events], "segments": segments})
+    assert private_pools(trace) == [None, None, None, (0, 1)]
+    r = replay(trace, config="native").report
+    assert r["num_device_alloc"] == 2 and r["peak_reserved_bytes"] == 4 << 20
+    # Without the pool's name the same program fits in one segment.
+    unnamed = parse_snapshot({"device_traces": [events]})
+    assert replay(unnamed, config="native").report["num_device_alloc"] == 1
 
 
 # --- bad traces ------------------------------------------------------------------------------
