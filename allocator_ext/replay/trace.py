@@ -156,16 +156,27 @@ def private_pools(trace: Trace) -> list[tuple[int, int] | None]:
     graph's, or a torch.cuda.MemPool's), that pool's id; None otherwise. The trace's events do
     not name pools, but the snapshot's segments do: an allocation inside a segment the
     snapshot still lists with a pool id came from that pool (a segment freed before the
-    snapshot was taken counts as the default pool's)."""
+    snapshot was taken, even one at an address a pool's segment took later, counts as the
+    default pool's)."""
     pool_at = {(s.get("address"), s.get("total_size")): tuple(s.get("segment_pool_id") or (0, 0))
                for s in trace.final_segments}
+    # The segment allocations still alive when the snapshot was taken: the last at their
+    # address, with no free after it.
+    last_alloc: dict[int, int] = {}
+    for i, e in enumerate(trace.events):
+        if e.action == "segment_alloc":
+            last_alloc[e.addr] = i
+        elif e.action == "segment_free":
+            last_alloc.pop(e.addr, None)
     starts: list[int] = []                                  # live segments, sorted by address
     ends: dict[int, tuple[int, tuple[int, int]]] = {}       # start -> (end, pool)
     out: list[tuple[int, int] | None] = [None] * len(trace.events)
     for i, e in enumerate(trace.events):
         if e.action == "segment_alloc":
             bisect.insort(starts, e.addr)
-            ends[e.addr] = (e.addr + e.size, pool_at.get((e.addr, e.size), (0, 0)))
+            alive_at_end = last_alloc.get(e.addr) == i
+            pool = pool_at.get((e.addr, e.size), (0, 0)) if alive_at_end else (0, 0)
+            ends[e.addr] = (e.addr + e.size, pool)
         elif e.action == "segment_free" and e.addr in ends:
             starts.remove(e.addr)
             del ends[e.addr]

@@ -134,6 +134,17 @@ def test_allocations_the_recorded_run_made_into_a_private_pool_replay_into_it() 
     # Without the pool's name the same program fits in one segment.
     unnamed = parse_snapshot({"device_traces": [events]})
     assert replay(unnamed, config="native").report["num_device_alloc"] == 1
+    # A segment freed before the snapshot was the default pool's, even where a pool's segment
+    # took its address later.
+    reused = [
+        {"action": "segment_alloc", "addr": segment_b, "size": 2 << 20, "stream": 0, "time_us": 1},
+        {"action": "alloc", "addr": segment_b, "size": kib512, "stream": 0, "time_us": 2},
+        {"action": "free_requested", "addr": segment_b, "size": kib512, "stream": 0, "time_us": 3},
+        {"action": "free_completed", "addr": segment_b, "size": kib512, "stream": 0, "time_us": 4},
+        {"action": "segment_free", "addr": segment_b, "size": 2 << 20, "stream": 0, "time_us": 5},
+    ] + [dict(e, time_us=e["time_us"] + 5) for e in events]
+    trace = parse_snapshot({"device_traces": [reused], "segments": segments})
+    assert private_pools(trace) == [None] * 5 + [None, None, None, (0, 1)]
 
 
 # --- bad traces ------------------------------------------------------------------------------
