@@ -31,7 +31,6 @@ from pathlib import Path
 
 from allocator_ext.replay import load_trace, replay
 from allocator_ext.replay.floor import reserved_floor
-from allocator_ext.replay.trace import peak_requested_bytes
 from bench import REPO
 
 DEFAULT_TRACES = [str(REPO / "tests/data/traces/*.pickle.gz"),
@@ -69,9 +68,9 @@ def main() -> int:
           f"{'calls %':>8s}")
     for path in paths:
         trace = load_trace(path)
-        cap = int(DEVICE_CAP * peak_requested_bytes(trace))
-        fraction_cap = int(FRACTION_CAP * peak_requested_bytes(trace))
-        floor = reserved_floor(trace)
+        floor = reserved_floor(trace)  # and the trace's peak requested bytes, counted once
+        cap = int(DEVICE_CAP * floor.peak_requested_bytes)
+        fraction_cap = int(FRACTION_CAP * floor.peak_requested_bytes)
         fraction = fractions.get(os.path.basename(path))
         for name, config in configs.items():
             free = replay(trace, config=config, memory_fraction=fraction).report
