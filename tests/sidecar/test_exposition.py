@@ -91,7 +91,8 @@ def test_a_crowd_of_scrapes_costs_one_build_an_interval_each_read_after_it_arriv
     registry = CollectorRegistry()
     clocked = ClockedCollector()
     registry.register(clocked)
-    exposition = Exposition(registry, interval=0.5)
+    interval = 1.0
+    exposition = Exposition(registry, interval=interval)
 
     async def scrape(delay: float) -> tuple[float, int, float]:
         """(when it arrived, which build it got, when it got it)."""
@@ -106,10 +107,12 @@ def test_a_crowd_of_scrapes_costs_one_build_an_interval_each_read_after_it_arriv
         # 60 scrapes, one every 25 ms (as clients that each ask once would send them).
         answers = await asyncio.gather(*(scrape(n * 0.025) for n in range(60)))
         spread = answers[-1][0] - answers[0][0]
-        assert len(clocked.read_at) <= spread / 0.5 + 2, (len(clocked.read_at), spread)
+        assert len(clocked.read_at) <= spread / interval + 2, (len(clocked.read_at), spread)
         for arrived, build, answered in answers:
             assert clocked.read_at[build - 1] >= arrived  # its figures read after it came
-            assert answered - arrived < 0.5 + 0.5  # the interval at most, and the build
+            # The interval at most, and the build with what a loaded machine delays it by (a
+            # second; a scrape made to wait two intervals still fails).
+            assert answered - arrived < interval + 1.0
         # Any OpenMetrics version below 2.0.0 is one kind; each answer names the one asked for.
         openmetrics = "application/openmetrics-text; version={}"
         answers = await asyncio.gather(*(exposition.body(openmetrics.format(version), "")
