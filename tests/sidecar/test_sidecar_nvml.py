@@ -200,7 +200,9 @@ fake.entered.wait()
 pid = os.fork()
 if pid == 0:
     os._exit(0 if reader.read() else 3)
-deadline = time.monotonic() + 2
+# A child held by the lock never ends: a generous wait costs nothing when it is not held, and a
+# loaded machine may take seconds to run the child at all.
+deadline = time.monotonic() + 15
 while time.monotonic() < deadline:
     done, status = os.waitpid(pid, os.WNOHANG)
     if done:
