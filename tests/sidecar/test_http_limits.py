@@ -179,7 +179,7 @@ def test_a_silent_or_trickling_client_is_closed_at_the_idle_deadline(limited: st
 
 def test_silent_connections_are_counted_and_closed_at_their_idle_deadline(tmp_path: Path
                                                                           ) -> None:
-    idle_timeout = 3  # time enough to count them on a loaded machine before it
+    idle_timeout = 5  # time enough to count them on a loaded machine before it
     with limited_sidecar(tmp_path, idle_timeout) as (limited, server):
         port = int(limited.rsplit(":", 1)[1])
         for _ in range(20):  # ended before a byte, as a TCP probe is: nothing to serve or hold
@@ -203,7 +203,7 @@ def test_silent_connections_are_counted_and_closed_at_their_idle_deadline(tmp_pa
                         closed_at[i] = time.monotonic()  # after the close: never early
                 return len(closed_at) == len(silent)
 
-            wait_for(all_closed, timeout=10, interval=0.02, what="the idle deadline")
+            wait_for(all_closed, timeout=20, interval=0.02, what="the idle deadline")
             assert min(closed_at.values()) - connected >= idle_timeout
         finally:
             for sock in silent:
@@ -226,8 +226,9 @@ class Listener:
 
 @pytest.fixture(params=["metrics over TCP", "admin API over its Unix socket"])
 def small_listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Listener]:
-    """One of the sidecar's listeners limited to 8 connections (idle deadline 5 s)."""
-    limits = {"max_connections": 8, "idle_timeout_seconds": 5, "request_timeout_seconds": 2}
+    """One of the sidecar's listeners limited to 8 connections (idle deadline 30 s: far past
+    what a test takes, on a loaded machine too, so that only the limit closes connections)."""
+    limits = {"max_connections": 8, "idle_timeout_seconds": 30, "request_timeout_seconds": 2}
     parsed = parse_config({
         "metrics": {"address": "127.0.0.1", "port": 0, "limits": limits},
         "admin": {"command_timeout_seconds": 1, "limits": limits},
@@ -293,7 +294,8 @@ def test_past_the_connection_limit_the_idle_connections_of_clients_that_spoke_go
         tmp_path: Path) -> None:
     """With no silent connection to close: the one that never began a request, then the one
     idle longest."""
-    with limited_sidecar(tmp_path, idle_timeout=5) as (limited, server), \
+    # Idle deadline 30 s: far past what the test takes, so that only the limit closes any.
+    with limited_sidecar(tmp_path, idle_timeout=30) as (limited, server), \
             contextlib.ExitStack() as stack:
         served = [stack.enter_context(raw_socket(limited)) for _ in range(7)]
         for sock in served:
