@@ -56,7 +56,8 @@ def many_files() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sidecar_with_tcp(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, int, str, Path]]:
+def sidecar_with_tcp(tmp_path: Path, hello_timeout: float = 2
+                     ) -> Iterator[tuple[subprocess.Popen, str, int, str, Path]]:
     """`allocwatch sidecar` under a 1,024-descriptor limit with the agents' TCP port; yields the
     process, its metrics URL, the agents' TCP port, the admin socket and the token file."""
     metrics_port, agents_port = free_port(), free_port()
@@ -64,7 +65,7 @@ def sidecar_with_tcp(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, in
     config = tmp_path / "sidecar.yaml"
     config.write_text(
         f"agents: {{unix_socket: {run / 'agent.sock'}, tcp_port: {agents_port}, "
-        f"token_file: {run / 'agent-token'}, hello_timeout_seconds: 2}}\n"
+        f"token_file: {run / 'agent-token'}, hello_timeout_seconds: {hello_timeout}}}\n"
         f"metrics: {{address: 127.0.0.1, port: {metrics_port}}}\n"
         "nvml: {enabled: false}\nlogging: {level: warning}\n")
     process = subprocess.Popen([sys.executable, "-m", "exporter.cli", "sidecar", "--config",
@@ -135,7 +136,9 @@ def test_preface_only_connections_neither_exhaust_descriptors_nor_lock_out_anyon
 
 def test_the_preface_alone_is_held_as_a_socket_and_a_frame_after_it_reaches_the_server(
         tmp_path: Path) -> None:
-    with sidecar_with_tcp(tmp_path) as (process, url, port, _, _):
+    # The connections are looked at for seconds: a hello deadline past that, on a loaded
+    # machine too, so that none is closed by it meanwhile.
+    with sidecar_with_tcp(tmp_path, hello_timeout=30) as (process, url, port, _, _):
         time.sleep(0.5)  # past the start's last steps
         before = _descriptors(process.pid)
         with contextlib.ExitStack() as stack:
