@@ -40,8 +40,10 @@ def test_fragmenting_workload_fires_a_reclaim_and_reserved_falls(tmp_path: Path)
     agent = connect_agent(running, tmp_path, {0: allocator})
     try:
         url = running.sidecar.metrics_url
-        kept, reserved_before = fragment(allocator)
+        # Before the fragmentation: the agent may sample it (and the rule's `for` begin) as
+        # soon as it happens, before any line after it runs.
         started = time.monotonic()
+        kept, reserved_before = fragment(allocator)
         wait_for(lambda: values(url, "torch_cuda_allocator_reserved_bytes") == [
             float(reserved_before)], what="the fragmented figures on /metrics")
         # The reclaim reaches the agent: reserved falls to what is in use, in this same run.
@@ -123,7 +125,11 @@ def test_cooldown_and_hourly_cap_bound_the_commands(tmp_path: Path,
         wait_for(lambda: metric(running, "allocwatch_policy_suppressed_total", rule="stuck",
                                 reason="max_actions_per_hour") == 1.0,
                  what="the hourly cap holding back a fourth action")
-        time.sleep(0.5)  # two more cooldowns, in which no further command may arrive
+        # The three delivered (on a loaded machine, maybe after the decisions), then two more
+        # cooldowns, in which no further command may arrive.
+        wait_for(lambda: len([c for c in source.calls if c[0] == "reclaim"]) >= 3,
+                 what="the three commands delivered")
+        time.sleep(0.5)
         seen = len([c for c in source.calls if c[0] == "reclaim"])
         assert seen == 3, source.calls
         times = [r.created for r in caplog.records
