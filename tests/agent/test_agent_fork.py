@@ -43,7 +43,9 @@ FORKING_TRAINER = textwrap.dedent("""
             os.close(read_end)
             inherited = maybe_start_from_env(source=alloc)
             started = time.monotonic()
-            inherited.stop(1.0)  # what the exit handler does; it runs again at exit
+            # As the exit handler does (it runs again at exit, with 1 s), with a timeout long
+            # enough to tell a drain from a loaded machine's delay.
+            inherited.stop(10.0)
             seen = {"same_object": inherited is agent, "connected": inherited.connected.is_set(),
                     "stop_seconds": time.monotonic() - started}
             os.write(write_end, json.dumps(seen).encode())
@@ -73,7 +75,7 @@ def test_forked_children_abandon_their_copy_and_leave_the_parents_stream(tmp_pat
             # The child's agent is the parent's object, abandoned: unconnected, and stopping it
             # waits for nothing (the parent's agent would drain for half of stop's timeout).
             assert child["same_object"] and not child["connected"], child
-            assert child["stop_seconds"] < 0.4, child  # a drain would take 0.5 s
+            assert child["stop_seconds"] < 2.0, child  # a copy not abandoned waits up to 10 s
         # The parent's stream never noticed: no reconnect, no error, and it reported on.
         assert result["connected"] and result["reconnects"] == 0, result
         assert result["last_error"] is None, result

@@ -62,10 +62,11 @@ def test_sidecar_killed_and_restarted_agent_returns_and_counters_continue(tmp_pa
                  what="first figures")
         sidecar.send_signal(signal.SIGKILL)
         sidecar.wait(10)
-        # Training carries on meanwhile: the agent keeps sampling, never blocking us.
+        # Training carries on meanwhile: the agent keeps sampling, never blocking us (1 s: what
+        # a loaded machine may take to run a dict update, far short of a wait on the socket).
         t0 = time.perf_counter()
         source.bump(num_alloc_retries=2)
-        assert time.perf_counter() - t0 < 0.1
+        assert time.perf_counter() - t0 < 1.0
         wait_for(lambda: not agent.connected.is_set(), what="the agent noticing")
         sidecar = _sidecar_process(config)
         # Ready: its agents' socket listens too (the metrics endpoint answers before it does).
