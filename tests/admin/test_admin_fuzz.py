@@ -9,6 +9,7 @@ recorded in docs/reliability.md."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -57,11 +58,16 @@ def _parsed(method: str, target: str, body: bytes) -> AdminCall | AdminError:
         return err
 
 
-@settings(max_examples=400, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+# The second is this thread's CPU time, not Hypothesis's wall-clock deadline: a loaded machine
+# can hold any example past a second of wall clock, which fails the run as unreliable timing.
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(method=methods, target=targets, body=bodies)
 def test_any_request_parses_to_a_call_or_a_short_refusal(method: str, target: str,
                                                          body: bytes) -> None:
+    started = time.thread_time()
     outcome = _parsed(method, target, body)
+    used = time.thread_time() - started
+    assert used < 1.0, f"{used:.2f} s of CPU for one request"
     if isinstance(outcome, AdminError):
         assert outcome.status in (400, 404, 405), outcome.status
         assert str(outcome) and len(str(outcome)) < MAX_MESSAGE, str(outcome)[:300]
