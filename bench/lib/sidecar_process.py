@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from bench import REPO
+from bench.lib.ports import free_port
 
 Sample = tuple[str, dict[str, str], float]  # name, labels, value
 
@@ -47,9 +47,7 @@ class SidecarProcess:
         self.socket = self.folder / "run" / "agent.sock"
         if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:  # a deep parent: the socket alone
             self.socket = Path(tempfile.mkdtemp(prefix=prefix)) / "agent.sock"  # goes short
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port()  # below the ephemeral range: no client's connect() takes it
         self.config = self.folder / "sidecar.yaml"
         self.config.write_text(f"agents:\n  unix_socket: {self.socket}\n{agents_yaml}"
                                f"metrics:\n  address: 127.0.0.1\n  port: {self.port}\n"

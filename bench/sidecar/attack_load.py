@@ -50,6 +50,7 @@ from pathlib import Path
 
 from bench import REPO
 from bench.lib import source_tree
+from bench.lib.ports import free_port
 from bench.sidecar.sidecar_load import (
     Scraper,
     SidecarUsage,
@@ -494,7 +495,7 @@ def main() -> int:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     _raise_descriptor_limit(2048)
     tmp = Path(tempfile.mkdtemp(prefix="aw-attack-", dir="/tmp"))
-    port, tcp_port = _free_port(), _free_port()
+    port, tcp_port = free_port(), free_port()
     run = tmp / "run"
     (tmp / "sidecar.yaml").write_text(textwrap.dedent(f"""\
         agents: {{unix_socket: {run / 'agent.sock'}, tcp_port: {tcp_port},
@@ -579,12 +580,6 @@ def main() -> int:
         for phase in phases:
             print(json.dumps(phase))
     return 0 if ok else 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import REPO
 from bench.lib import source_tree
+from bench.lib.ports import free_port
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,"
                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
@@ -398,9 +399,7 @@ def main() -> int:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     descriptors = _raise_descriptor_limit(args.idle_connections + 512)
     tmp = Path(tempfile.mkdtemp(prefix="allocwatch-load-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     socket_path = tmp / "agent.sock"
     (tmp / "sidecar.yaml").write_text(textwrap.dedent(f"""\
         agents: {{unix_socket: {socket_path}}}
