@@ -14,13 +14,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.net import free_port
 from support.paths import REPO
 from support.sidecar import FakeSource, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import maybe_start_from_env, start_agent
 from allocator_ext.agent.backoff import Backoff
+from bench.lib.ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -35,9 +35,10 @@ from support.deploy import (
     trainer_additions,
     validate_strict,
 )
-from support.net import free_port
 from support.pod import LocalPod, stop
 from support.waiting import wait_for
+
+from bench.lib.ports import free_port
 
 WORKLOADS = {
     "Job": DEPLOY / "examples/job/job.yaml",

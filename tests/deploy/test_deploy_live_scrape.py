@@ -30,10 +30,10 @@ from support.deploy import (
     metric_names,
 )
 from support.fake_nvml import FakePynvml
-from support.net import free_port
 from support.waiting import wait_for
 
 from allocator_ext.protocol.metrics import METRICS
+from bench.lib.ports import free_port
 
 allocator_ext = pytest.importorskip("allocator_ext", reason="allocator_ext is not built")
 parser = pytest.importorskip(

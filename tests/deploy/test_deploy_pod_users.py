@@ -19,10 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.net import free_port
 from support.paths import REPO
 from support.pod import LocalPod, setpriv, stop
 from support.waiting import wait_for
+
+from bench.lib.ports import free_port
 
 pytest.importorskip("allocator_ext", reason="allocator_ext is not built")
 pytestmark = pytest.mark.timeout(240)

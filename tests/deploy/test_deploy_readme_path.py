@@ -31,11 +31,12 @@ from pathlib import Path
 
 import pytest
 from support.deploy import require_binary
-from support.net import free_port
 from support.paths import REPO
 from support.pod import LocalPod, stop
 from support.venv import make_venv
 from support.waiting import wait_for
+
+from bench.lib.ports import free_port
 
 parser = pytest.importorskip("prometheus_client.parser",
                              reason="prometheus_client is not installed")

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 from support.admin import call
-from support.net import free_port
 from support.sidecar import FakeSource, scrape, values
 from support.waiting import terminate, wait_for
 
 from allocator_ext.agent import start_agent
 from allocator_ext.agent.auth import AgentToken
+from bench.lib.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

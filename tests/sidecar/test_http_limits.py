@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.admin import closed_now, closed_within, exchange, raw_socket
-from support.net import free_port
 from support.sidecar import FakeSource, scrape, values
 from support.waiting import terminate, wait_for
 
 from allocator_ext.agent import start_agent
+from bench.lib.ports import free_port
 from exporter.shared.bounded_http import BoundedHttpServer
 from exporter.sidecar.app import SidecarThread
 from exporter.sidecar.config import parse_config

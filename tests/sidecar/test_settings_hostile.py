@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from support.files import replace_text
-from support.net import free_port
 from support.waiting import wait_for
 
+from bench.lib.ports import free_port
 from exporter.shared.config import ConfigError
 from exporter.sidecar.config import load_config, parse_config
 

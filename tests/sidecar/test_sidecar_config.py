@@ -106,7 +106,7 @@ def test_help_explains_every_command() -> None:
 
 
 def _sidecar_cli(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, str]:
-    from support.net import free_port
+    from bench.lib.ports import free_port
 
     port = free_port()
     socket_path = tmp_path / "run" / "agent.sock"

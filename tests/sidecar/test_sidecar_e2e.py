@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
-from support.net import free_port
 from support.sidecar import FakeSource, MiB, samples, scrape, start_sidecar, tcp_token, values
 from support.waiting import wait_for
 
 from allocator_ext.agent import start_agent
 from allocator_ext.protocol.metrics import METRICS
+from bench.lib.ports import free_port
 from exporter.agents.grpc_server import ListenError
 
 pytestmark = pytest.mark.timeout(60)

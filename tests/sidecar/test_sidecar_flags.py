@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.net import free_port
 from support.paths import REPO
 from support.waiting import wait_for
 
+from bench.lib.ports import free_port
 from exporter.cli import main
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support.net import free_port
+
+from bench.lib.ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,11 +12,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.net import free_port
 from support.sidecar import FakeSource, scrape, start_sidecar, values
 from support.waiting import terminate, wait_for
 
 from allocator_ext.agent import start_agent
+from bench.lib.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

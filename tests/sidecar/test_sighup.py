@@ -12,9 +12,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.net import free_port
 from support.sidecar import values
 from support.waiting import terminate, wait_for
+
+from bench.lib.ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
