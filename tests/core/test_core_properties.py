@@ -27,6 +27,8 @@ CONFIGS = st.sampled_from([
     "expandable_grow_mb:20,reuse_free_pages:True",
     "expandable_large_page_mb:2,expandable_chunk_mb:20",
     "expandable_large_page_mb:2,expandable_chunk_mb:10",
+    "alias_pages:True",
+    "alias_pages:True,expandable_chunk_mb:2",
 ])
 SIZES = st.one_of(
     st.integers(1, 64 * KiB),
@@ -44,7 +46,8 @@ OPS = st.lists(
         st.tuples(st.just("gc"), st.just(0), st.just(0)),
         st.tuples(st.just("set_config"), st.sampled_from([
             "expandable_segments:True", "expandable_segments:False", "max_split_size_mb:64",
-            "garbage_collection_threshold:0.5"]), st.just(0)),
+            "garbage_collection_threshold:0.5", "alias_pages:True", "alias_pages:False"]),
+            st.just(0)),
     ),
     max_size=60,
 )

@@ -7,6 +7,7 @@ PyTorch's CUDA caching allocator does (c10/cuda/CUDACachingAllocator.cpp).
 from __future__ import annotations
 
 import pytest
+from support.page_steps import MOVING, STEP_AMONG_HOLES, calls, looped_step_page_calls
 
 import allocator_ext as ae
 
@@ -16,10 +17,6 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 def native(capacity: int = 0, config: str = "native") -> tuple[ae.SimDevice, ae.Allocator]:
     dev = ae.SimDevice(capacity=capacity)
     return dev, ae.Allocator(dev, config)
-
-
-def calls(dev: ae.SimDevice, name: str) -> int:
-    return dev.counters().get(name, {}).get("count", 0)
 
 
 # --- sizes and pools -------------------------------------------------------------------------
@@ -647,46 +644,6 @@ def test_below_the_high_water_mark_growth_creates_pages_instead_of_moving_them()
     assert a.check_invariants() == ""
 
 
-# A step as a program: ("x", 40) allocates 40 MiB as x, ("x",) frees x.
-Step = list[tuple[str, int] | tuple[str]]
-
-# The 60 MiB request finds its free memory in a 40 MiB block that does not border the growth.
-STEP_BESIDE_A_DISTANT_HOLE: Step = [("x", 40), ("y", 40), ("x",), ("z", 60), ("y",), ("z",)]
-# Requests of 4 to 80 MiB freed out of order: the take-backs of the first pass leave holes in
-# several places where the next pass's 60 MiB requests could grow.
-STEP_AMONG_HOLES: Step = [("w", 20), ("x", 80), ("w",), ("y", 30), ("x",), ("z", 4), ("y",),
-                          ("u", 60), ("v", 60), ("v",), ("u",), ("z",)]
-
-
-def _run_step(a: ae.Allocator, step: Step) -> None:
-    held: dict[str, int] = {}
-    for op in step:
-        if len(op) == 2:
-            held[op[0]] = a.malloc(op[1] * MiB)
-        else:
-            a.free(held.pop(op[0]))
-
-
-def _looped_step_page_calls(config: str | None, passes: int, fraction: float = 0.0,
-                            step: Step = STEP_BESIDE_A_DISTANT_HOLE) -> list[tuple[int, int]]:
-    """`step` repeated on one allocator: per pass, peak reserved (MiB) and the device calls
-    that map or unmap pages."""
-    dev = ae.SimDevice(capacity=GiB)
-    a = ae.Allocator(dev, config)
-    if fraction:
-        a.set_memory_fraction(fraction)
-    rows = []
-    for _ in range(passes):
-        before = sum(calls(dev, k) for k in ("create", "map_only", "unmap"))
-        _run_step(a, step)
-        assert a.check_invariants() == ""
-        rows.append((a.stats()["reserved_bytes.all.peak"] // MiB,
-                     sum(calls(dev, k) for k in ("create", "map_only", "unmap")) - before))
-    assert a.stats()["num_alloc_retries"] == 0
-    return rows
-
-
-MOVING = "settle_page_moves:False"  # take-backs that recur move their pages again every time
 
 
 def test_a_repeated_take_back_creates_pages_once_and_the_loop_settles() -> None:
@@ -694,14 +651,14 @@ def test_a_repeated_take_back_creates_pages_once_and_the_loop_settles() -> None:
     # every pass: an unmap (a wait for the stream) and a map each time, for ever. The defaults
     # (settle_page_moves) create them the second time, and from then on the step makes no
     # device call at all.
-    moving = _looped_step_page_calls(MOVING, 6)
+    moving = looped_step_page_calls(MOVING, 6)
     assert all(page_calls > 0 for _, page_calls in moving[2:])
-    settled = _looped_step_page_calls(None, 6)
+    settled = looped_step_page_calls(None, 6)
     assert settled[0] == moving[0]                        # the first pass is unchanged
     assert [page_calls for _, page_calls in settled[2:]] == [0, 0, 0, 0]
     assert {peak for peak, _ in settled[1:]} == {140}     # flat from pass 2
     # Under a memory fraction that leaves no room to create, pages move as before.
-    capped = _looped_step_page_calls(None, 6, fraction=120 / 1024)
+    capped = looped_step_page_calls(None, 6, fraction=120 / 1024)
     assert all(peak <= 120 for peak, _ in capped)
     assert all(page_calls > 0 for _, page_calls in capped[2:])
 
@@ -711,8 +668,8 @@ def test_a_settled_growth_creates_its_pages_where_the_fewest_are_missing() -> No
     # that leaves the fewest to create, not in the lowest hole where it fits: 6 MiB more than
     # the first pass, where the lowest hole took 30 MiB (and moved the next pass's requests
     # elsewhere). The loop is flat from pass 2 without a device call.
-    moving = _looped_step_page_calls(MOVING, 6, step=STEP_AMONG_HOLES)
-    settled = _looped_step_page_calls(None, 6, step=STEP_AMONG_HOLES)
+    moving = looped_step_page_calls(MOVING, 6, step=STEP_AMONG_HOLES)
+    settled = looped_step_page_calls(None, 6, step=STEP_AMONG_HOLES)
     assert settled[0] == moving[0] and settled[0][0] == 124
     assert {peak for peak, _ in settled[1:]} == {130}
     assert [page_calls for _, page_calls in settled[2:]] == [0, 0, 0, 0]

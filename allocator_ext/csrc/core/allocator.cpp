@@ -298,6 +298,20 @@ bool CachingAllocator::get_free_block(AllocParams& p) {
     }
   }
 
+  // With aliased pages, a block whose front is in use through other addresses serves from the
+  // lowest address inside it that is usable; one with none is passed over (Note [aliased
+  // pages] in expandable.cpp).
+  std::uintptr_t inside = 0;
+  while ((*it)->expandable != nullptr && (*it)->expandable->tracks_aliases() &&
+         !(*it)->expandable->usable(
+             Range{(*it)->ptr, should_split(*it, p.size) ? p.size : (*it)->size})) {
+    const Block* b = *it;
+    if (b->size >= p.size + kMinBlockSize) {
+      inside = b->expandable->first_usable(Range{b->ptr, b->size - kMinBlockSize}, p.size);
+      if (inside != 0) break;
+    }
+    if (++it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+  }
   // Never hand an oversize block (>= max_split_size) to a smaller request: it could not be
   // split, and would waste the difference for the block's whole lifetime.
   if (p.size < config_.max_split_size && (*it)->size >= config_.max_split_size) return false;
@@ -305,6 +319,18 @@ bool CachingAllocator::get_free_block(AllocParams& p) {
   if (p.size >= config_.max_split_size &&
       (*it)->size >= p.size + config_.max_non_split_rounding)
     return false;
+  if (inside != 0) {
+    // The front, up to `inside`, stays behind as a free block of its own.
+    Block* b = *it;
+    pool.blocks.erase(it);
+    Block* front = new_block(b->stream, inside - b->ptr, &pool, b->ptr);
+    front->expandable = b->expandable;
+    front->splice(b->prev, b);
+    b->size -= front->size;
+    b->ptr = inside;
+    pool.insert_into_blocks(front);
+    it = pool.blocks.insert(b).first;
+  }
   p.block = *it;
   p.cached = true;
   p.cached_at = it;
@@ -459,6 +485,8 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
 
   block->allocated = true;
   block->requested_size = p.orig_size;
+  if (block->expandable != nullptr && block->expandable->tracks_aliases())
+    block->expandable->use(Range{block->ptr, block->size}, +1);
   trace_.record(TraceAction::alloc, block->ptr, p.orig_size, block->stream);
   allocated_.insert(block->ptr, block);
 
@@ -520,6 +548,8 @@ void CachingAllocator::free_block(Block* block) {
   const std::size_t original_size = block->size;
   const std::size_t requested_size = block->requested_size;
   BlockPool& pool = *block->pool;
+  if (block->expandable != nullptr && block->expandable->tracks_aliases())
+    block->expandable->use(Range{block->ptr, block->size}, -1);
 
   std::int64_t net_inactive_split_blocks = 0;
   std::int64_t net_inactive_split_bytes = 0;
@@ -641,7 +671,11 @@ std::size_t CachingAllocator::largest_free_block() const {
 
 std::size_t CachingAllocator::largest_free_block_locked() const {
   std::size_t largest = 0;
-  for (const Block* b : large_blocks_.blocks) largest = std::max(largest, b->size);
+  for (const Block* b : large_blocks_.blocks) {
+    // A block of aliased pages holds at most the memory in use through none of its addresses.
+    const bool aliased = b->expandable != nullptr && b->expandable->tracks_aliases();
+    largest = std::max(largest, aliased ? std::min(b->size, b->expandable->idle_bytes()) : b->size);
+  }
   return largest;
 }
 

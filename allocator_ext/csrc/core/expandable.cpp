@@ -93,7 +93,32 @@
 // single replay reserves 1.0565 x its peak request instead of 1.0278 (and 1.054 x after 200
 // passes of moving). No rule keyed on the recurrence tells that first pass from a second, and
 // the moves cannot stay: docs/benchmarks.md, "Repeated passes", has the figures and the
-// variants that lost.//
+// variants that lost.
+//
+// Note [aliased pages]
+// ~~~~~~~~~~~~~~~~~~~~
+// alias_pages, off by default. A repeated step needs the same physical memory at different
+// addresses at different moments of the step: moving it costs device calls every step, and
+// creating more (settling) costs memory. With aliased pages a physical allocation keeps every
+// address it was mapped at, and is used through one of them at a time:
+// - growth of the general large pool first maps, at the growing address, physical memory of
+//   its own segment that no block in use covers through any of its addresses: one map call, no
+//   new memory, no unmap and no event, since the segment's one stream orders every use;
+// - a free block is handed out only where none of its physical memory is in use through
+//   another address, and none is mapped twice inside it (ExpandableSegment::usable); a free
+//   block whose front is in use elsewhere serves from the lowest address inside it where the
+//   request is usable;
+// - such memory never moves to another segment, and memory of other segments moves here as
+//   usual; an unmap releases physical memory with its last address (empty_cache, garbage
+//   collection), and reserved memory counts physical memory once.
+// Once each physical allocation has the addresses the step's requests land on, the step makes
+// no device call and holds what it uses at its peak, in whole handles: handles of one page
+// (expandable_chunk_mb:2) are where it pays, since a chunk partly in use cannot serve
+// elsewhere. Measured by replay (docs/benchmarks.md, "Aliased pages"). Its cost is address
+// space, mapped again for each address (a GraphSAGE recording: 24 x its physical memory after
+// ten passes), and a snapshot lists addresses, so a page mapped at several shows at each.
+// Private pools and the small pool keep one address per page.
+//
 // Note [moving pages]
 // ~~~~~~~~~~~~~~~~~~~
 // A take-back never waits on the host. The training loop's CPU runs ahead of the GPU, and a
@@ -156,6 +181,11 @@ Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
     }
     return bytes >= size ? unmapped : kNoRoom;
   };
+  // With aliased pages a free block counts only where its pages are in use through no other
+  // address (Note [aliased pages]).
+  auto usable = [&](const Block* c) {
+    return !c->expandable->tracks_aliases() || c->expandable->usable(Range{c->ptr, size});
+  };
   Block key(stream, 0, nullptr, 0);
   Block* best = nullptr;
   std::size_t best_unmapped = kNoRoom;
@@ -163,8 +193,12 @@ Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
        it != pool->unmapped.end() && (*it)->stream == stream; ++it) {
     Block* c = *it;
     if (allocatable(c->prev)) c = c->prev;
-    const std::size_t unmapped = unmapped_bytes(c);
-    if (unmapped == kNoRoom) continue;
+    std::size_t unmapped = unmapped_bytes(c);
+    if (unmapped != kNoRoom && !usable(c)) {  // the unmapped space without the block before it
+      c = *it;
+      unmapped = unmapped_bytes(c);
+    }
+    if (unmapped == kNoRoom || !usable(c)) continue;
     if (!fewest_new_pages) return c;
     if (unmapped < best_unmapped) {
       best = c;
@@ -180,6 +214,7 @@ Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
       std::make_unique<ExpandableSegment>(*device_, stream, address_space, page));
   ExpandableSegment* es = expandable_segments_.back().get();
   registration_[es->base()] = next_registration_++;
+  if (config_.alias_pages && pool == &large_blocks_) es->track_aliases();
   Block* candidate = new_block(stream, es->size(), pool, es->base());
   candidate->mapped = false;
   candidate->expandable = es;
@@ -243,6 +278,7 @@ void CachingAllocator::release_spares_beyond(std::size_t keep_pages, std::size_t
             [](const SparePhysical& a, const SparePhysical& b) { return a.pages > b.pages; });
   std::vector<SparePhysical> kept;
   for (const SparePhysical& s : spare_pages_) {
+    if (s.alias && s.pages > keep_pages) continue;  // mapped where it is: nothing to release
     if (s.pages <= keep_pages) {
       keep_pages -= s.pages;
       kept.push_back(s);
@@ -275,12 +311,22 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   // Past the memory fraction pages move regardless: they are the only room left.
   // A growth that took pages back once and needs to again is a cycle: the pages it moves will
   // be moved back before it recurs, so it creates them (Note [page policy], repeated moves).
+  // Pages in use nowhere come first, mapped here too (Note [aliased pages]); what they leave
+  // follows the rules above.
+  std::size_t aliased = 0;
+  if (config_.alias_pages && es->tracks_aliases() && !captures_underway()) {
+    for (const SparePhysical& s : es->idle_handles(growing_, rounded / page)) {
+      spare_pages_.push_back(s);
+      aliased += s.pages * page;
+    }
+  }
+  const std::size_t rest = rounded - aliased;
   const bool took_back =
-      should_take_back(rounded) &&
-      (over_fraction_when_mapping(rounded) || !config_.settle_page_moves ||
+      rest > 0 && should_take_back(rest) &&
+      (over_fraction_when_mapping(rest) || !config_.settle_page_moves ||
        !page_policy_.repeats_page_move());
-  if (took_back) take_back_free_pages(to_map->pool, to_map, rounded);
-  if (over_fraction_when_mapping(rounded)) {
+  if (took_back) take_back_free_pages(to_map->pool, to_map, rest);
+  if (over_fraction_when_mapping(rest)) {
     // Still over the memory fraction: pages taken back go to the device, and the caller's
     // out-of-memory path frees cached blocks and retries. The fraction is the ceiling.
     page_policy_.growth_refused(allowed_memory_maximum_);
@@ -291,7 +337,8 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   const std::size_t spare_room =
       config_.expandable_grow > 0 && chunk_pages > 1 ? 0 : rounded / page;
   release_spares_beyond(spare_room, page);
-  Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
+  std::size_t alias_bytes = 0;  // of the range mapped: addresses added, no new memory
+  Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_, &alias_bytes);
   if (mapped.size == 0) {
     // The device refused: what it had left marks the ceiling, and from here growth nears it.
     std::size_t device_free = 0;  // unknown: the ceiling is what is reserved
@@ -304,17 +351,18 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   }
   // The device had no memory left for pages below the high-water mark: take back after all.
   if (mapped.size == 0 && !took_back && config_.reuse_free_pages && !captures_underway() &&
-      take_back_free_pages(to_map->pool, to_map, rounded) > 0) {
+      take_back_free_pages(to_map->pool, to_map, rest) > 0) {
     release_spares_beyond(spare_room, page);
-    mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_);
+    mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_, &alias_bytes);
   }
   // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
   // returned to the device.
   release_spares_beyond(0, page);
   if (mapped.size == 0) return false;
   adopt_mapped(to_map, mapped);
-  count_reserved(*to_map->pool, TraceAction::segment_map, mapped.ptr, mapped.size,
-                 to_map->stream);
+  if (mapped.size > alias_bytes)
+    count_reserved(*to_map->pool, TraceAction::segment_map, mapped.ptr,
+                   mapped.size - alias_bytes, to_map->stream);
   // Memory past the ceiling was there after all (another process freed some): forget it.
   page_policy_.mapped(total_allocated_memory_);
   return true;
@@ -335,7 +383,10 @@ void CachingAllocator::adopt_mapped(Block* to_map, Range mapped) {
     pool.unmapped.insert(remaining);
     to_map->size = mapped.size;
   }
-  try_merge_blocks(to_map, to_map->prev, pool);
+  // A growth that starts here, passing over a free block before it whose pages are in use
+  // through other addresses, must not take that block's front (Note [aliased pages]).
+  if (!(to_map->expandable->tracks_aliases() && to_map->ptr == growing_.ptr))
+    try_merge_blocks(to_map, to_map->prev, pool);
   try_merge_blocks(to_map, to_map->next, pool);
   pool.insert_into_blocks(to_map);
 }
@@ -396,13 +447,18 @@ Block* CachingAllocator::carve_pages(Block* block, Range r) {
 
 std::size_t CachingAllocator::unmap_block(Block* block, std::size_t limit,
                                           std::vector<SparePhysical>* keep) {
-  Range unmapped = block->expandable->unmap(Range{block->ptr, block->size}, limit, keep);
+  // Returns the physical bytes released: an aliased page loses one address, and its memory
+  // goes with its last (Note [aliased pages]).
+  std::size_t released = 0;
+  Range unmapped =
+      block->expandable->unmap(Range{block->ptr, block->size}, limit, keep, &released);
   if (unmapped.size == 0) return 0;
   carve_pages(block, unmapped);
   become_unmapped_space(block);
-  count_released(*block->pool, TraceAction::segment_unmap, unmapped.ptr, unmapped.size,
-                 block->stream);
-  return unmapped.size;
+  if (released > 0)
+    count_released(*block->pool, TraceAction::segment_unmap, unmapped.ptr, released,
+                   block->stream);
+  return released;
 }
 
 std::vector<StreamId> CachingAllocator::streams_in_use() const {
@@ -512,6 +568,12 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
       // inside the growth's run is part of the request.
       if (b == exclude || b->prev == exclude || b->next == exclude) continue;
       if (b->ptr < growing_.ptr + growing_.size && growing_.ptr < b->ptr + b->size) continue;
+      // Aliased pages are mapped again, not moved: the growing segment's own were offered
+      // already, and a page mapped at several addresses never moves.
+      if (b->expandable->tracks_aliases() &&
+          (b->expandable == exclude->expandable ||
+           b->expandable->has_aliases(Range{b->ptr, b->size})))
+        continue;
       donors.push_back(b);
     }
     std::sort(donors.begin(), donors.end(), [](const Block* a, const Block* b) {

@@ -21,16 +21,18 @@ ExpandableSegment::~ExpandableSegment() {
   // The allocator releases a segment only once every chunk is unmapped; this is a safety net
   // for teardown, where the device may already be gone, so errors are swallowed.
   try {
-    for (const auto& [first, chunk] : chunks_) {
+    for (const auto& [first, chunk] : chunks_)
       device_.unmap(base_ + first * page_size_, chunk.pages * page_size_);
-      device_.release_physical(chunk.handle, chunk.pages * page_size_);
-    }
+    for (const auto& [handle, physical] : physical_)  // once, however many addresses
+      device_.release_physical(handle, physical.pages * page_size_);
     device_.free_address(base_, page_size_ * max_pages_);
   } catch (...) {
   }
 }
 
-Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<SparePhysical>* spare) {
+Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<SparePhysical>* spare,
+                             std::size_t* aliased) {
+  if (aliased != nullptr) *aliased = 0;
   const std::size_t begin = page_floor(r.ptr);
   const std::size_t end = page_ceil(r.ptr + r.size);
   assert(base_ + begin * page_size_ == r.ptr);
@@ -47,17 +49,23 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
     // Out of memory: release what this call created and return the spares it took, so that
     // nothing half-mapped remains.
     for (std::size_t f : made) {
+      drop_address(chunks_[f].handle, f);
       device_.release_physical(chunks_[f].handle, chunks_[f].pages * page_size_);
       chunks_.erase(f);
     }
     for (std::size_t f : reused) {
-      spare->push_back(SparePhysical{chunks_[f].handle, chunks_[f].pages});
+      const bool alias = !drop_address(chunks_[f].handle, f);
+      spare->push_back(SparePhysical{chunks_[f].handle, chunks_[f].pages, alias});
       chunks_.erase(f);
     }
+    if (aliased != nullptr) *aliased = 0;
   };
   std::size_t first = begin;
   while (spare != nullptr && !spare->empty() && spare->back().pages <= end - first) {
-    chunks_[first] = Chunk{spare->back().handle, spare->back().pages};
+    const SparePhysical& s = spare->back();
+    chunks_[first] = Chunk{s.handle, s.pages};
+    add_address(s.handle, s.pages, first);
+    if (aliased != nullptr && s.alias) *aliased += s.pages * page_size_;
     reused.push_back(first);
     first += spare->back().pages;
     spare->pop_back();
@@ -78,6 +86,7 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
       return pages(begin, begin);
     }
     chunks_[first] = Chunk{handle, n};
+    add_address(handle, n, first);
     made.push_back(first);
   }
   std::vector<Device::Mapping> mappings;
@@ -104,18 +113,23 @@ ExpandableSegment::run_inside(Range r, std::size_t limit, std::size_t* bytes) {
   return run;
 }
 
-Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhysical>* keep) {
+Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhysical>* keep,
+                               std::size_t* released) {
   std::size_t bytes = 0;
+  if (released != nullptr) *released = 0;
   auto run = run_inside(r, limit, &bytes);
   if (run.empty()) return Range{r.ptr, 0};
   const std::size_t first = run.front()->first;
   for (auto it : run) {
     const std::size_t n = it->second.pages * page_size_;
     device_.unmap(base_ + it->first * page_size_, n);
-    if (keep != nullptr) {
-      keep->push_back(SparePhysical{it->second.handle, it->second.pages});
-    } else {
-      device_.release_physical(it->second.handle, n);
+    if (drop_address(it->second.handle, it->first)) {  // else still mapped elsewhere
+      if (released != nullptr) *released += n;
+      if (keep != nullptr) {
+        keep->push_back(SparePhysical{it->second.handle, it->second.pages});
+      } else {
+        device_.release_physical(it->second.handle, n);
+      }
     }
     chunks_.erase(it);
   }
@@ -129,6 +143,7 @@ Range ExpandableSegment::detach(Range r, std::size_t limit, std::vector<SparePhy
   if (run.empty()) return Range{r.ptr, 0};
   const std::size_t first = run.front()->first;
   for (auto it : run) {
+    drop_address(it->second.handle, it->first);  // take_back_free_pages moves no alias
     keep->push_back(SparePhysical{it->second.handle, it->second.pages});
     still_mapped->push_back(Range{base_ + it->first * page_size_, it->second.pages * page_size_});
     chunks_.erase(it);
@@ -154,6 +169,132 @@ std::size_t ExpandableSegment::mapped_bytes() const {
   std::size_t n = 0;
   for (const auto& [first, chunk] : chunks_) n += chunk.pages * page_size_;
   return n;
+}
+
+std::size_t ExpandableSegment::physical_bytes() const {
+  std::size_t n = 0;
+  for (const auto& [handle, physical] : physical_) n += physical.pages * page_size_;
+  return n;
+}
+
+void ExpandableSegment::add_address(PhysicalHandle h, std::size_t pages, std::size_t first) {
+  auto [it, created] = physical_.try_emplace(h, Physical{pages, {}});
+  it->second.addresses.push_back(Address{first, 0});
+  if (created) idle_bytes_ += pages * page_size_;
+}
+
+bool ExpandableSegment::drop_address(PhysicalHandle h, std::size_t first) {
+  auto it = physical_.find(h);
+  if (it == physical_.end()) return true;
+  auto& addresses = it->second.addresses;
+  addresses.erase(std::remove_if(addresses.begin(), addresses.end(),
+                                 [&](const Address& a) { return a.first == first; }),
+                  addresses.end());
+  if (!addresses.empty()) return false;
+  // Only free addresses are unmapped: an allocation without addresses is idle.
+  idle_bytes_ -= it->second.pages * page_size_;
+  physical_.erase(it);
+  return true;
+}
+
+void ExpandableSegment::use(Range r, int delta) {
+  for (const MappedChunk& c : chunks_in(r)) {
+    Physical& p = physical_.at(c.handle);
+    const bool was_idle = p.in_use() == 0;
+    const std::size_t first = page_floor(c.ptr);
+    for (Address& a : p.addresses)
+      if (a.first == first) a.in_use += delta;
+    const bool idle = p.in_use() == 0;
+    if (was_idle && !idle) idle_bytes_ -= p.pages * page_size_;
+    if (!was_idle && idle) idle_bytes_ += p.pages * page_size_;
+  }
+}
+
+bool ExpandableSegment::usable(Range r) const {
+  const auto chunks = chunks_in(r);
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const Physical& p = physical_.at(chunks[i].handle);
+    if (p.addresses.size() < 2) continue;
+    const std::size_t first = page_floor(chunks[i].ptr);
+    for (const Address& a : p.addresses)
+      if (a.first != first && a.in_use > 0) return false;
+    for (std::size_t j = 0; j < i; ++j)
+      if (chunks[j].handle == chunks[i].handle) return false;
+  }
+  return true;
+}
+
+std::uintptr_t ExpandableSegment::first_usable(Range r, std::size_t size) const {
+  // One pass over the chunks, restarting after any in use elsewhere; a window that maps one
+  // allocation twice restarts after the chunk where it was found.
+  std::uintptr_t start = r.ptr;
+  for (const MappedChunk& c : chunks_in(r)) {
+    const Physical& p = physical_.at(c.handle);
+    const std::size_t first = page_floor(c.ptr);
+    bool elsewhere = false;
+    for (const Address& a : p.addresses)
+      if (a.first != first && a.in_use > 0) elsewhere = true;
+    if (elsewhere) {
+      start = c.ptr + c.size;
+      continue;
+    }
+    if (start + size <= std::min(c.ptr + c.size, r.ptr + r.size)) {
+      if (usable(Range{start, size})) return start;
+      start = c.ptr + c.size;
+    }
+  }
+  return 0;
+}
+
+bool ExpandableSegment::has_aliases(Range r) const {
+  for (const MappedChunk& c : chunks_in(r))
+    if (physical_.at(c.handle).addresses.size() > 1) return true;
+  return false;
+}
+
+std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
+                                                           std::size_t max_pages) const {
+  std::vector<SparePhysical> idle;
+  for (const auto& [first, chunk] : chunks_) {
+    const Physical& p = physical_.at(chunk.handle);
+    if (p.addresses.front().first != first || p.pages > max_pages || p.in_use() > 0) continue;
+    bool overlaps = false;
+    for (const Address& a : p.addresses) {
+      const std::uintptr_t b = base_ + a.first * page_size_, e = b + p.pages * page_size_;
+      if (b < exclude.ptr + exclude.size && exclude.ptr < e) overlaps = true;
+    }
+    if (!overlaps) idle.push_back(SparePhysical{chunk.handle, p.pages, true});
+  }
+  std::stable_sort(idle.begin(), idle.end(), [](const SparePhysical& a, const SparePhysical& b) {
+    return a.pages > b.pages;
+  });
+  std::vector<SparePhysical> chosen;
+  for (const SparePhysical& s : idle) {
+    if (s.pages > max_pages) continue;
+    chosen.push_back(s);
+    max_pages -= s.pages;
+  }
+  return chosen;
+}
+
+std::string ExpandableSegment::check_aliases(const std::vector<Range>& in_use) const {
+  std::map<std::size_t, int> counted;  // first page of an address -> blocks in use over it
+  for (const Range& r : in_use)
+    for (const MappedChunk& c : chunks_in(r)) counted[page_floor(c.ptr)] += 1;
+  std::size_t idle = 0;
+  for (const auto& [handle, p] : physical_) {
+    int addresses_in_use = 0;
+    for (const Address& a : p.addresses) {
+      auto it = counted.find(a.first);
+      const int n = it == counted.end() ? 0 : it->second;
+      if (a.in_use != n) return "an address's count of blocks in use is wrong";
+      if (n > 0) ++addresses_in_use;
+    }
+    if (addresses_in_use > 1) return "a physical allocation is in use through two addresses";
+    if (addresses_in_use == 0) idle += p.pages * page_size_;
+  }
+  if (idle != idle_bytes_) return "the segment's idle bytes disagree with a recount";
+  return "";
 }
 
 }  // namespace allocwatch

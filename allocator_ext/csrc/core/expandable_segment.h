@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "device.h"
@@ -26,6 +27,7 @@ struct Range {
 struct SparePhysical {
   PhysicalHandle handle;
   std::size_t pages;
+  bool alias = false;  // stays mapped where it is too: mapped at one more address, not moved
 };
 
 class ExpandableSegment {
@@ -44,14 +46,18 @@ class ExpandableSegment {
   // larger chunks are cheaper to create and map; single pages are cheaper to give back, since
   // a chunk can only be unmapped whole. Returns the range mapped, or an empty range when the
   // device is out of memory (nothing stays mapped; spares used are handed back to `spare`).
-  Range map(Range r, std::size_t chunk_pages = 1, std::vector<SparePhysical>* spare = nullptr);
+  // `aliased`: the bytes of r that spares marked `alias` serve (no new physical memory).
+  Range map(Range r, std::size_t chunk_pages = 1, std::vector<SparePhysical>* spare = nullptr,
+            std::size_t* aliased = nullptr);
   // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part) and
   // releases its physical memory. With limit > 0, chunks from the front until at least `limit`
   // bytes (a chunk goes whole: up to one chunk more). Returns the contiguous range unmapped
   // (possibly empty). With `keep`, chunks are handed over instead of released, to be mapped
   // elsewhere. Unmapping does not wait for kernels still using the memory: the caller makes
-  // sure the device is done with it.
-  Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr);
+  // sure the device is done with it. A chunk whose physical memory is mapped at another
+  // address too loses only this one; `released` counts the physical bytes that went.
+  Range unmap(Range r, std::size_t limit = 0, std::vector<SparePhysical>* keep = nullptr,
+              std::size_t* released = nullptr);
   // The same chunks as unmap() would take, handed over to `keep` while they stay mapped here:
   // a physical allocation may be mapped at a second address before its first mapping goes, so
   // the pages can be mapped elsewhere at once and unmapped here once the device is done with
@@ -73,7 +79,34 @@ class ExpandableSegment {
   std::size_t size() const { return page_size_ * max_pages_; }
   std::size_t page_size() const { return page_size_; }
   StreamId stream() const { return stream_; }
-  std::size_t mapped_bytes() const;
+  std::size_t mapped_bytes() const;   // address space mapped
+  std::size_t physical_bytes() const;  // physical memory mapped (once however many addresses)
+
+  // --- aliased pages (alias_pages; expandable.cpp, Note [aliased pages]) ---
+  // From now on the segment counts, for each address of each physical allocation, the blocks
+  // in use over it; only then may a physical allocation be mapped at several addresses.
+  void track_aliases() { tracks_aliases_ = true; }
+  bool tracks_aliases() const { return tracks_aliases_; }
+  // A block over r was handed out (+1) or freed (-1).
+  void use(Range r, int delta);
+  // r may be handed out: no physical allocation under it is in use through another address,
+  // and none is mapped twice inside it.
+  bool usable(Range r) const;
+  // The lowest address in r, r.ptr or a chunk's start, from which `size` bytes are usable; 0:
+  // none.
+  std::uintptr_t first_usable(Range r, std::size_t size) const;
+  // Some physical allocation mapped over r is mapped at another address too.
+  bool has_aliases(Range r) const;
+  // Physical allocations in use through none of their addresses, none mapped over `exclude`,
+  // at most `max_pages` pages in all, largest first (then in address order): spares that map
+  // them at one more address.
+  std::vector<SparePhysical> idle_handles(Range exclude, std::size_t max_pages) const;
+  // Physical bytes in use through none of their addresses.
+  std::size_t idle_bytes() const { return idle_bytes_; }
+  // The invariant of aliased pages against the blocks in use (their ranges): each address's
+  // count is the number of those ranges over it, and a physical allocation is in use through
+  // one address at most. Empty where it holds, else what is wrong.
+  std::string check_aliases(const std::vector<Range>& in_use) const;
 
  private:
   struct Chunk {
@@ -96,7 +129,27 @@ class ExpandableSegment {
   std::size_t page_size_;
   std::size_t max_pages_;
   std::uintptr_t base_ = 0;
-  std::map<std::size_t, Chunk> chunks_;  // by first page
+  std::map<std::size_t, Chunk> chunks_;  // by first page: each address mapped
+  // Each physical allocation, with its addresses (first pages) and the blocks in use over each.
+  struct Address {
+    std::size_t first;
+    int in_use;
+  };
+  struct Physical {
+    std::size_t pages;
+    std::vector<Address> addresses;
+    int in_use() const {
+      int n = 0;
+      for (const Address& a : addresses) n += a.in_use;
+      return n;
+    }
+  };
+  std::map<PhysicalHandle, Physical> physical_;
+  bool tracks_aliases_ = false;
+  std::size_t idle_bytes_ = 0;
+  void add_address(PhysicalHandle h, std::size_t pages, std::size_t first);
+  // True where that was the allocation's last address (its physical memory may go).
+  bool drop_address(PhysicalHandle h, std::size_t first);
 };
 
 }  // namespace allocwatch

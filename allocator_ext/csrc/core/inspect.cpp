@@ -240,7 +240,9 @@ std::string CachingAllocator::check_invariants() const {
       return "two free neighbours were not coalesced";
     if (!b->mapped) continue;
     mapped_ranges.emplace_back(b->ptr, b->ptr + b->size);
-    reserved_bytes[k] += static_cast<std::int64_t>(b->size);
+    // Aliased pages count once, however many addresses map them: below, from the segment.
+    if (b->expandable == nullptr || !b->expandable->tracks_aliases())
+      reserved_bytes[k] += static_cast<std::int64_t>(b->size);
     if (b->prev == nullptr && b->expandable == nullptr) segments[k] += 1;
     if (b->allocated) {
       allocated_bytes[k] += static_cast<std::int64_t>(b->size);
@@ -253,6 +255,16 @@ std::string CachingAllocator::check_invariants() const {
     } else if (b->is_split() && b->expandable == nullptr) {
       inactive_split_bytes[k] += static_cast<std::int64_t>(b->size);
     }
+  }
+  for (const auto& es : expandable_segments_) {
+    if (!es->tracks_aliases()) continue;
+    reserved_bytes[kLargePool] += static_cast<std::int64_t>(es->physical_bytes());
+    std::vector<Range> in_use;
+    for (const Block* b : blocks)
+      if (b->expandable == es.get() && b->mapped && !b->is_free())
+        in_use.push_back(Range{b->ptr, b->size});
+    const std::string wrong = es->check_aliases(in_use);
+    if (!wrong.empty()) return wrong;
   }
   std::sort(mapped_ranges.begin(), mapped_ranges.end());
   for (std::size_t i = 1; i < mapped_ranges.size(); ++i) {

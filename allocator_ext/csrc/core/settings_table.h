@@ -132,6 +132,10 @@ enum class OnPytorchCall { resets, keeps };
     any_value(), false, true, allocwatch, keeps,                                                  \
     "with reuse_free_pages: a take-back that repeats one already made creates pages "             \
     "instead, once, so that a repeating workload stops moving pages")                             \
+  X(bool, alias_pages, "alias_pages",                                                             \
+    any_value(), false, false, allocwatch, keeps,                                                 \
+    "large-pool growth maps physical pages in use nowhere at one more address before it moves "   \
+    "or creates any; a page is then used through one of its addresses at a time")                 \
   /* PyTorch's keys for parts it keeps: accepted so that a job's settings keep working */         \
   X(AllocatorBackend, backend, "backend",                                                         \
     any_value(), AllocatorBackend::native, AllocatorBackend::native, pytorch, keeps,              \

@@ -1,0 +1,115 @@
+"""alias_pages: a physical page keeps every address it was mapped at and is used through one
+of them at a time (expandable.cpp, Note [aliased pages]). On the simulated device, whose
+counters say which device calls were made; check_invariants recounts, for every address, the
+blocks in use over it and fails where one physical page is in use through two addresses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support.page_steps import (
+    MOVING,
+    STEP_AMONG_HOLES,
+    STEP_BESIDE_A_DISTANT_HOLE,
+    calls,
+    looped_step_page_calls,
+)
+
+import allocator_ext as ae
+from allocator_ext.replay import load_trace, replay
+
+MiB, GiB = 1 << 20, 1 << 30
+ALIASED = "alias_pages:True"
+ALIASED_PAGES = "alias_pages:True,expandable_chunk_mb:2"  # handles of one page each
+
+
+def _grow_beside_a_distant_hole(config: str) -> tuple[ae.SimDevice, ae.Allocator, dict[str, int]]:
+    """40 MiB freed away from the end of the segment, then a 60 MiB request that must grow."""
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, config)
+    held = {"x": a.malloc(40 * MiB), "y": a.malloc(40 * MiB)}
+    a.free(held.pop("x"))
+    held["z"] = a.malloc(60 * MiB)
+    assert a.check_invariants() == ""
+    return dev, a, held
+
+
+def test_growth_maps_pages_in_use_nowhere_at_one_more_address_without_new_memory() -> None:
+    dev, a, _ = _grow_beside_a_distant_hole(ALIASED_PAGES)
+    c = dev.counters()
+    # 100 MiB in use, 100 MiB reserved: the free 40 MiB serve the growth where they are mapped
+    # too, so only 20 MiB are created, nothing is unmapped and no event orders a move.
+    assert a.stats()["reserved_bytes.all.current"] == 100 * MiB == dev.used
+    assert c["create"]["bytes"] == 100 * MiB
+    assert "unmap" not in c and "record_event" not in c
+    assert c["map_only"]["bytes"] == 140 * MiB              # 40 MiB at a second address
+
+
+def test_a_page_in_use_through_one_address_is_not_handed_out_through_another() -> None:
+    dev, a, held = _grow_beside_a_distant_hole(ALIASED_PAGES)
+    # x's old block is free address space, but its pages are in use under z: a request that
+    # fits it exactly must be served by other memory.
+    w = a.malloc(40 * MiB)
+    assert a.check_invariants() == ""
+    assert a.stats()["reserved_bytes.all.current"] == 140 * MiB == dev.used
+    a.free(held.pop("z"))                                     # now x's old address may serve
+    v = a.malloc(40 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 140 * MiB
+    assert a.check_invariants() == ""
+    for p in (w, v, held.pop("y")):
+        a.free(p)
+
+
+def test_a_repeated_step_keeps_its_first_pass_memory_and_stops_calling_the_device() -> None:
+    # Moving pages (settle_page_moves off) keeps the first pass's memory and moves pages in every
+    # pass; settling (the defaults) stops the calls but holds more. Aliased pages do both: the
+    # step holds its first pass's peak, which is its peak request, and from pass 2 on it makes
+    # no device call.
+    for step, peak in ((STEP_BESIDE_A_DISTANT_HOLE, 100), (STEP_AMONG_HOLES, 124)):
+        moving = looped_step_page_calls(MOVING, 6, step=step)
+        settled = looped_step_page_calls(None, 6, step=step)
+        assert all(page_calls > 0 for _, page_calls in moving[1:])
+        assert all(held > peak for held, _ in settled[1:])
+        for config in (ALIASED, ALIASED_PAGES):
+            aliased = looped_step_page_calls(config, 6, step=step)
+            assert {held for held, _ in aliased} == {peak}
+            assert [page_calls for _, page_calls in aliased[1:]] == [0] * 5
+
+
+def test_empty_cache_releases_each_physical_page_once_with_its_last_address() -> None:
+    dev, a, held = _grow_beside_a_distant_hole(ALIASED_PAGES)
+    for p in held.values():
+        a.free(p)
+    a.empty_cache()
+    assert a.check_invariants() == ""
+    assert a.stats()["reserved_bytes.all.current"] == 0 == dev.used
+    c = dev.counters()
+    assert c["release"]["bytes"] == c["create"]["bytes"] == 100 * MiB
+    assert c["unmap"]["bytes"] == c["map_only"]["bytes"]     # every address unmapped
+
+
+def test_off_by_default_and_switching_it_off_keeps_the_addresses_made() -> None:
+    dev, a, held = _grow_beside_a_distant_hole("expandable_chunk_mb:2")
+    dev.synchronize()
+    a.process_events()
+    assert dev.counters()["unmap"]["bytes"] == 40 * MiB   # the defaults move x's pages
+    dev, a, held = _grow_beside_a_distant_hole(ALIASED_PAGES)
+    a.set_config("alias_pages:False")
+    a.free(held.pop("z"))
+    a.free(held.pop("y"))
+    before = calls(dev, "map_only")
+    a.malloc(60 * MiB)                          # served by free blocks: no growth, no new alias
+    assert calls(dev, "map_only") == before
+    assert a.check_invariants() == ""
+
+
+def test_the_shared_multistream_trace_reserves_its_peak_request_within_a_percent(
+        shared_traces: Path) -> None:
+    # Its steps repeat within the recording, so the defaults settle in its first pass (1.0565 x);
+    # aliased pages in handles of one page hold 1.0061 x.
+    trace = load_trace(shared_traces / "multistream.pickle.gz")
+    defaults = replay(trace).report
+    aliased = replay(trace, config=ALIASED_PAGES).report
+    assert defaults["reserved_ratio"] > 1.05
+    assert aliased["reserved_ratio"] <= 1.01
+    assert aliased["num_ooms"] == 0
