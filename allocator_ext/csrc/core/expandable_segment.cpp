@@ -63,8 +63,7 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
   std::size_t first = begin;
   while (spare != nullptr && !spare->empty() && spare->back().pages <= end - first) {
     const SparePhysical& s = spare->back();
-    chunks_[first] = Chunk{s.handle, s.pages};
-    add_address(s.handle, s.pages, first);
+    chunks_[first] = Chunk{s.handle, s.pages, add_address(s.handle, s.pages, first)};
     if (aliased != nullptr && s.alias) *aliased += s.pages * page_size_;
     reused.push_back(first);
     first += spare->back().pages;
@@ -85,8 +84,7 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
       give_back();
       return pages(begin, begin);
     }
-    chunks_[first] = Chunk{handle, n};
-    add_address(handle, n, first);
+    chunks_[first] = Chunk{handle, n, add_address(handle, n, first)};
     made.push_back(first);
   }
   std::vector<Device::Mapping> mappings;
@@ -153,15 +151,10 @@ Range ExpandableSegment::detach(Range r, std::size_t limit, std::vector<SparePhy
 
 std::vector<ExpandableSegment::MappedChunk> ExpandableSegment::chunks_in(Range r) const {
   std::vector<MappedChunk> out;
-  if (r.size == 0) return out;
-  const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
-  auto it = chunks_.upper_bound(begin);
-  if (it != chunks_.begin()) --it;  // the chunk that may start before r
-  for (; it != chunks_.end() && it->first < end; ++it) {
-    if (it->first + it->second.pages <= begin) continue;
-    out.push_back(MappedChunk{base_ + it->first * page_size_, it->second.pages * page_size_,
-                              it->second.handle});
-  }
+  for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
+    out.push_back(MappedChunk{base_ + first * page_size_, c.pages * page_size_, c.handle});
+    return true;
+  });
   return out;
 }
 
@@ -177,10 +170,12 @@ std::size_t ExpandableSegment::physical_bytes() const {
   return n;
 }
 
-void ExpandableSegment::add_address(PhysicalHandle h, std::size_t pages, std::size_t first) {
+ExpandableSegment::Physical* ExpandableSegment::add_address(PhysicalHandle h, std::size_t pages,
+                                                            std::size_t first) {
   auto [it, created] = physical_.try_emplace(h, Physical{pages, {}});
   it->second.addresses.push_back(Address{first, 0});
   if (created) idle_bytes_ += pages * page_size_;
+  return &it->second;
 }
 
 bool ExpandableSegment::drop_address(PhysicalHandle h, std::size_t first) {
@@ -198,66 +193,66 @@ bool ExpandableSegment::drop_address(PhysicalHandle h, std::size_t first) {
 }
 
 void ExpandableSegment::use(Range r, int delta) {
-  for (const MappedChunk& c : chunks_in(r)) {
-    Physical& p = physical_.at(c.handle);
-    const bool was_idle = p.in_use() == 0;
-    const std::size_t first = page_floor(c.ptr);
+  for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
+    Physical& p = *c.physical;
     for (Address& a : p.addresses)
       if (a.first == first) a.in_use += delta;
-    const bool idle = p.in_use() == 0;
-    if (was_idle && !idle) idle_bytes_ -= p.pages * page_size_;
-    if (!was_idle && idle) idle_bytes_ += p.pages * page_size_;
-  }
+    const bool was_idle = p.in_use == 0;
+    p.in_use += delta;
+    p.in_use_at = p.in_use > 0 ? first : kNoAddress;
+    if (was_idle && p.in_use > 0) idle_bytes_ -= p.pages * page_size_;
+    if (!was_idle && p.in_use == 0) idle_bytes_ += p.pages * page_size_;
+    return true;
+  });
 }
 
 bool ExpandableSegment::usable(Range r) const {
-  const auto chunks = chunks_in(r);
-  for (std::size_t i = 0; i < chunks.size(); ++i) {
-    const Physical& p = physical_.at(chunks[i].handle);
-    if (p.addresses.size() < 2) continue;
-    const std::size_t first = page_floor(chunks[i].ptr);
-    for (const Address& a : p.addresses)
-      if (a.first != first && a.in_use > 0) return false;
-    for (std::size_t j = 0; j < i; ++j)
-      if (chunks[j].handle == chunks[i].handle) return false;
-  }
-  return true;
+  bool ok = true;
+  std::vector<const Physical*> aliased;  // seen in r, mapped elsewhere too: none may repeat
+  for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
+    const Physical* p = c.physical;
+    if (p->addresses.size() < 2) return true;
+    ok = p->free_at(first) && std::find(aliased.begin(), aliased.end(), p) == aliased.end();
+    aliased.push_back(p);
+    return ok;
+  });
+  return ok;
 }
 
 std::uintptr_t ExpandableSegment::first_usable(Range r, std::size_t size) const {
-  // One pass over the chunks, restarting after any in use elsewhere; a window that maps one
-  // allocation twice restarts after the chunk where it was found.
-  std::uintptr_t start = r.ptr;
-  for (const MappedChunk& c : chunks_in(r)) {
-    const Physical& p = physical_.at(c.handle);
-    const std::size_t first = page_floor(c.ptr);
-    bool elsewhere = false;
-    for (const Address& a : p.addresses)
-      if (a.first != first && a.in_use > 0) elsewhere = true;
-    if (elsewhere) {
-      start = c.ptr + c.size;
-      continue;
+  // One pass over the chunks, restarting after any in use elsewhere (a window that maps one
+  // allocation twice restarts after the chunk where it was found), until no window fits.
+  if (r.size < size) return 0;
+  const std::uintptr_t last_start = r.ptr + r.size - size;
+  std::uintptr_t start = r.ptr, found = 0;
+  for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
+    const std::uintptr_t chunk_end = base_ + (first + c.pages) * page_size_;
+    if (!c.physical->free_at(first)) {
+      start = chunk_end;
+    } else if (start + size <= chunk_end) {
+      if (usable(Range{start, size})) found = start;
+      start = chunk_end;
     }
-    if (start + size <= std::min(c.ptr + c.size, r.ptr + r.size)) {
-      if (usable(Range{start, size})) return start;
-      start = c.ptr + c.size;
-    }
-  }
-  return 0;
+    return found == 0 && start <= last_start;
+  });
+  return found;
 }
 
 bool ExpandableSegment::has_aliases(Range r) const {
-  for (const MappedChunk& c : chunks_in(r))
-    if (physical_.at(c.handle).addresses.size() > 1) return true;
-  return false;
+  bool any = false;
+  for_each_chunk(r, [&](std::size_t, const Chunk& c) {
+    any = c.physical->addresses.size() > 1;
+    return !any;
+  });
+  return any;
 }
 
 std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
                                                            std::size_t max_pages) const {
   std::vector<SparePhysical> idle;
   for (const auto& [first, chunk] : chunks_) {
-    const Physical& p = physical_.at(chunk.handle);
-    if (p.addresses.front().first != first || p.pages > max_pages || p.in_use() > 0) continue;
+    const Physical& p = *chunk.physical;
+    if (p.addresses.front().first != first || p.pages > max_pages || p.in_use > 0) continue;
     bool overlaps = false;
     for (const Address& a : p.addresses) {
       const std::uintptr_t b = base_ + a.first * page_size_, e = b + p.pages * page_size_;
@@ -283,14 +278,18 @@ std::string ExpandableSegment::check_aliases(const std::vector<Range>& in_use) c
     for (const MappedChunk& c : chunks_in(r)) counted[page_floor(c.ptr)] += 1;
   std::size_t idle = 0;
   for (const auto& [handle, p] : physical_) {
-    int addresses_in_use = 0;
+    int addresses_in_use = 0, total = 0;
+    std::size_t at = kNoAddress;
     for (const Address& a : p.addresses) {
       auto it = counted.find(a.first);
       const int n = it == counted.end() ? 0 : it->second;
       if (a.in_use != n) return "an address's count of blocks in use is wrong";
-      if (n > 0) ++addresses_in_use;
+      if (n > 0) ++addresses_in_use, at = a.first;
+      total += n;
     }
     if (addresses_in_use > 1) return "a physical allocation is in use through two addresses";
+    if (p.in_use != total || p.in_use_at != at)
+      return "a physical allocation's count of blocks in use is wrong";
     if (addresses_in_use == 0) idle += p.pages * page_size_;
   }
   if (idle != idle_bytes_) return "the segment's idle bytes disagree with a recount";

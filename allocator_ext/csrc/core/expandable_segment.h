@@ -109,9 +109,11 @@ class ExpandableSegment {
   std::string check_aliases(const std::vector<Range>& in_use) const;
 
  private:
+  struct Physical;
   struct Chunk {
     PhysicalHandle handle;
     std::size_t pages;
+    Physical* physical;  // its entry in physical_
   };
   // The chunks wholly inside r, from the front until `limit` bytes (0: all): one contiguous run.
   std::vector<std::map<std::size_t, Chunk>::iterator> run_inside(Range r, std::size_t limit,
@@ -135,19 +137,30 @@ class ExpandableSegment {
     std::size_t first;
     int in_use;
   };
+  static constexpr std::size_t kNoAddress = static_cast<std::size_t>(-1);
   struct Physical {
     std::size_t pages;
     std::vector<Address> addresses;
-    int in_use() const {
-      int n = 0;
-      for (const Address& a : addresses) n += a.in_use;
-      return n;
-    }
+    int in_use = 0;                     // blocks in use over any of its addresses
+    std::size_t in_use_at = kNoAddress;  // the address they use (one at a time)
+    // Usable through the address at `first`: in use through no other.
+    bool free_at(std::size_t first) const { return in_use == 0 || in_use_at == first; }
   };
-  std::map<PhysicalHandle, Physical> physical_;
+  std::map<PhysicalHandle, Physical> physical_;  // nodes stay put: chunks point at them
+  // f(first page, chunk) for each chunk mapped over any part of r, in address order, while f
+  // returns true.
+  template <class F>
+  void for_each_chunk(Range r, F&& f) const {
+    if (r.size == 0) return;
+    const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
+    auto it = chunks_.upper_bound(begin);
+    if (it != chunks_.begin()) --it;  // the chunk that may start before r
+    for (; it != chunks_.end() && it->first < end; ++it)
+      if (it->first + it->second.pages > begin && !f(it->first, it->second)) return;
+  }
   bool tracks_aliases_ = false;
   std::size_t idle_bytes_ = 0;
-  void add_address(PhysicalHandle h, std::size_t pages, std::size_t first);
+  Physical* add_address(PhysicalHandle h, std::size_t pages, std::size_t first);
   // True where that was the allocation's last address (its physical memory may go).
   bool drop_address(PhysicalHandle h, std::size_t first);
 };
