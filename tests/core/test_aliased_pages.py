@@ -12,6 +12,7 @@ from support.page_steps import (
     STEP_AMONG_HOLES,
     STEP_BESIDE_A_DISTANT_HOLE,
     calls,
+    host_waits,
     looped_step_page_calls,
 )
 
@@ -113,3 +114,31 @@ def test_the_shared_multistream_trace_reserves_its_peak_request_within_a_percent
     assert defaults["reserved_ratio"] > 1.05
     assert aliased["reserved_ratio"] <= 1.01
     assert aliased["num_ooms"] == 0
+
+
+def test_memory_in_use_through_no_address_leaves_with_all_of_them_for_another_stream() -> None:
+    # Stream 1 frees everything: 100 MiB of physical memory, 40 MiB of it mapped at two
+    # addresses. Stream 2's growth takes it whole instead of creating more: each address is
+    # unmapped once the events recorded at the move complete, stream 2 waits for stream 1 on
+    # the device, and the host waits for nothing.
+    dev, a, held = _grow_beside_a_distant_hole(ALIASED_PAGES)
+    for p in held.values():
+        a.free(p)
+    created = dev.counters()["create"]["bytes"]
+    q = a.malloc(100 * MiB, stream=2)
+    s = a.stats()
+    assert dev.counters()["create"]["bytes"] - created <= 2 * MiB     # stream 2's small pool's
+    assert s["reserved_bytes.all.current"] == dev.used
+    assert s["num_stream_waits"] == calls(dev, "stream_wait_event") == 1
+    assert s["pending_unmap_bytes"] == 140 * MiB                  # every address of it
+    assert calls(dev, "unmap") == 0 and host_waits(dev) == 0
+    assert a.check_invariants() == ""
+    a.process_events()
+    assert calls(dev, "unmap") == 0                                # stream 1 may still read it
+    dev.synchronize()
+    a.process_events()
+    assert a.stats()["pending_unmap_bytes"] == 0
+    assert dev.counters()["unmap"]["bytes"] == 140 * MiB
+    assert host_waits(dev) == 1                                    # the test's own synchronize
+    a.free(q)
+    assert a.check_invariants() == ""

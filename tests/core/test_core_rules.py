@@ -7,7 +7,7 @@ PyTorch's CUDA caching allocator does (c10/cuda/CUDACachingAllocator.cpp).
 from __future__ import annotations
 
 import pytest
-from support.page_steps import MOVING, STEP_AMONG_HOLES, calls, looped_step_page_calls
+from support.page_steps import MOVING, STEP_AMONG_HOLES, calls, host_waits, looped_step_page_calls
 
 import allocator_ext as ae
 
@@ -486,13 +486,6 @@ def test_growth_takes_back_wholly_free_pages_before_asking_the_device() -> None:
     assert a.check_invariants() == ""
     for p in smalls:
         a.free(p)
-
-
-HOST_WAITS = ("synchronize", "stream_synchronize", "event_synchronize")
-
-
-def host_waits(dev: ae.SimDevice) -> int:
-    return sum(calls(dev, name) for name in HOST_WAITS)
 
 
 def test_pages_taken_from_another_streams_block_are_ordered_on_the_device() -> None:

@@ -13,6 +13,14 @@ def calls(dev: ae.SimDevice, name: str) -> int:
     return dev.counters().get(name, {}).get("count", 0)
 
 
+HOST_WAITS = ("synchronize", "stream_synchronize", "event_synchronize")
+
+
+def host_waits(dev: ae.SimDevice) -> int:
+    """The host-side waits made on the simulated device (device, stream and event)."""
+    return sum(calls(dev, name) for name in HOST_WAITS)
+
+
 # A step as a program: ("x", 40) allocates 40 MiB as x, ("x",) frees x.
 Step = list[tuple[str, int] | tuple[str]]
 

@@ -307,13 +307,21 @@ class CachingAllocator {
   // Moves the whole pages of a free block to spare_pages_ for `receiver`, ordered on the device
   // after the block's stream, and unmaps them here once events say the device is done (Note
   // [moving pages]).
+  struct PageMove;
   std::size_t move_pages(Block* block, std::size_t limit, StreamId receiver);
+  // The same for a segment with aliased pages: physical allocations in use through none of
+  // their addresses leave with all of them, until `bytes` are taken. Returns the bytes moved.
+  std::size_t move_idle_physical(ExpandableSegment* es, BlockPool& pool, std::size_t bytes,
+                                 StreamId receiver);
+  // Queues the old places' unmap behind events on every stream in use; the receiver waits on
+  // the device for the donor's.
+  void order_page_move(PageMove move, StreamId donor, StreamId receiver);
   // The part of a free block that pages [r.ptr, r.ptr + r.size) cover, split from the partial
   // pages at its ends (which stay free blocks) and out of the pool's free set.
   Block* carve_pages(Block* block, Range r);
   // Finishes the moves whose events completed; with wait, every move (waiting on the host).
   void finish_page_moves(bool wait);
-  void finish_page_move(Block* block, const std::vector<Range>& still_mapped);
+  void finish_page_move(const PageMove& move);
   // An unmapped block joins the unmapped address space around it and its pool's set of it.
   void become_unmapped_space(Block* block);
   void release_expandable_segment(Block* block);
@@ -402,7 +410,7 @@ class CachingAllocator {
   // Pages moved away and still mapped at their old place, oldest first, each with the events
   // after which the device no longer uses them there (Note [moving pages]).
   struct PageMove {
-    Block* block;                     // the old place (unmap_pending)
+    std::vector<Block*> blocks;       // the old places (unmap_pending)
     std::vector<Range> still_mapped;  // what to unmap there
     std::vector<EventId> events;      // not yet seen complete
   };

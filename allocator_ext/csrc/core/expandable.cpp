@@ -108,8 +108,11 @@
 //   another address, and none is mapped twice inside it (ExpandableSegment::usable); a free
 //   block whose front is in use elsewhere serves from the lowest address inside it where the
 //   request is usable;
-// - such memory never moves to another segment, and memory of other segments moves here as
-//   usual; an unmap releases physical memory with its last address (empty_cache, garbage
+// - memory of other segments moves here as usual; memory of this one leaves for another pool
+//   or stream (a take-back) only whole, with every address, and only where it is in use
+//   through none: each address is carved out of its free block and unmapped once the events
+//   of the move complete (move_idle_physical, Note [moving pages]);
+// - an unmap releases physical memory with its last address (empty_cache, garbage
 //   collection), and reserved memory counts physical memory once.
 // Once each physical allocation has the addresses the step's requests land on, the step makes
 // no device call and holds what it uses at its peak, in whole handles: handles of one page
@@ -471,16 +474,69 @@ std::vector<StreamId> CachingAllocator::streams_in_use() const {
 
 std::size_t CachingAllocator::move_pages(Block* block, std::size_t limit, StreamId receiver) {
   // Note [moving pages]: mapped elsewhere now, ordered on the device, unmapped here later.
-  PageMove move{nullptr, {}, {}};
+  PageMove move;
   const Range moved =
       block->expandable->detach(Range{block->ptr, block->size}, limit, &spare_pages_,
                                 &move.still_mapped);
   if (moved.size == 0) return 0;
   const StreamId donor = block->stream;
   BlockPool& pool = *block->pool;
-  move.block = carve_pages(block, moved);
-  move.block->unmap_pending = true;
+  move.blocks.push_back(carve_pages(block, moved));
+  move.blocks.back()->unmap_pending = true;
   count_released(pool, TraceAction::segment_unmap, moved.ptr, moved.size, donor);
+  order_page_move(std::move(move), donor, receiver);
+  return moved.size;
+}
+
+std::size_t CachingAllocator::move_idle_physical(ExpandableSegment* es, BlockPool& pool,
+                                                 std::size_t bytes, StreamId receiver) {
+  // Each address lies inside a free block (the allocation is in use through none): carved out
+  // as move_pages does, all unmapped once every stream is past the move. Only from the ends of
+  // free blocks (less than a page from one): carving an address out of the middle of one cuts
+  // the range its pool grows and aliases into (measured: more memory on a trainer's trace).
+  const std::size_t page = es->page_size();
+  auto free_block_over = [&](Range r) -> Block* {
+    for (Block* b : pool.blocks)
+      if (b->expandable == es && b->mapped && b->ptr <= r.ptr && r.ptr + r.size <= b->ptr + b->size)
+        return b;
+    return nullptr;
+  };
+  auto at_an_end = [&](Range r) {
+    const Block* b = free_block_over(r);
+    return b != nullptr && (r.ptr == b->ptr || b->ptr + b->size == r.ptr + r.size);
+  };
+  // The next allocation to move: at either end of a free block, every address at an end.
+  auto next_idle = [&]() -> ExpandableSegment::IdlePhysical {
+    for (const Block* b : pool.blocks) {
+      if (b->expandable != es || !b->mapped) continue;
+      for (bool front : {true, false}) {
+        ExpandableSegment::IdlePhysical p = es->idle_chunk(Range{b->ptr, b->size}, front);
+        if (p.pages > 0 && std::all_of(p.addresses.begin(), p.addresses.end(), at_an_end))
+          return p;
+      }
+    }
+    return {};
+  };
+  PageMove move;
+  std::size_t taken = 0;
+  while (taken < bytes) {
+    const ExpandableSegment::IdlePhysical p = next_idle();
+    if (p.pages == 0) break;
+    es->detach_physical(p.handle, &spare_pages_);
+    for (const Range& r : p.addresses) {
+      move.blocks.push_back(carve_pages(free_block_over(r), r));
+      move.blocks.back()->unmap_pending = true;
+      move.still_mapped.push_back(r);
+    }
+    const std::size_t n = p.pages * page;
+    count_released(pool, TraceAction::segment_unmap, p.addresses.front().ptr, n, es->stream());
+    taken += n;
+  }
+  if (taken > 0) order_page_move(std::move(move), es->stream(), receiver);
+  return taken;
+}
+
+void CachingAllocator::order_page_move(PageMove move, StreamId donor, StreamId receiver) {
   for (StreamId s : streams_in_use()) {
     const EventId event = device_->record_event(s);
     move.events.push_back(event);
@@ -490,7 +546,6 @@ std::size_t CachingAllocator::move_pages(Block* block, std::size_t limit, Stream
     }
   }
   page_moves_.push_back(std::move(move));
-  return moved.size;
 }
 
 void CachingAllocator::finish_page_moves(bool wait) {
@@ -513,15 +568,17 @@ void CachingAllocator::finish_page_moves(bool wait) {
       ++it;
       continue;
     }
-    finish_page_move(it->block, it->still_mapped);
+    finish_page_move(*it);
     it = page_moves_.erase(it);
   }
 }
 
-void CachingAllocator::finish_page_move(Block* block, const std::vector<Range>& still_mapped) {
-  for (const Range& r : still_mapped) device_->unmap(r.ptr, r.size);
-  block->unmap_pending = false;
-  become_unmapped_space(block);
+void CachingAllocator::finish_page_move(const PageMove& move) {
+  for (const Range& r : move.still_mapped) device_->unmap(r.ptr, r.size);
+  for (Block* block : move.blocks) {
+    block->unmap_pending = false;
+    become_unmapped_space(block);
+  }
 }
 
 void CachingAllocator::become_unmapped_space(Block* block) {
@@ -569,7 +626,7 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
       if (b == exclude || b->prev == exclude || b->next == exclude) continue;
       if (b->ptr < growing_.ptr + growing_.size && growing_.ptr < b->ptr + b->size) continue;
       // Aliased pages are mapped again, not moved: the growing segment's own were offered
-      // already, and a page mapped at several addresses never moves.
+      // already, and a page mapped at several addresses moves only whole (below).
       if (b->expandable->tracks_aliases() &&
           (b->expandable == exclude->expandable ||
            b->expandable->has_aliases(Range{b->ptr, b->size})))
@@ -602,6 +659,14 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
       }
       taken += got;
       if (from_small_reserve) budget -= std::min(budget, got);
+    }
+    // Then the physical memory of segments with aliased pages, whole (Note [aliased pages]).
+    if (from == &large_blocks_ && taken < bytes) {
+      for (const auto& es : expandable_segments_) {
+        if (taken >= bytes) break;
+        if (es->tracks_aliases() && es.get() != exclude->expandable && es->page_size() == page)
+          taken += move_idle_physical(es.get(), *from, bytes - taken, exclude->stream);
+      }
     }
   }
   return taken;

@@ -272,6 +272,35 @@ std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
   return chosen;
 }
 
+ExpandableSegment::IdlePhysical ExpandableSegment::idle_chunk(Range r, bool front) const {
+  const std::size_t lo = page_ceil(r.ptr), hi = page_floor(r.ptr + r.size);
+  if (lo >= hi) return {};
+  auto it = chunks_.end();
+  if (front) {
+    it = chunks_.find(lo);
+  } else {
+    it = chunks_.lower_bound(hi);
+    if (it != chunks_.begin()) --it;
+    if (it != chunks_.end() && (it->first < lo || it->first + it->second.pages != hi))
+      it = chunks_.end();
+  }
+  if (it == chunks_.end() || it->first + it->second.pages > hi) return {};
+  const Physical& p = *it->second.physical;
+  if (p.in_use > 0) return {};
+  IdlePhysical idle{it->second.handle, p.pages, {}};
+  for (const Address& a : p.addresses) idle.addresses.push_back(pages(a.first, a.first + p.pages));
+  return idle;
+}
+
+void ExpandableSegment::detach_physical(PhysicalHandle handle, std::vector<SparePhysical>* keep) {
+  auto it = physical_.find(handle);
+  assert(it != physical_.end() && it->second.in_use == 0);
+  for (const Address& a : it->second.addresses) chunks_.erase(a.first);
+  idle_bytes_ -= it->second.pages * page_size_;
+  keep->push_back(SparePhysical{handle, it->second.pages});
+  physical_.erase(it);
+}
+
 std::string ExpandableSegment::check_aliases(const std::vector<Range>& in_use) const {
   std::map<std::size_t, int> counted;  // first page of an address -> blocks in use over it
   for (const Range& r : in_use)

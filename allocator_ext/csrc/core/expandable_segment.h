@@ -103,6 +103,20 @@ class ExpandableSegment {
   std::vector<SparePhysical> idle_handles(Range exclude, std::size_t max_pages) const;
   // Physical bytes in use through none of their addresses.
   std::size_t idle_bytes() const { return idle_bytes_; }
+  // A physical allocation in use through none of its addresses, with every range it is mapped
+  // at: memory that can leave the segment whole for another pool or stream.
+  struct IdlePhysical {
+    PhysicalHandle handle = 0;
+    std::size_t pages = 0;
+    std::vector<Range> addresses;
+  };
+  // The one whose chunk is the first (front) or last chunk wholly inside r, if idle; pages 0:
+  // none.
+  IdlePhysical idle_chunk(Range r, bool front) const;
+  // Forgets every address of an idle physical allocation and hands it to `keep`, while the
+  // device still has it mapped at each: the caller unmaps them once the device is done with
+  // them (Note [moving pages]).
+  void detach_physical(PhysicalHandle handle, std::vector<SparePhysical>* keep);
   // The invariant of aliased pages against the blocks in use (their ranges): each address's
   // count is the number of those ranges over it, and a physical allocation is in use through
   // one address at most. Empty where it holds, else what is wrong.

@@ -137,7 +137,8 @@ std::vector<const Block*> CachingAllocator::all_blocks() const {
   allocated_.for_each([&](const Block* b) { blocks.push_back(b); });
   for (const auto& [stream, queue] : events_)
     for (const auto& [event, block] : queue) blocks.push_back(block);
-  for (const PageMove& move : page_moves_) blocks.push_back(move.block);
+  for (const PageMove& move : page_moves_)
+    blocks.insert(blocks.end(), move.blocks.begin(), move.blocks.end());
   for (const Block* b : needs_events_deferred_until_no_capture_) blocks.push_back(b);
   std::sort(blocks.begin(), blocks.end());
   blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
