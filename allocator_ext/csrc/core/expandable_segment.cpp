@@ -49,21 +49,23 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
     // Out of memory: release what this call created and return the spares it took, so that
     // nothing half-mapped remains.
     for (std::size_t f : made) {
-      drop_address(chunks_[f].handle, f);
-      device_.release_physical(chunks_[f].handle, chunks_[f].pages * page_size_);
-      chunks_.erase(f);
+      auto it = chunks_.find(f);
+      drop_address(it->second.handle, f);
+      device_.release_physical(it->second.handle, it->second.pages * page_size_);
+      erase_chunk(it);
     }
     for (std::size_t f : reused) {
-      const bool alias = !drop_address(chunks_[f].handle, f);
-      spare->push_back(SparePhysical{chunks_[f].handle, chunks_[f].pages, alias});
-      chunks_.erase(f);
+      auto it = chunks_.find(f);
+      const bool alias = !drop_address(it->second.handle, f);
+      spare->push_back(SparePhysical{it->second.handle, it->second.pages, alias});
+      erase_chunk(it);
     }
     if (aliased != nullptr) *aliased = 0;
   };
   std::size_t first = begin;
   while (spare != nullptr && !spare->empty() && spare->back().pages <= end - first) {
     const SparePhysical& s = spare->back();
-    chunks_[first] = Chunk{s.handle, s.pages, add_address(s.handle, s.pages, first)};
+    put_chunk(first, Chunk{s.handle, s.pages, add_address(s.handle, s.pages, first)});
     if (aliased != nullptr && s.alias) *aliased += s.pages * page_size_;
     reused.push_back(first);
     first += spare->back().pages;
@@ -84,7 +86,7 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
       give_back();
       return pages(begin, begin);
     }
-    chunks_[first] = Chunk{handle, n, add_address(handle, n, first)};
+    put_chunk(first, Chunk{handle, n, add_address(handle, n, first)});
     made.push_back(first);
   }
   std::vector<Device::Mapping> mappings;
@@ -129,7 +131,7 @@ Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhys
         device_.release_physical(it->second.handle, n);
       }
     }
-    chunks_.erase(it);
+    erase_chunk(it);
   }
   return Range{base_ + first * page_size_, bytes};
 }
@@ -144,9 +146,32 @@ Range ExpandableSegment::detach(Range r, std::size_t limit, std::vector<SparePhy
     drop_address(it->second.handle, it->first);  // take_back_free_pages moves no alias
     keep->push_back(SparePhysical{it->second.handle, it->second.pages});
     still_mapped->push_back(Range{base_ + it->first * page_size_, it->second.pages * page_size_});
-    chunks_.erase(it);
+    erase_chunk(it);
   }
   return Range{base_ + first * page_size_, bytes};
+}
+
+void ExpandableSegment::track_aliases() {
+  tracks_aliases_ = true;
+  page_chunks_.assign(max_pages_, PageChunk{});
+  for (const auto& [first, chunk] : chunks_)
+    for (std::size_t p = first; p < first + chunk.pages; ++p)
+      page_chunks_[p] = PageChunk{chunk.physical, static_cast<std::uint32_t>(first),
+                                  static_cast<std::uint32_t>(chunk.pages)};
+}
+
+void ExpandableSegment::put_chunk(std::size_t first, Chunk c) {
+  chunks_[first] = c;
+  if (!tracks_aliases_) return;
+  for (std::size_t p = first; p < first + c.pages; ++p)
+    page_chunks_[p] = PageChunk{c.physical, static_cast<std::uint32_t>(first),
+                                static_cast<std::uint32_t>(c.pages)};
+}
+
+void ExpandableSegment::erase_chunk(std::map<std::size_t, Chunk>::iterator it) {
+  if (tracks_aliases_)
+    for (std::size_t p = it->first; p < it->first + it->second.pages; ++p) page_chunks_[p] = {};
+  chunks_.erase(it);
 }
 
 std::vector<ExpandableSegment::MappedChunk> ExpandableSegment::chunks_in(Range r) const {
@@ -172,9 +197,12 @@ std::size_t ExpandableSegment::physical_bytes() const {
 
 ExpandableSegment::Physical* ExpandableSegment::add_address(PhysicalHandle h, std::size_t pages,
                                                             std::size_t first) {
-  auto [it, created] = physical_.try_emplace(h, Physical{pages, {}});
-  it->second.addresses.push_back(Address{first, 0});
-  if (created) idle_bytes_ += pages * page_size_;
+  auto [it, created] = physical_.try_emplace(h, Physical{h, pages, {}});
+  it->second.addresses.push_back(Address{first});
+  if (created) {
+    idle_bytes_ += pages * page_size_;
+    link_idle(&it->second);
+  }
   return &it->second;
 }
 
@@ -188,6 +216,7 @@ bool ExpandableSegment::drop_address(PhysicalHandle h, std::size_t first) {
   if (!addresses.empty()) return false;
   // Only free addresses are unmapped: an allocation without addresses is idle.
   idle_bytes_ -= it->second.pages * page_size_;
+  unlink_idle(&it->second);
   physical_.erase(it);
   return true;
 }
@@ -195,47 +224,63 @@ bool ExpandableSegment::drop_address(PhysicalHandle h, std::size_t first) {
 void ExpandableSegment::use(Range r, int delta) {
   for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
     Physical& p = *c.physical;
-    for (Address& a : p.addresses)
-      if (a.first == first) a.in_use += delta;
     const bool was_idle = p.in_use == 0;
     p.in_use += delta;
     p.in_use_at = p.in_use > 0 ? first : kNoAddress;
-    if (was_idle && p.in_use > 0) idle_bytes_ -= p.pages * page_size_;
-    if (!was_idle && p.in_use == 0) idle_bytes_ += p.pages * page_size_;
+    if (was_idle && p.in_use > 0) {
+      idle_bytes_ -= p.pages * page_size_;
+      unlink_idle(&p);
+    }
+    if (!was_idle && p.in_use == 0) {
+      idle_bytes_ += p.pages * page_size_;
+      link_idle(&p);
+    }
     return true;
   });
 }
 
 bool ExpandableSegment::usable(Range r) const {
-  bool ok = true;
-  std::vector<const Physical*> aliased;  // seen in r, mapped elsewhere too: none may repeat
-  for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
-    const Physical* p = c.physical;
-    if (p->addresses.size() < 2) return true;
-    ok = p->free_at(first) && std::find(aliased.begin(), aliased.end(), p) == aliased.end();
-    aliased.push_back(p);
-    return ok;
-  });
-  return ok;
+  // An allocation mapped elsewhere too may appear once in r: each seen is stamped.
+  const std::uint64_t stamp = ++usable_stamp_;
+  const std::size_t end = page_ceil(r.ptr + r.size);
+  for (std::size_t p = page_floor(r.ptr); p < end;) {
+    const PageChunk& c = page_chunks_[p];
+    if (c.physical == nullptr) {
+      ++p;
+      continue;
+    }
+    if (c.physical->addresses.size() > 1) {
+      if (!c.physical->free_at(c.first) || c.physical->seen == stamp) return false;
+      c.physical->seen = stamp;
+    }
+    p = c.first + c.pages;
+  }
+  return true;
 }
 
 std::uintptr_t ExpandableSegment::first_usable(Range r, std::size_t size) const {
-  // One pass over the chunks, restarting after any in use elsewhere (a window that maps one
-  // allocation twice restarts after the chunk where it was found), until no window fits.
+  // One pass over the pages, restarting after any chunk in use elsewhere (a window that maps
+  // one allocation twice restarts after the chunk where it was found), until no window fits.
   if (r.size < size) return 0;
   const std::uintptr_t last_start = r.ptr + r.size - size;
-  std::uintptr_t start = r.ptr, found = 0;
-  for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
-    const std::uintptr_t chunk_end = base_ + (first + c.pages) * page_size_;
-    if (!c.physical->free_at(first)) {
+  std::uintptr_t start = r.ptr;
+  const std::size_t end = page_ceil(r.ptr + r.size);
+  for (std::size_t p = page_floor(r.ptr); p < end && start <= last_start;) {
+    const PageChunk& c = page_chunks_[p];
+    if (c.physical == nullptr) {  // not in a free block's range: nothing to hand out here
+      start = base_ + (++p) * page_size_;
+      continue;
+    }
+    const std::uintptr_t chunk_end = base_ + (c.first + c.pages) * page_size_;
+    if (!c.physical->free_at(c.first)) {
       start = chunk_end;
     } else if (start + size <= chunk_end) {
-      if (usable(Range{start, size})) found = start;
+      if (usable(Range{start, size})) return start;
       start = chunk_end;
     }
-    return found == 0 && start <= last_start;
-  });
-  return found;
+    p = c.first + c.pages;
+  }
+  return 0;
 }
 
 bool ExpandableSegment::has_aliases(Range r) const {
@@ -249,27 +294,41 @@ bool ExpandableSegment::has_aliases(Range r) const {
 
 std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
                                                            std::size_t max_pages) const {
-  std::vector<SparePhysical> idle;
-  for (const auto& [first, chunk] : chunks_) {
-    const Physical& p = *chunk.physical;
-    if (p.addresses.front().first != first || p.pages > max_pages || p.in_use > 0) continue;
+  // Largest first, then by the address each was first mapped at.
+  std::vector<const Physical*> idle;
+  for (const Physical* p = idle_head_; p != nullptr; p = p->idle_next) {
+    if (p->pages > max_pages) continue;
     bool overlaps = false;
-    for (const Address& a : p.addresses) {
-      const std::uintptr_t b = base_ + a.first * page_size_, e = b + p.pages * page_size_;
+    for (const Address& a : p->addresses) {
+      const std::uintptr_t b = base_ + a.first * page_size_, e = b + p->pages * page_size_;
       if (b < exclude.ptr + exclude.size && exclude.ptr < e) overlaps = true;
     }
-    if (!overlaps) idle.push_back(SparePhysical{chunk.handle, p.pages, true});
+    if (!overlaps) idle.push_back(p);
   }
-  std::stable_sort(idle.begin(), idle.end(), [](const SparePhysical& a, const SparePhysical& b) {
-    return a.pages > b.pages;
+  std::sort(idle.begin(), idle.end(), [](const Physical* a, const Physical* b) {
+    return a->pages != b->pages ? a->pages > b->pages
+                                : a->addresses.front().first < b->addresses.front().first;
   });
   std::vector<SparePhysical> chosen;
-  for (const SparePhysical& s : idle) {
-    if (s.pages > max_pages) continue;
-    chosen.push_back(s);
-    max_pages -= s.pages;
+  for (const Physical* p : idle) {
+    if (p->pages > max_pages) continue;
+    chosen.push_back(SparePhysical{p->handle, p->pages, true});
+    max_pages -= p->pages;
   }
   return chosen;
+}
+
+void ExpandableSegment::link_idle(Physical* p) {
+  p->idle_prev = nullptr;
+  p->idle_next = idle_head_;
+  if (idle_head_ != nullptr) idle_head_->idle_prev = p;
+  idle_head_ = p;
+}
+
+void ExpandableSegment::unlink_idle(Physical* p) {
+  (p->idle_prev != nullptr ? p->idle_prev->idle_next : idle_head_) = p->idle_next;
+  if (p->idle_next != nullptr) p->idle_next->idle_prev = p->idle_prev;
+  p->idle_prev = p->idle_next = nullptr;
 }
 
 ExpandableSegment::IdlePhysical ExpandableSegment::idle_chunk(Range r, bool front) const {
@@ -295,8 +354,9 @@ ExpandableSegment::IdlePhysical ExpandableSegment::idle_chunk(Range r, bool fron
 void ExpandableSegment::detach_physical(PhysicalHandle handle, std::vector<SparePhysical>* keep) {
   auto it = physical_.find(handle);
   assert(it != physical_.end() && it->second.in_use == 0);
-  for (const Address& a : it->second.addresses) chunks_.erase(a.first);
+  for (const Address& a : it->second.addresses) erase_chunk(chunks_.find(a.first));
   idle_bytes_ -= it->second.pages * page_size_;
+  unlink_idle(&it->second);
   keep->push_back(SparePhysical{handle, it->second.pages});
   physical_.erase(it);
 }
@@ -312,7 +372,8 @@ std::string ExpandableSegment::check_aliases(const std::vector<Range>& in_use) c
     for (const Address& a : p.addresses) {
       auto it = counted.find(a.first);
       const int n = it == counted.end() ? 0 : it->second;
-      if (a.in_use != n) return "an address's count of blocks in use is wrong";
+      if ((a.first == p.in_use_at ? p.in_use : 0) != n)
+        return "an address's count of blocks in use is wrong";
       if (n > 0) ++addresses_in_use, at = a.first;
       total += n;
     }
@@ -322,6 +383,12 @@ std::string ExpandableSegment::check_aliases(const std::vector<Range>& in_use) c
     if (addresses_in_use == 0) idle += p.pages * page_size_;
   }
   if (idle != idle_bytes_) return "the segment's idle bytes disagree with a recount";
+  std::size_t listed = 0;
+  for (const Physical* p = idle_head_; p != nullptr; p = p->idle_next) {
+    if (p->in_use > 0) return "a physical allocation in use is listed as idle";
+    listed += p->pages * page_size_;
+  }
+  if (listed != idle_bytes_) return "the list of idle physical allocations is incomplete";
   return "";
 }
 

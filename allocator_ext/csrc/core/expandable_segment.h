@@ -85,7 +85,7 @@ class ExpandableSegment {
   // --- aliased pages (alias_pages; expandable.cpp, Note [aliased pages]) ---
   // From now on the segment counts, for each address of each physical allocation, the blocks
   // in use over it; only then may a physical allocation be mapped at several addresses.
-  void track_aliases() { tracks_aliases_ = true; }
+  void track_aliases();
   bool tracks_aliases() const { return tracks_aliases_; }
   // A block over r was handed out (+1) or freed (-1).
   void use(Range r, int delta);
@@ -146,21 +146,39 @@ class ExpandableSegment {
   std::size_t max_pages_;
   std::uintptr_t base_ = 0;
   std::map<std::size_t, Chunk> chunks_;  // by first page: each address mapped
-  // Each physical allocation, with its addresses (first pages) and the blocks in use over each.
+  // With aliases tracked, each page's chunk too, by page: first_usable() scans long free
+  // blocks page by page, which an array does several times faster than the map.
+  struct PageChunk {
+    const Physical* physical = nullptr;  // none: unmapped
+    std::uint32_t first = 0;             // the chunk's first page
+    std::uint32_t pages = 0;
+  };
+  std::vector<PageChunk> page_chunks_;
+  mutable std::uint64_t usable_stamp_ = 0;
+  void put_chunk(std::size_t first, Chunk c);
+  void erase_chunk(std::map<std::size_t, Chunk>::iterator it);
+  // Each physical allocation, with its addresses (first pages) and the blocks in use over them
+  // (all over the one address they use).
   struct Address {
     std::size_t first;
-    int in_use;
   };
   static constexpr std::size_t kNoAddress = static_cast<std::size_t>(-1);
   struct Physical {
+    PhysicalHandle handle;
     std::size_t pages;
     std::vector<Address> addresses;
     int in_use = 0;                     // blocks in use over any of its addresses
     std::size_t in_use_at = kNoAddress;  // the address they use (one at a time)
+    mutable std::uint64_t seen = 0;      // usable()'s stamp
+    Physical* idle_prev = nullptr;       // the list of those in use through no address
+    Physical* idle_next = nullptr;
     // Usable through the address at `first`: in use through no other.
     bool free_at(std::size_t first) const { return in_use == 0 || in_use_at == first; }
   };
   std::map<PhysicalHandle, Physical> physical_;  // nodes stay put: chunks point at them
+  Physical* idle_head_ = nullptr;                 // those in use through no address
+  void link_idle(Physical* p);
+  void unlink_idle(Physical* p);
   // f(first page, chunk) for each chunk mapped over any part of r, in address order, while f
   // returns true.
   template <class F>
