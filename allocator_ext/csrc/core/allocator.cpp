@@ -485,8 +485,13 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
 
   block->allocated = true;
   block->requested_size = p.orig_size;
-  if (block->expandable != nullptr && block->expandable->tracks_aliases())
-    block->expandable->use(Range{block->ptr, block->size}, +1);
+  if (block->expandable != nullptr && block->expandable->tracks_aliases()) {
+    // Pages last handed out on another stream: their work there comes first (Note [aliased
+    // pages]), ordered on the device.
+    std::vector<StreamId> wait_for;
+    block->expandable->use(Range{block->ptr, block->size}, +1, &wait_for);
+    if (!wait_for.empty()) wait_on_device(block->stream, wait_for);
+  }
   trace_.record(TraceAction::alloc, block->ptr, p.orig_size, block->stream);
   allocated_.insert(block->ptr, block);
 

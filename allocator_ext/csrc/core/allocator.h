@@ -311,11 +311,13 @@ class CachingAllocator {
   std::size_t move_pages(Block* block, std::size_t limit, StreamId receiver);
   // The same for a segment with aliased pages: physical allocations in use through none of
   // their addresses leave with all of them, until `bytes` are taken. Returns the bytes moved.
-  std::size_t move_idle_physical(ExpandableSegment* es, BlockPool& pool, std::size_t bytes,
-                                 StreamId receiver);
+  std::size_t move_idle_physical(const PhysicalPages& physical, BlockPool& pool,
+                                 std::size_t bytes, StreamId receiver);
   // Queues the old places' unmap behind events on every stream in use; the receiver waits on
   // the device for the donor's.
-  void order_page_move(PageMove move, StreamId donor, StreamId receiver);
+  void order_page_move(PageMove move, const std::vector<StreamId>& donors, StreamId receiver);
+  // `stream` waits on the device for the work queued so far on each of `others`.
+  void wait_on_device(StreamId stream, const std::vector<StreamId>& others);
   // The part of a free block that pages [r.ptr, r.ptr + r.size) cover, split from the partial
   // pages at its ends (which stay free blocks) and out of the pool's free set.
   Block* carve_pages(Block* block, Range r);
@@ -402,6 +404,9 @@ class CachingAllocator {
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;
   std::size_t device_total_ = 0;
+  // The physical allocations the general large pool's segments share with aliased pages, by
+  // page size (declared first: destroyed after the segments).
+  std::map<std::size_t, std::unique_ptr<PhysicalPages>> shared_physical_;
   std::vector<std::unique_ptr<ExpandableSegment>> expandable_segments_;
   // Each live segment's registration counter, by its base address (SegmentInfo).
   std::unordered_map<std::uintptr_t, std::int32_t> registration_;

@@ -100,18 +100,21 @@
 // alias_pages, off by default. A repeated step needs the same physical memory at different
 // addresses at different moments of the step: moving it costs device calls every step, and
 // creating more (settling) costs memory. With aliased pages a physical allocation keeps every
-// address it was mapped at, and is used through one of them at a time:
-// - growth of the general large pool first maps, at the growing address, physical memory of
-//   its own segment that no block in use covers through any of its addresses: one map call, no
-//   new memory, no unmap and no event, since the segment's one stream orders every use;
+// address it was mapped at, and is used through one of them at a time. The general large
+// pool's segments, one per stream, share their physical allocations (PhysicalPages):
+// - growth first maps, at the growing address, physical memory of any of them that no block
+//   in use covers through any of its addresses: one map call, no new memory, no unmap;
 // - a free block is handed out only where none of its physical memory is in use through
 //   another address, and none is mapped twice inside it (ExpandableSegment::usable); a free
 //   block whose front is in use elsewhere serves from the lowest address inside it where the
 //   request is usable;
-// - memory of other segments moves here as usual; memory of this one leaves for another pool
-//   or stream (a take-back) only whole, with every address, and only where it is in use
-//   through none: each address is carved out of its free block and unmapped once the events
-//   of the move complete (move_idle_physical, Note [moving pages]);
+// - a block over memory last handed out on another stream makes its stream wait on the device
+//   for that one (an event recorded then, cudaStreamWaitEvent), as cudaMallocAsync orders
+//   cross-stream reuse: the host never waits, and no page moves between streams;
+// - memory of other segments moves here as usual; the shared memory leaves for another pool
+//   (a take-back of the small pool, say) only whole, with every address, and only where it is
+//   in use through none: each address is carved from an end of its free block and unmapped
+//   once the events of the move complete (move_idle_physical, Note [moving pages]);
 // - an unmap releases physical memory with its last address (empty_cache, garbage
 //   collection), and reserved memory counts physical memory once.
 // Once each physical allocation has the addresses the step's requests land on, the step makes
@@ -217,7 +220,11 @@ Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
       std::make_unique<ExpandableSegment>(*device_, stream, address_space, page));
   ExpandableSegment* es = expandable_segments_.back().get();
   registration_[es->base()] = next_registration_++;
-  if (config_.alias_pages && pool == &large_blocks_) es->track_aliases();
+  if (config_.alias_pages && pool == &large_blocks_) {
+    auto& shared = shared_physical_[page];
+    if (shared == nullptr) shared = std::make_unique<PhysicalPages>(page);
+    es->track_aliases(shared.get());
+  }
   Block* candidate = new_block(stream, es->size(), pool, es->base());
   candidate->mapped = false;
   candidate->expandable = es;
@@ -484,33 +491,34 @@ std::size_t CachingAllocator::move_pages(Block* block, std::size_t limit, Stream
   move.blocks.push_back(carve_pages(block, moved));
   move.blocks.back()->unmap_pending = true;
   count_released(pool, TraceAction::segment_unmap, moved.ptr, moved.size, donor);
-  order_page_move(std::move(move), donor, receiver);
+  order_page_move(std::move(move), {donor}, receiver);
   return moved.size;
 }
 
-std::size_t CachingAllocator::move_idle_physical(ExpandableSegment* es, BlockPool& pool,
+std::size_t CachingAllocator::move_idle_physical(const PhysicalPages& physical, BlockPool& pool,
                                                  std::size_t bytes, StreamId receiver) {
   // Each address lies inside a free block (the allocation is in use through none): carved out
   // as move_pages does, all unmapped once every stream is past the move. Only from the ends of
-  // free blocks (less than a page from one): carving an address out of the middle of one cuts
-  // the range its pool grows and aliases into (measured: more memory on a trainer's trace).
-  const std::size_t page = es->page_size();
-  auto free_block_over = [&](Range r) -> Block* {
+  // free blocks: carving an address out of the middle of one cuts the range its pool grows and
+  // aliases into (measured: more memory on a trainer's trace).
+  auto free_block_over = [&](const ExpandableSegment* es, Range r) -> Block* {
     for (Block* b : pool.blocks)
       if (b->expandable == es && b->mapped && b->ptr <= r.ptr && r.ptr + r.size <= b->ptr + b->size)
         return b;
     return nullptr;
   };
-  auto at_an_end = [&](Range r) {
-    const Block* b = free_block_over(r);
+  auto at_an_end = [&](const std::pair<ExpandableSegment*, Range>& a) {
+    const Block* b = free_block_over(a.first, a.second);
+    const Range r = a.second;
     return b != nullptr && (r.ptr == b->ptr || b->ptr + b->size == r.ptr + r.size);
   };
   // The next allocation to move: at either end of a free block, every address at an end.
   auto next_idle = [&]() -> ExpandableSegment::IdlePhysical {
     for (const Block* b : pool.blocks) {
-      if (b->expandable != es || !b->mapped) continue;
+      if (b->expandable == nullptr || !b->mapped || &b->expandable->physical() != &physical)
+        continue;
       for (bool front : {true, false}) {
-        ExpandableSegment::IdlePhysical p = es->idle_chunk(Range{b->ptr, b->size}, front);
+        ExpandableSegment::IdlePhysical p = b->expandable->idle_chunk(Range{b->ptr, b->size}, front);
         if (p.pages > 0 && std::all_of(p.addresses.begin(), p.addresses.end(), at_an_end))
           return p;
       }
@@ -518,34 +526,48 @@ std::size_t CachingAllocator::move_idle_physical(ExpandableSegment* es, BlockPoo
     return {};
   };
   PageMove move;
+  std::vector<StreamId> donors;
   std::size_t taken = 0;
   while (taken < bytes) {
     const ExpandableSegment::IdlePhysical p = next_idle();
     if (p.pages == 0) break;
-    es->detach_physical(p.handle, &spare_pages_);
-    for (const Range& r : p.addresses) {
-      move.blocks.push_back(carve_pages(free_block_over(r), r));
+    ExpandableSegment::detach_physical(p, &spare_pages_);
+    for (const auto& [es, r] : p.addresses) {
+      move.blocks.push_back(carve_pages(free_block_over(es, r), r));
       move.blocks.back()->unmap_pending = true;
       move.still_mapped.push_back(r);
+      if (std::find(donors.begin(), donors.end(), es->stream()) == donors.end())
+        donors.push_back(es->stream());
     }
-    const std::size_t n = p.pages * page;
-    count_released(pool, TraceAction::segment_unmap, p.addresses.front().ptr, n, es->stream());
+    const std::size_t n = p.pages * physical.page_size();
+    const auto& [es, r] = p.addresses.front();
+    count_released(pool, TraceAction::segment_unmap, r.ptr, n, es->stream());
     taken += n;
   }
-  if (taken > 0) order_page_move(std::move(move), es->stream(), receiver);
+  if (taken > 0) order_page_move(std::move(move), donors, receiver);
   return taken;
 }
 
-void CachingAllocator::order_page_move(PageMove move, StreamId donor, StreamId receiver) {
+void CachingAllocator::order_page_move(PageMove move, const std::vector<StreamId>& donors,
+                                       StreamId receiver) {
   for (StreamId s : streams_in_use()) {
     const EventId event = device_->record_event(s);
     move.events.push_back(event);
-    if (s == donor && donor != receiver) {
+    if (s != receiver && std::find(donors.begin(), donors.end(), s) != donors.end()) {
       device_->stream_wait_event(receiver, event);
       stats_.num_stream_waits++;
     }
   }
   page_moves_.push_back(std::move(move));
+}
+
+void CachingAllocator::wait_on_device(StreamId stream, const std::vector<StreamId>& others) {
+  for (StreamId s : others) {
+    const EventId event = device_->record_event(s);
+    device_->stream_wait_event(stream, event);
+    device_->release_event(event);
+    stats_.num_stream_waits++;
+  }
 }
 
 void CachingAllocator::finish_page_moves(bool wait) {
@@ -625,10 +647,10 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
       // inside the growth's run is part of the request.
       if (b == exclude || b->prev == exclude || b->next == exclude) continue;
       if (b->ptr < growing_.ptr + growing_.size && growing_.ptr < b->ptr + b->size) continue;
-      // Aliased pages are mapped again, not moved: the growing segment's own were offered
-      // already, and a page mapped at several addresses moves only whole (below).
+      // Aliased pages are mapped again, not moved: those the growing segment shares were
+      // offered already, and a page mapped at several addresses moves only whole (below).
       if (b->expandable->tracks_aliases() &&
-          (b->expandable == exclude->expandable ||
+          (&b->expandable->physical() == &exclude->expandable->physical() ||
            b->expandable->has_aliases(Range{b->ptr, b->size})))
         continue;
       donors.push_back(b);
@@ -661,11 +683,12 @@ std::size_t CachingAllocator::take_back_free_pages(BlockPool* pool, Block* exclu
       if (from_small_reserve) budget -= std::min(budget, got);
     }
     // Then the physical memory of segments with aliased pages, whole (Note [aliased pages]).
+    // Segments that share them with the growing one map them there instead (idle_handles).
     if (from == &large_blocks_ && taken < bytes) {
-      for (const auto& es : expandable_segments_) {
+      for (const auto& [shared_page, physical] : shared_physical_) {
         if (taken >= bytes) break;
-        if (es->tracks_aliases() && es.get() != exclude->expandable && es->page_size() == page)
-          taken += move_idle_physical(es.get(), *from, bytes - taken, exclude->stream);
+        if (shared_page == page && physical.get() != &exclude->expandable->physical())
+          taken += move_idle_physical(*physical, *from, bytes - taken, exclude->stream);
       }
     }
   }

@@ -11,7 +11,9 @@ ExpandableSegment::ExpandableSegment(Device& device, StreamId stream, std::size_
     : device_(device),
       stream_(stream),
       page_size_(page_size),
-      max_pages_((address_space + page_size - 1) / page_size) {
+      max_pages_((address_space + page_size - 1) / page_size),
+      own_physical_(std::make_unique<PhysicalPages>(page_size)),
+      physical_(own_physical_.get()) {
   // Alignment 0: the driver's granularity. Pages need no more (20 MiB pages could not ask for
   // theirs: the driver takes only power-of-two alignments).
   base_ = device_.reserve_address(page_size_ * max_pages_, 0);
@@ -21,10 +23,11 @@ ExpandableSegment::~ExpandableSegment() {
   // The allocator releases a segment only once every chunk is unmapped; this is a safety net
   // for teardown, where the device may already be gone, so errors are swallowed.
   try {
-    for (const auto& [first, chunk] : chunks_)
+    for (const auto& [first, chunk] : chunks_) {
       device_.unmap(base_ + first * page_size_, chunk.pages * page_size_);
-    for (const auto& [handle, physical] : physical_)  // once, however many addresses
-      device_.release_physical(handle, physical.pages * page_size_);
+      if (physical_->drop_address(chunk.handle, address(first)))  // once, with its last
+        device_.release_physical(chunk.handle, chunk.pages * page_size_);
+    }
     device_.free_address(base_, page_size_ * max_pages_);
   } catch (...) {
   }
@@ -50,13 +53,13 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
     // nothing half-mapped remains.
     for (std::size_t f : made) {
       auto it = chunks_.find(f);
-      drop_address(it->second.handle, f);
+      physical_->drop_address(it->second.handle, address(f));
       device_.release_physical(it->second.handle, it->second.pages * page_size_);
       erase_chunk(it);
     }
     for (std::size_t f : reused) {
       auto it = chunks_.find(f);
-      const bool alias = !drop_address(it->second.handle, f);
+      const bool alias = !physical_->drop_address(it->second.handle, address(f));
       spare->push_back(SparePhysical{it->second.handle, it->second.pages, alias});
       erase_chunk(it);
     }
@@ -65,7 +68,7 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
   std::size_t first = begin;
   while (spare != nullptr && !spare->empty() && spare->back().pages <= end - first) {
     const SparePhysical& s = spare->back();
-    put_chunk(first, Chunk{s.handle, s.pages, add_address(s.handle, s.pages, first)});
+    put_chunk(first, Chunk{s.handle, s.pages, physical_->add_address(s.handle, s.pages, address(first))});
     if (aliased != nullptr && s.alias) *aliased += s.pages * page_size_;
     reused.push_back(first);
     first += spare->back().pages;
@@ -86,7 +89,7 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
       give_back();
       return pages(begin, begin);
     }
-    put_chunk(first, Chunk{handle, n, add_address(handle, n, first)});
+    put_chunk(first, Chunk{handle, n, physical_->add_address(handle, n, address(first))});
     made.push_back(first);
   }
   std::vector<Device::Mapping> mappings;
@@ -123,7 +126,7 @@ Range ExpandableSegment::unmap(Range r, std::size_t limit, std::vector<SparePhys
   for (auto it : run) {
     const std::size_t n = it->second.pages * page_size_;
     device_.unmap(base_ + it->first * page_size_, n);
-    if (drop_address(it->second.handle, it->first)) {  // else still mapped elsewhere
+    if (physical_->drop_address(it->second.handle, address(it->first))) {  // else still mapped elsewhere
       if (released != nullptr) *released += n;
       if (keep != nullptr) {
         keep->push_back(SparePhysical{it->second.handle, it->second.pages});
@@ -143,7 +146,7 @@ Range ExpandableSegment::detach(Range r, std::size_t limit, std::vector<SparePhy
   if (run.empty()) return Range{r.ptr, 0};
   const std::size_t first = run.front()->first;
   for (auto it : run) {
-    drop_address(it->second.handle, it->first);  // take_back_free_pages moves no alias
+    physical_->drop_address(it->second.handle, address(it->first));  // take_back_free_pages moves no alias
     keep->push_back(SparePhysical{it->second.handle, it->second.pages});
     still_mapped->push_back(Range{base_ + it->first * page_size_, it->second.pages * page_size_});
     erase_chunk(it);
@@ -151,13 +154,12 @@ Range ExpandableSegment::detach(Range r, std::size_t limit, std::vector<SparePhy
   return Range{base_ + first * page_size_, bytes};
 }
 
-void ExpandableSegment::track_aliases() {
+void ExpandableSegment::track_aliases(PhysicalPages* shared) {
+  assert(chunks_.empty() && shared->page_size() == page_size_);
   tracks_aliases_ = true;
+  physical_ = shared;
+  own_physical_.reset();
   page_chunks_.assign(max_pages_, PageChunk{});
-  for (const auto& [first, chunk] : chunks_)
-    for (std::size_t p = first; p < first + chunk.pages; ++p)
-      page_chunks_[p] = PageChunk{chunk.physical, static_cast<std::uint32_t>(first),
-                                  static_cast<std::uint32_t>(chunk.pages)};
 }
 
 void ExpandableSegment::put_chunk(std::size_t first, Chunk c) {
@@ -189,59 +191,24 @@ std::size_t ExpandableSegment::mapped_bytes() const {
   return n;
 }
 
-std::size_t ExpandableSegment::physical_bytes() const {
-  std::size_t n = 0;
-  for (const auto& [handle, physical] : physical_) n += physical.pages * page_size_;
-  return n;
-}
-
-ExpandableSegment::Physical* ExpandableSegment::add_address(PhysicalHandle h, std::size_t pages,
-                                                            std::size_t first) {
-  auto [it, created] = physical_.try_emplace(h, Physical{h, pages, {}});
-  it->second.addresses.push_back(Address{first});
-  if (created) {
-    idle_bytes_ += pages * page_size_;
-    link_idle(&it->second);
-  }
-  return &it->second;
-}
-
-bool ExpandableSegment::drop_address(PhysicalHandle h, std::size_t first) {
-  auto it = physical_.find(h);
-  if (it == physical_.end()) return true;
-  auto& addresses = it->second.addresses;
-  addresses.erase(std::remove_if(addresses.begin(), addresses.end(),
-                                 [&](const Address& a) { return a.first == first; }),
-                  addresses.end());
-  if (!addresses.empty()) return false;
-  // Only free addresses are unmapped: an allocation without addresses is idle.
-  idle_bytes_ -= it->second.pages * page_size_;
-  unlink_idle(&it->second);
-  physical_.erase(it);
-  return true;
-}
-
-void ExpandableSegment::use(Range r, int delta) {
+void ExpandableSegment::use(Range r, int delta, std::vector<StreamId>* wait_for) {
   for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
     Physical& p = *c.physical;
-    const bool was_idle = p.in_use == 0;
-    p.in_use += delta;
-    p.in_use_at = p.in_use > 0 ? first : kNoAddress;
-    if (was_idle && p.in_use > 0) {
-      idle_bytes_ -= p.pages * page_size_;
-      unlink_idle(&p);
+    if (delta > 0) {
+      if (wait_for != nullptr && p.handed_out && p.last_stream != stream_ &&
+          std::find(wait_for->begin(), wait_for->end(), p.last_stream) == wait_for->end())
+        wait_for->push_back(p.last_stream);
+      p.last_stream = stream_;
+      p.handed_out = true;
     }
-    if (!was_idle && p.in_use == 0) {
-      idle_bytes_ += p.pages * page_size_;
-      link_idle(&p);
-    }
+    physical_->use(p, address(first), delta);
     return true;
   });
 }
 
 bool ExpandableSegment::usable(Range r) const {
   // An allocation mapped elsewhere too may appear once in r: each seen is stamped.
-  const std::uint64_t stamp = ++usable_stamp_;
+  const std::uint64_t stamp = physical_->next_stamp();
   const std::size_t end = page_ceil(r.ptr + r.size);
   for (std::size_t p = page_floor(r.ptr); p < end;) {
     const PageChunk& c = page_chunks_[p];
@@ -250,7 +217,7 @@ bool ExpandableSegment::usable(Range r) const {
       continue;
     }
     if (c.physical->addresses.size() > 1) {
-      if (!c.physical->free_at(c.first) || c.physical->seen == stamp) return false;
+      if (!c.physical->free_at(address(c.first)) || c.physical->seen == stamp) return false;
       c.physical->seen = stamp;
     }
     p = c.first + c.pages;
@@ -272,7 +239,7 @@ std::uintptr_t ExpandableSegment::first_usable(Range r, std::size_t size) const 
       continue;
     }
     const std::uintptr_t chunk_end = base_ + (c.first + c.pages) * page_size_;
-    if (!c.physical->free_at(c.first)) {
+    if (!c.physical->free_at(address(c.first))) {
       start = chunk_end;
     } else if (start + size <= chunk_end) {
       if (usable(Range{start, size})) return start;
@@ -296,18 +263,22 @@ std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
                                                            std::size_t max_pages) const {
   // Largest first, then by the address each was first mapped at.
   std::vector<const Physical*> idle;
-  for (const Physical* p = idle_head_; p != nullptr; p = p->idle_next) {
+  for (const Physical* p = physical_->idle_head(); p != nullptr; p = p->idle_next) {
     if (p->pages > max_pages) continue;
     bool overlaps = false;
-    for (const Address& a : p->addresses) {
+    for (const PhysicalPages::Address& a : p->addresses) {
+      if (a.segment != this) continue;
       const std::uintptr_t b = base_ + a.first * page_size_, e = b + p->pages * page_size_;
       if (b < exclude.ptr + exclude.size && exclude.ptr < e) overlaps = true;
     }
     if (!overlaps) idle.push_back(p);
   }
-  std::sort(idle.begin(), idle.end(), [](const Physical* a, const Physical* b) {
-    return a->pages != b->pages ? a->pages > b->pages
-                                : a->addresses.front().first < b->addresses.front().first;
+  auto where = [&](const Physical* p) {
+    const PhysicalPages::Address& a = p->addresses.front();
+    return a.segment->base() + a.first * page_size_;
+  };
+  std::sort(idle.begin(), idle.end(), [&](const Physical* a, const Physical* b) {
+    return a->pages != b->pages ? a->pages > b->pages : where(a) < where(b);
   });
   std::vector<SparePhysical> chosen;
   for (const Physical* p : idle) {
@@ -316,19 +287,6 @@ std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
     max_pages -= p->pages;
   }
   return chosen;
-}
-
-void ExpandableSegment::link_idle(Physical* p) {
-  p->idle_prev = nullptr;
-  p->idle_next = idle_head_;
-  if (idle_head_ != nullptr) idle_head_->idle_prev = p;
-  idle_head_ = p;
-}
-
-void ExpandableSegment::unlink_idle(Physical* p) {
-  (p->idle_prev != nullptr ? p->idle_prev->idle_next : idle_head_) = p->idle_next;
-  if (p->idle_next != nullptr) p->idle_next->idle_prev = p->idle_prev;
-  p->idle_prev = p->idle_next = nullptr;
 }
 
 ExpandableSegment::IdlePhysical ExpandableSegment::idle_chunk(Range r, bool front) const {
@@ -347,49 +305,27 @@ ExpandableSegment::IdlePhysical ExpandableSegment::idle_chunk(Range r, bool fron
   const Physical& p = *it->second.physical;
   if (p.in_use > 0) return {};
   IdlePhysical idle{it->second.handle, p.pages, {}};
-  for (const Address& a : p.addresses) idle.addresses.push_back(pages(a.first, a.first + p.pages));
+  for (const PhysicalPages::Address& a : p.addresses) {
+    auto* segment = const_cast<ExpandableSegment*>(a.segment);  // segments are never const
+    idle.addresses.emplace_back(segment, segment->pages(a.first, a.first + p.pages));
+  }
   return idle;
 }
 
-void ExpandableSegment::detach_physical(PhysicalHandle handle, std::vector<SparePhysical>* keep) {
-  auto it = physical_.find(handle);
-  assert(it != physical_.end() && it->second.in_use == 0);
-  for (const Address& a : it->second.addresses) erase_chunk(chunks_.find(a.first));
-  idle_bytes_ -= it->second.pages * page_size_;
-  unlink_idle(&it->second);
-  keep->push_back(SparePhysical{handle, it->second.pages});
-  physical_.erase(it);
+void ExpandableSegment::detach_physical(const IdlePhysical& p, std::vector<SparePhysical>* keep) {
+  PhysicalPages* physical = p.addresses.front().first->physical_;
+  for (const PhysicalPages::Address& a : physical->forget(p.handle)) {
+    auto* segment = const_cast<ExpandableSegment*>(a.segment);
+    segment->erase_chunk(segment->chunks_.find(a.first));
+  }
+  keep->push_back(SparePhysical{p.handle, p.pages});
 }
 
-std::string ExpandableSegment::check_aliases(const std::vector<Range>& in_use) const {
-  std::map<std::size_t, int> counted;  // first page of an address -> blocks in use over it
+void ExpandableSegment::count_in_use(
+    const std::vector<Range>& in_use,
+    std::map<std::pair<const ExpandableSegment*, std::size_t>, int>* counts) const {
   for (const Range& r : in_use)
-    for (const MappedChunk& c : chunks_in(r)) counted[page_floor(c.ptr)] += 1;
-  std::size_t idle = 0;
-  for (const auto& [handle, p] : physical_) {
-    int addresses_in_use = 0, total = 0;
-    std::size_t at = kNoAddress;
-    for (const Address& a : p.addresses) {
-      auto it = counted.find(a.first);
-      const int n = it == counted.end() ? 0 : it->second;
-      if ((a.first == p.in_use_at ? p.in_use : 0) != n)
-        return "an address's count of blocks in use is wrong";
-      if (n > 0) ++addresses_in_use, at = a.first;
-      total += n;
-    }
-    if (addresses_in_use > 1) return "a physical allocation is in use through two addresses";
-    if (p.in_use != total || p.in_use_at != at)
-      return "a physical allocation's count of blocks in use is wrong";
-    if (addresses_in_use == 0) idle += p.pages * page_size_;
-  }
-  if (idle != idle_bytes_) return "the segment's idle bytes disagree with a recount";
-  std::size_t listed = 0;
-  for (const Physical* p = idle_head_; p != nullptr; p = p->idle_next) {
-    if (p->in_use > 0) return "a physical allocation in use is listed as idle";
-    listed += p->pages * page_size_;
-  }
-  if (listed != idle_bytes_) return "the list of idle physical allocations is incomplete";
-  return "";
+    for (const MappedChunk& c : chunks_in(r)) (*counts)[{this, page_floor(c.ptr)}] += 1;
 }
 
 }  // namespace allocwatch

@@ -9,10 +9,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "device.h"
+#include "physical_pages.h"
 
 namespace allocwatch {
 
@@ -79,16 +81,21 @@ class ExpandableSegment {
   std::size_t size() const { return page_size_ * max_pages_; }
   std::size_t page_size() const { return page_size_; }
   StreamId stream() const { return stream_; }
-  std::size_t mapped_bytes() const;   // address space mapped
-  std::size_t physical_bytes() const;  // physical memory mapped (once however many addresses)
+  std::size_t mapped_bytes() const;  // address space mapped
+  // Its physical allocations: its own, or those of every segment it shares them with.
+  const PhysicalPages& physical() const { return *physical_; }
 
   // --- aliased pages (alias_pages; expandable.cpp, Note [aliased pages]) ---
-  // From now on the segment counts, for each address of each physical allocation, the blocks
-  // in use over it; only then may a physical allocation be mapped at several addresses.
-  void track_aliases();
+  // From now on the segment counts the blocks in use over each address of its physical
+  // allocations, in `shared` (with other segments of the same page size), and a physical
+  // allocation may be mapped at several addresses, of this segment or theirs. Only before
+  // anything is mapped.
+  void track_aliases(PhysicalPages* shared);
   bool tracks_aliases() const { return tracks_aliases_; }
-  // A block over r was handed out (+1) or freed (-1).
-  void use(Range r, int delta);
+  // A block over r was handed out (+1) or freed (-1). Handed out, `wait_for` gets each other
+  // stream that a physical allocation under r was last handed out on (its work must come
+  // first).
+  void use(Range r, int delta, std::vector<StreamId>* wait_for = nullptr);
   // r may be handed out: no physical allocation under it is in use through another address,
   // and none is mapped twice inside it.
   bool usable(Range r) const;
@@ -97,33 +104,33 @@ class ExpandableSegment {
   std::uintptr_t first_usable(Range r, std::size_t size) const;
   // Some physical allocation mapped over r is mapped at another address too.
   bool has_aliases(Range r) const;
-  // Physical allocations in use through none of their addresses, none mapped over `exclude`,
-  // at most `max_pages` pages in all, largest first (then in address order): spares that map
-  // them at one more address.
+  // Physical allocations in use through none of their addresses, none mapped over `exclude`
+  // here, at most `max_pages` pages in all, largest first (then in address order): spares that
+  // map them at one more address.
   std::vector<SparePhysical> idle_handles(Range exclude, std::size_t max_pages) const;
   // Physical bytes in use through none of their addresses.
-  std::size_t idle_bytes() const { return idle_bytes_; }
+  std::size_t idle_bytes() const { return physical_->idle_bytes(); }
   // A physical allocation in use through none of its addresses, with every range it is mapped
-  // at: memory that can leave the segment whole for another pool or stream.
+  // at and the segment of each: memory that can leave whole for another pool.
   struct IdlePhysical {
     PhysicalHandle handle = 0;
     std::size_t pages = 0;
-    std::vector<Range> addresses;
+    std::vector<std::pair<ExpandableSegment*, Range>> addresses;
   };
   // The one whose chunk is the first (front) or last chunk wholly inside r, if idle; pages 0:
   // none.
   IdlePhysical idle_chunk(Range r, bool front) const;
-  // Forgets every address of an idle physical allocation and hands it to `keep`, while the
-  // device still has it mapped at each: the caller unmaps them once the device is done with
-  // them (Note [moving pages]).
-  void detach_physical(PhysicalHandle handle, std::vector<SparePhysical>* keep);
-  // The invariant of aliased pages against the blocks in use (their ranges): each address's
-  // count is the number of those ranges over it, and a physical allocation is in use through
-  // one address at most. Empty where it holds, else what is wrong.
-  std::string check_aliases(const std::vector<Range>& in_use) const;
+  // Forgets every address of an idle physical allocation, in whichever segment, and hands it
+  // to `keep`, while the device still has it mapped at each: the caller unmaps them once the
+  // device is done with them (Note [moving pages]).
+  static void detach_physical(const IdlePhysical& p, std::vector<SparePhysical>* keep);
+  // Adds, for each address of this segment, the blocks in use over it (their ranges) to
+  // `counts`: PhysicalPages::check's input.
+  void count_in_use(const std::vector<Range>& in_use,
+                    std::map<std::pair<const ExpandableSegment*, std::size_t>, int>* counts) const;
 
  private:
-  struct Physical;
+  using Physical = PhysicalPages::Physical;
   struct Chunk {
     PhysicalHandle handle;
     std::size_t pages;
@@ -154,31 +161,11 @@ class ExpandableSegment {
     std::uint32_t pages = 0;
   };
   std::vector<PageChunk> page_chunks_;
-  mutable std::uint64_t usable_stamp_ = 0;
   void put_chunk(std::size_t first, Chunk c);
   void erase_chunk(std::map<std::size_t, Chunk>::iterator it);
-  // Each physical allocation, with its addresses (first pages) and the blocks in use over them
-  // (all over the one address they use).
-  struct Address {
-    std::size_t first;
-  };
-  static constexpr std::size_t kNoAddress = static_cast<std::size_t>(-1);
-  struct Physical {
-    PhysicalHandle handle;
-    std::size_t pages;
-    std::vector<Address> addresses;
-    int in_use = 0;                     // blocks in use over any of its addresses
-    std::size_t in_use_at = kNoAddress;  // the address they use (one at a time)
-    mutable std::uint64_t seen = 0;      // usable()'s stamp
-    Physical* idle_prev = nullptr;       // the list of those in use through no address
-    Physical* idle_next = nullptr;
-    // Usable through the address at `first`: in use through no other.
-    bool free_at(std::size_t first) const { return in_use == 0 || in_use_at == first; }
-  };
-  std::map<PhysicalHandle, Physical> physical_;  // nodes stay put: chunks point at them
-  Physical* idle_head_ = nullptr;                 // those in use through no address
-  void link_idle(Physical* p);
-  void unlink_idle(Physical* p);
+  std::unique_ptr<PhysicalPages> own_physical_;
+  PhysicalPages* physical_;  // own_physical_, or one shared with other segments
+  PhysicalPages::Address address(std::size_t first) const { return {this, first}; }
   // f(first page, chunk) for each chunk mapped over any part of r, in address order, while f
   // returns true.
   template <class F>
@@ -191,10 +178,6 @@ class ExpandableSegment {
       if (it->first + it->second.pages > begin && !f(it->first, it->second)) return;
   }
   bool tracks_aliases_ = false;
-  std::size_t idle_bytes_ = 0;
-  Physical* add_address(PhysicalHandle h, std::size_t pages, std::size_t first);
-  // True where that was the allocation's last address (its physical memory may go).
-  bool drop_address(PhysicalHandle h, std::size_t first);
 };
 
 }  // namespace allocwatch

@@ -257,14 +257,18 @@ std::string CachingAllocator::check_invariants() const {
       inactive_split_bytes[k] += static_cast<std::int64_t>(b->size);
     }
   }
-  for (const auto& es : expandable_segments_) {
-    if (!es->tracks_aliases()) continue;
-    reserved_bytes[kLargePool] += static_cast<std::int64_t>(es->physical_bytes());
-    std::vector<Range> in_use;
-    for (const Block* b : blocks)
-      if (b->expandable == es.get() && b->mapped && !b->is_free())
-        in_use.push_back(Range{b->ptr, b->size});
-    const std::string wrong = es->check_aliases(in_use);
+  for (const auto& [page, physical] : shared_physical_) {
+    reserved_bytes[kLargePool] += static_cast<std::int64_t>(physical->physical_bytes());
+    std::map<std::pair<const ExpandableSegment*, std::size_t>, int> in_use;
+    for (const auto& es : expandable_segments_) {
+      if (&es->physical() != physical.get()) continue;
+      std::vector<Range> ranges;
+      for (const Block* b : blocks)
+        if (b->expandable == es.get() && b->mapped && !b->is_free())
+          ranges.push_back(Range{b->ptr, b->size});
+      es->count_in_use(ranges, &in_use);
+    }
+    const std::string wrong = physical->check(in_use);
     if (!wrong.empty()) return wrong;
   }
   std::sort(mapped_ranges.begin(), mapped_ranges.end());

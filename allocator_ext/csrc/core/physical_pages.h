@@ -1,0 +1,83 @@
+// Physical allocations of expandable segments, each with every address it is mapped at.
+//
+// A segment owns the registry of its own pages; with aliased pages the segments of the general
+// large pool, one per stream, share one, so that a physical allocation in use through none of
+// its addresses can be mapped at one more address of any of them (expandable.cpp, Note
+// [aliased pages]). Whatever the number of addresses, an allocation is in use through one of
+// them at a time, and its memory is counted and released once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "device.h"
+
+namespace allocwatch {
+
+class ExpandableSegment;
+
+class PhysicalPages {
+ public:
+  explicit PhysicalPages(std::size_t page_size) : page_size_(page_size) {}
+  PhysicalPages(const PhysicalPages&) = delete;
+  PhysicalPages& operator=(const PhysicalPages&) = delete;
+
+  struct Address {
+    const ExpandableSegment* segment = nullptr;
+    std::size_t first = 0;  // first page, in the segment
+    bool operator==(const Address& o) const { return segment == o.segment && first == o.first; }
+  };
+  struct Physical {
+    PhysicalHandle handle = 0;
+    std::size_t pages = 0;
+    std::vector<Address> addresses;
+    int in_use = 0;      // blocks in use over any of its addresses
+    Address in_use_at;   // the address they use (one at a time)
+    // The stream of the segment it was last handed out through: another stream's use must
+    // first wait for that one on the device.
+    StreamId last_stream = 0;
+    bool handed_out = false;
+    mutable std::uint64_t seen = 0;  // ExpandableSegment::usable()'s stamp
+    Physical* idle_prev = nullptr;   // the list of those in use through no address
+    Physical* idle_next = nullptr;
+    // Usable through this address: in use through no other.
+    bool free_at(const Address& a) const { return in_use == 0 || in_use_at == a; }
+  };
+
+  std::size_t page_size() const { return page_size_; }
+  // Adds an address of h (creating its entry at the first); the entry's node stays put.
+  Physical* add_address(PhysicalHandle h, std::size_t pages, Address a);
+  // True where that was h's last address (its physical memory may go).
+  bool drop_address(PhysicalHandle h, Address a);
+  // A block over address a was handed out (+1) or freed (-1).
+  void use(Physical& p, Address a, int delta);
+  // Forgets every address of an idle allocation, and returns them (the caller unmaps each).
+  std::vector<Address> forget(PhysicalHandle h);
+
+  std::size_t physical_bytes() const { return physical_bytes_; }
+  // Physical bytes in use through none of their addresses.
+  std::size_t idle_bytes() const { return idle_bytes_; }
+  const Physical* idle_head() const { return idle_head_; }
+  std::uint64_t next_stamp() const { return ++stamp_; }
+  // The invariant against the blocks in use, given per address as a count: each address's
+  // count is its own (through one address at a time) and the idle list and bytes are right.
+  // Empty where it holds, else what is wrong.
+  std::string check(const std::map<std::pair<const ExpandableSegment*, std::size_t>, int>&
+                        in_use_by_address) const;
+
+ private:
+  void link_idle(Physical* p);
+  void unlink_idle(Physical* p);
+
+  std::size_t page_size_;
+  std::map<PhysicalHandle, Physical> physical_;
+  Physical* idle_head_ = nullptr;
+  std::size_t idle_bytes_ = 0;
+  std::size_t physical_bytes_ = 0;
+  mutable std::uint64_t stamp_ = 0;
+};
+
+}  // namespace allocwatch
