@@ -134,8 +134,9 @@ enum class OnPytorchCall { resets, keeps };
     "instead, once, so that a repeating workload stops moving pages")                             \
   X(bool, alias_pages, "alias_pages",                                                             \
     any_value(), false, false, allocwatch, keeps,                                                 \
-    "large-pool growth maps physical pages in use nowhere at one more address before it moves "   \
-    "or creates any; a page is then used through one of its addresses at a time")                 \
+    "large-pool growth on any stream maps physical pages in use nowhere at one more address "     \
+    "before it moves or creates any; a page is then used through one address at a time, a use "   \
+    "on another stream after the last on the device")                                             \
   /* PyTorch's keys for parts it keeps: accepted so that a job's settings keep working */         \
   X(AllocatorBackend, backend, "backend",                                                         \
     any_value(), AllocatorBackend::native, AllocatorBackend::native, pytorch, keeps,              \
