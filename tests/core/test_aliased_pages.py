@@ -118,8 +118,8 @@ def test_the_shared_multistream_trace_reserves_its_peak_request_within_a_percent
 
 def test_another_stream_maps_memory_in_use_nowhere_and_waits_for_its_last_user_on_the_device(
         ) -> None:
-    # Stream 1 frees everything: 100 MiB of physical memory. Stream 2's growth maps it at one
-    # more address instead of creating or moving any; handed out, stream 2 waits for stream 1's
+    # Stream 0 frees everything: 100 MiB of physical memory. Stream 2's growth maps it at one
+    # more address instead of creating or moving any; handed out, stream 2 waits for stream 0's
     # work on the device (an event, cudaStreamWaitEvent), and the host waits for nothing.
     dev, a, held = _grow_beside_a_distant_hole(ALIASED_PAGES)
     for p in held.values():
@@ -132,17 +132,25 @@ def test_another_stream_maps_memory_in_use_nowhere_and_waits_for_its_last_user_o
     assert calls(dev, "unmap") == 0 and host_waits(dev) == 0
     assert calls(dev, "stream_wait_event") - waits == 1 == s["num_stream_waits"]
     assert a.check_invariants() == ""
-    # In use through stream 2's address, the pages are not handed out through stream 1's.
+    # In use through stream 2's addresses, the pages serve no other stream: stream 1 creates.
     r = a.malloc(40 * MiB, stream=1)
     assert a.stats()["reserved_bytes.all.current"] == 140 * MiB == dev.used
     a.free(q)
-    # Back on stream 1: its free block serves again, after stream 2's work.
+    # Freed, they serve stream 1, after stream 2's work up to that free (an event recorded
+    # then, as the pages had changed stream).
     t = a.malloc(60 * MiB, stream=1)
     s = a.stats()
     assert s["reserved_bytes.all.current"] == 140 * MiB
     assert s["num_stream_waits"] == 2 and host_waits(dev) == 0
     assert a.check_invariants() == ""
-    for p in (r, t):
+    # Once the work before a free is done, the next stream need not wait at all.
+    a.free(t)
+    for stream in (0, 2, 1):                  # each waited for the one before
+        dev.complete_stream(stream)
+    u = a.malloc(60 * MiB, stream=2)
+    assert a.stats()["num_stream_waits"] == 2
+    assert a.check_invariants() == ""
+    for p in (r, u):
         a.free(p)
     a.empty_cache()
     assert a.stats()["reserved_bytes.all.current"] == 0 == dev.used

@@ -64,6 +64,8 @@ CachingAllocator::~CachingAllocator() {
     g_captures_underway -= static_cast<int>(captures_underway_.size());
     captures_underway_.clear();
     release_cached_blocks();
+    for (auto& [stream, events] : free_events_)
+      for (const auto& [seq, event] : events) device_->release_event(event);
   } catch (...) {
   }
 }
@@ -488,9 +490,9 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
   if (block->expandable != nullptr && block->expandable->tracks_aliases()) {
     // Pages last handed out on another stream: their work there comes first (Note [aliased
     // pages]), ordered on the device.
-    std::vector<StreamId> wait_for;
-    block->expandable->use(Range{block->ptr, block->size}, +1, &wait_for);
-    if (!wait_for.empty()) wait_on_device(block->stream, wait_for);
+    ExpandableSegment::HandOff hand_off;
+    block->expandable->use(Range{block->ptr, block->size}, +1, &hand_off);
+    if (!hand_off.wait_for.empty()) wait_on_device(block->stream, hand_off.wait_for);
   }
   trace_.record(TraceAction::alloc, block->ptr, p.orig_size, block->stream);
   allocated_.insert(block->ptr, block);
@@ -553,8 +555,18 @@ void CachingAllocator::free_block(Block* block) {
   const std::size_t original_size = block->size;
   const std::size_t requested_size = block->requested_size;
   BlockPool& pool = *block->pool;
-  if (block->expandable != nullptr && block->expandable->tracks_aliases())
-    block->expandable->use(Range{block->ptr, block->size}, -1);
+  if (block->expandable != nullptr && block->expandable->tracks_aliases()) {
+    // Pages that change stream keep an event of their free, for the next stream to wait on
+    // only as long as it must (Note [aliased pages]).
+    ExpandableSegment::HandOff hand_off;
+    hand_off.free_seq = captures_underway() ? 0 : next_free_seq_;
+    block->expandable->use(Range{block->ptr, block->size}, -1, &hand_off);
+    if (hand_off.record) {
+      drop_completed_free_events(block->stream);
+      free_events_[block->stream].emplace_back(next_free_seq_++,
+                                               device_->record_event(block->stream));
+    }
+  }
 
   std::int64_t net_inactive_split_blocks = 0;
   std::int64_t net_inactive_split_bytes = 0;

@@ -316,8 +316,15 @@ class CachingAllocator {
   // Queues the old places' unmap behind events on every stream in use; the receiver waits on
   // the device for the donor's.
   void order_page_move(PageMove move, const std::vector<StreamId>& donors, StreamId receiver);
-  // `stream` waits on the device for the work queued so far on each of `others`.
-  void wait_on_device(StreamId stream, const std::vector<StreamId>& others);
+  // `stream` waits on the device for each other stream's work on pages it was handed
+  // (ExpandableSegment::HandOff), where that work may still run.
+  void wait_on_device(StreamId stream,
+                      const std::vector<std::pair<StreamId, std::uint64_t>>& others);
+  // Events recorded when pages that change stream were freed, by stream, oldest first, with
+  // their sequence numbers; dropped once complete (Note [aliased pages]).
+  std::map<StreamId, std::deque<std::pair<std::uint64_t, EventId>>> free_events_;
+  std::uint64_t next_free_seq_ = 1;
+  void drop_completed_free_events(StreamId stream);
   // The part of a free block that pages [r.ptr, r.ptr + r.size) cover, split from the partial
   // pages at its ends (which stay free blocks) and out of the pool's free set.
   Block* carve_pages(Block* block, Range r);

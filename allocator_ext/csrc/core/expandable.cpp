@@ -109,8 +109,11 @@
 //   block whose front is in use elsewhere serves from the lowest address inside it where the
 //   request is usable;
 // - a block over memory last handed out on another stream makes its stream wait on the device
-//   for that one (an event recorded then, cudaStreamWaitEvent), as cudaMallocAsync orders
-//   cross-stream reuse: the host never waits, and no page moves between streams;
+//   (cudaStreamWaitEvent) for that stream's work up to the memory's free, as cudaMallocAsync
+//   orders cross-stream reuse: memory that has changed stream once gets an event at each free
+//   (one a free), and a hand-out after it waits only where that event has not completed; the
+//   first change waits on an event recorded then. The host never waits, and no page moves
+//   between streams;
 // - memory of other segments moves here as usual; the shared memory leaves for another pool
 //   (a take-back of the small pool, say) only whole, with every address, and only where it is
 //   in use through none: each address is carved from an end of its free block and unmapped
@@ -561,12 +564,33 @@ void CachingAllocator::order_page_move(PageMove move, const std::vector<StreamId
   page_moves_.push_back(std::move(move));
 }
 
-void CachingAllocator::wait_on_device(StreamId stream, const std::vector<StreamId>& others) {
-  for (StreamId s : others) {
-    const EventId event = device_->record_event(s);
+void CachingAllocator::wait_on_device(
+    StreamId stream, const std::vector<std::pair<StreamId, std::uint64_t>>& others) {
+  for (const auto& [other, seq] : others) {
+    EventId event = 0;
+    bool recorded_now = false;
+    if (seq == 0) {  // no event at the free: all the other stream has queued comes first
+      event = device_->record_event(other);
+      recorded_now = true;
+    } else {
+      drop_completed_free_events(other);
+      auto& events = free_events_[other];
+      // Dropped, or complete: that work is done and nothing need wait.
+      if (events.empty() || events.front().first > seq) continue;
+      auto it = std::lower_bound(events.begin(), events.end(), std::make_pair(seq, EventId{0}));
+      event = it->second;
+    }
     device_->stream_wait_event(stream, event);
-    device_->release_event(event);
+    if (recorded_now) device_->release_event(event);
     stats_.num_stream_waits++;
+  }
+}
+
+void CachingAllocator::drop_completed_free_events(StreamId stream) {
+  auto& events = free_events_[stream];
+  while (!events.empty() && device_->query_event(events.front().second)) {
+    device_->release_event(events.front().second);
+    events.pop_front();
   }
 }
 

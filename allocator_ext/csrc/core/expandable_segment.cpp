@@ -191,17 +191,34 @@ std::size_t ExpandableSegment::mapped_bytes() const {
   return n;
 }
 
-void ExpandableSegment::use(Range r, int delta, std::vector<StreamId>* wait_for) {
+void ExpandableSegment::use(Range r, int delta, HandOff* hand_off) {
   for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
     Physical& p = *c.physical;
-    if (delta > 0) {
-      if (wait_for != nullptr && p.handed_out && p.last_stream != stream_ &&
-          std::find(wait_for->begin(), wait_for->end(), p.last_stream) == wait_for->end())
-        wait_for->push_back(p.last_stream);
+    if (delta > 0 && p.in_use == 0) {
+      if (p.handed_out && p.last_stream != stream_) {
+        p.streams_changed = true;
+        if (hand_off != nullptr) {
+          auto& w = hand_off->wait_for;
+          auto it = std::find_if(w.begin(), w.end(),
+                                 [&](const auto& x) { return x.first == p.last_stream; });
+          // One wait a stream: on its latest event, or on all it queued if a page has none.
+          if (it == w.end()) {
+            w.emplace_back(p.last_stream, p.free_seq);
+          } else if (it->second != 0) {
+            it->second = p.free_seq == 0 ? 0 : std::max(it->second, p.free_seq);
+          }
+        }
+      }
       p.last_stream = stream_;
       p.handed_out = true;
     }
     physical_->use(p, address(first), delta);
+    if (delta < 0 && p.in_use == 0) {
+      // Only pages that change stream are worth an event at their free.
+      const bool record = p.streams_changed && hand_off != nullptr && hand_off->free_seq != 0;
+      p.free_seq = record ? hand_off->free_seq : 0;
+      if (record) hand_off->record = true;
+    }
     return true;
   });
 }

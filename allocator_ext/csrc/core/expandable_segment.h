@@ -92,10 +92,19 @@ class ExpandableSegment {
   // anything is mapped.
   void track_aliases(PhysicalPages* shared);
   bool tracks_aliases() const { return tracks_aliases_; }
-  // A block over r was handed out (+1) or freed (-1). Handed out, `wait_for` gets each other
-  // stream that a physical allocation under r was last handed out on (its work must come
-  // first).
-  void use(Range r, int delta, std::vector<StreamId>* wait_for = nullptr);
+  // What a hand-out or a free over aliased pages needs of the device (Note [aliased pages]).
+  struct HandOff {
+    // Handed out: each other stream whose work on a page under the block must come first,
+    // with the event recorded when the page was freed there (its free_seq; 0: none, so
+    // whatever that stream has queued).
+    std::vector<std::pair<StreamId, std::uint64_t>> wait_for;
+    // Freed: the sequence number of the event the caller records on the block's stream if
+    // `record` comes back true (a page that changes stream went idle).
+    std::uint64_t free_seq = 0;
+    bool record = false;
+  };
+  // A block over r was handed out (+1) or freed (-1).
+  void use(Range r, int delta, HandOff* hand_off = nullptr);
   // r may be handed out: no physical allocation under it is in use through another address,
   // and none is mapped twice inside it.
   bool usable(Range r) const;

@@ -40,6 +40,10 @@ class PhysicalPages {
     // first wait for that one on the device.
     StreamId last_stream = 0;
     bool handed_out = false;
+    bool streams_changed = false;  // it was handed out on two streams once
+    // The event recorded on last_stream when it was last freed there (HandOff::free_seq), or
+    // 0: none, and another stream orders itself after that stream's work at hand-out.
+    std::uint64_t free_seq = 0;
     mutable std::uint64_t seen = 0;  // ExpandableSegment::usable()'s stamp
     Physical* idle_prev = nullptr;   // the list of those in use through no address
     Physical* idle_next = nullptr;
