@@ -171,7 +171,7 @@ def test_memory_in_use_through_no_address_leaves_whole_for_the_small_pool() -> N
     assert s["reserved_bytes.all.current"] == 100 * MiB == dev.used
     assert s["reserved_bytes.small_pool.current"] == 2 * MiB
     moved = s["pending_unmap_bytes"]
-    assert moved in (2 * MiB, 4 * MiB)                            # one page, at one or two addresses
+    assert moved in (2 * MiB, 4 * MiB)            # one page, at one address or two
     assert calls(dev, "unmap") == 0 and host_waits(dev) == 0
     assert a.check_invariants() == ""
     dev.synchronize()
