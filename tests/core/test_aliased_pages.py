@@ -1,7 +1,8 @@
-"""alias_pages: a physical page keeps every address it was mapped at and is used through one
-of them at a time (expandable.cpp, Note [aliased pages]). On the simulated device, whose
-counters say which device calls were made; check_invariants recounts, for every address, the
-blocks in use over it and fails where one physical page is in use through two addresses."""
+"""alias_pages: a physical page keeps every address it was mapped at, in any stream's segment,
+and is used through one of them at a time (expandable.cpp, Note [aliased pages]). On the
+simulated device, whose counters say which device calls were made and whose streams complete
+only when told; check_invariants recounts, for every address, the blocks in use over it and
+fails where one physical page is in use through two addresses."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from support.page_steps import (
     host_waits,
     looped_step_page_calls,
 )
+from support.paths import RECORDED_TRACES
 
 import allocator_ext as ae
 from allocator_ext.replay import load_trace, replay
+from allocator_ext.replay.floor import reserved_floor
 
 MiB, GiB = 1 << 20, 1 << 30
 ALIASED = "alias_pages:True"
@@ -180,3 +183,18 @@ def test_memory_in_use_through_no_address_leaves_whole_for_the_small_pool() -> N
     assert dev.counters()["unmap"]["bytes"] == moved
     a.free(small)
     assert a.check_invariants() == ""
+
+
+def test_the_record_stream_pipeline_reserves_within_its_bar_waiting_only_on_the_device() -> None:
+    # The producer/consumer recording (two streams taking turns with the same bytes): the
+    # defaults hold both streams' peaks or move pages between them (1.69 x its peak request);
+    # pages shared by both streams' segments hold it within its floor + 0.01, every change of
+    # stream ordered by a device-side wait, none on the host.
+    trace = load_trace(RECORDED_TRACES / "stream_pipeline__default_lockstep.pickle.gz")
+    bar = reserved_floor(trace).bar
+    defaults = replay(trace).report
+    aliased = replay(trace, config=ALIASED_PAGES).report
+    assert defaults["reserved_ratio"] > 1.5
+    assert aliased["reserved_ratio"] <= bar
+    assert aliased["num_ooms"] == 0 and aliased["num_sync_all_streams"] == 0
+    assert aliased["device_calls"]["stream_wait_event"]["count"] > 0
