@@ -487,13 +487,8 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
 
   block->allocated = true;
   block->requested_size = p.orig_size;
-  if (block->expandable != nullptr && block->expandable->tracks_aliases()) {
-    // Pages last handed out on another stream: their work there comes first (Note [aliased
-    // pages]), ordered on the device.
-    ExpandableSegment::HandOff hand_off;
-    block->expandable->use(Range{block->ptr, block->size}, +1, &hand_off);
-    if (!hand_off.wait_for.empty()) wait_on_device(block->stream, hand_off.wait_for);
-  }
+  if (block->expandable != nullptr && block->expandable->tracks_aliases())
+    aliased_pages_handed_out(block);
   trace_.record(TraceAction::alloc, block->ptr, p.orig_size, block->stream);
   allocated_.insert(block->ptr, block);
 
@@ -550,23 +545,34 @@ void CachingAllocator::free_allocated(Block* block) {
   }
 }
 
+void CachingAllocator::aliased_pages_handed_out(Block* block) {
+  // Pages last handed out on another stream: their work there comes first (Note [aliased
+  // pages]), ordered on the device.
+  ExpandableSegment::HandOff hand_off;
+  block->expandable->use(Range{block->ptr, block->size}, +1, &hand_off);
+  if (!hand_off.wait_for.empty()) wait_on_device(block->stream, hand_off.wait_for);
+}
+
+void CachingAllocator::aliased_pages_freed(Block* block) {
+  // Pages that change stream keep an event of their free, for the next stream to wait on only
+  // as long as it must (Note [aliased pages]).
+  ExpandableSegment::HandOff hand_off;
+  hand_off.free_seq = captures_underway() ? 0 : next_free_seq_;
+  block->expandable->use(Range{block->ptr, block->size}, -1, &hand_off);
+  if (hand_off.record) {
+    drop_completed_free_events(block->stream);
+    free_events_[block->stream].emplace_back(next_free_seq_++,
+                                             device_->record_event(block->stream));
+  }
+}
+
 void CachingAllocator::free_block(Block* block) {
   trace_.record(TraceAction::free_completed, block->ptr, block->requested_size, block->stream);
   const std::size_t original_size = block->size;
   const std::size_t requested_size = block->requested_size;
   BlockPool& pool = *block->pool;
-  if (block->expandable != nullptr && block->expandable->tracks_aliases()) {
-    // Pages that change stream keep an event of their free, for the next stream to wait on
-    // only as long as it must (Note [aliased pages]).
-    ExpandableSegment::HandOff hand_off;
-    hand_off.free_seq = captures_underway() ? 0 : next_free_seq_;
-    block->expandable->use(Range{block->ptr, block->size}, -1, &hand_off);
-    if (hand_off.record) {
-      drop_completed_free_events(block->stream);
-      free_events_[block->stream].emplace_back(next_free_seq_++,
-                                               device_->record_event(block->stream));
-    }
-  }
+  if (block->expandable != nullptr && block->expandable->tracks_aliases())
+    aliased_pages_freed(block);
 
   std::int64_t net_inactive_split_blocks = 0;
   std::int64_t net_inactive_split_bytes = 0;

@@ -325,6 +325,9 @@ class CachingAllocator {
   std::map<StreamId, std::deque<std::pair<std::uint64_t, EventId>>> free_events_;
   std::uint64_t next_free_seq_ = 1;
   void drop_completed_free_events(StreamId stream);
+  // A block of a segment with aliased pages handed out or freed: out of the hot path's line.
+  [[gnu::noinline]] void aliased_pages_handed_out(Block* block);
+  [[gnu::noinline]] void aliased_pages_freed(Block* block);
   // The part of a free block that pages [r.ptr, r.ptr + r.size) cover, split from the partial
   // pages at its ends (which stay free blocks) and out of the pool's free set.
   Block* carve_pages(Block* block, Range r);
