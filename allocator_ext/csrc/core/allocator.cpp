@@ -549,7 +549,7 @@ void CachingAllocator::aliased_pages_handed_out(Block* block) {
   // Pages last handed out on another stream: their work there comes first (Note [aliased
   // pages]), ordered on the device.
   ExpandableSegment::HandOff hand_off;
-  block->expandable->use(Range{block->ptr, block->size}, +1, &hand_off);
+  block->expandable->use(Range{block->ptr, block->size}, +1, hand_off);
   if (!hand_off.wait_for.empty()) wait_on_device(block->stream, hand_off.wait_for);
 }
 
@@ -558,7 +558,7 @@ void CachingAllocator::aliased_pages_freed(Block* block) {
   // as long as it must (Note [aliased pages]).
   ExpandableSegment::HandOff hand_off;
   hand_off.free_seq = captures_underway() ? 0 : next_free_seq_;
-  block->expandable->use(Range{block->ptr, block->size}, -1, &hand_off);
+  block->expandable->use(Range{block->ptr, block->size}, -1, hand_off);
   if (hand_off.record) {
     drop_completed_free_events(block->stream);
     free_events_[block->stream].emplace_back(next_free_seq_++,

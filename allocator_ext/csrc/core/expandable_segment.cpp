@@ -191,22 +191,20 @@ std::size_t ExpandableSegment::mapped_bytes() const {
   return n;
 }
 
-void ExpandableSegment::use(Range r, int delta, HandOff* hand_off) {
+void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
   for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
     Physical& p = *c.physical;
     if (delta > 0 && p.in_use == 0) {
       if (p.handed_out && p.last_stream != stream_) {
         p.streams_changed = true;
-        if (hand_off != nullptr) {
-          auto& w = hand_off->wait_for;
-          auto it = std::find_if(w.begin(), w.end(),
-                                 [&](const auto& x) { return x.first == p.last_stream; });
-          // One wait a stream: on its latest event, or on all it queued if a page has none.
-          if (it == w.end()) {
-            w.emplace_back(p.last_stream, p.free_seq);
-          } else if (it->second != 0) {
-            it->second = p.free_seq == 0 ? 0 : std::max(it->second, p.free_seq);
-          }
+        auto& w = hand_off.wait_for;
+        auto it = std::find_if(w.begin(), w.end(),
+                               [&](const auto& x) { return x.first == p.last_stream; });
+        // One wait a stream: on its latest event, or on all it queued if a page has none.
+        if (it == w.end()) {
+          w.emplace_back(p.last_stream, p.free_seq);
+        } else if (it->second != 0) {
+          it->second = p.free_seq == 0 ? 0 : std::max(it->second, p.free_seq);
         }
       }
       p.last_stream = stream_;
@@ -215,9 +213,9 @@ void ExpandableSegment::use(Range r, int delta, HandOff* hand_off) {
     physical_->use(p, address(first), delta);
     if (delta < 0 && p.in_use == 0) {
       // Only pages that change stream are worth an event at their free.
-      const bool record = p.streams_changed && hand_off != nullptr && hand_off->free_seq != 0;
-      p.free_seq = record ? hand_off->free_seq : 0;
-      if (record) hand_off->record = true;
+      const bool record = p.streams_changed && hand_off.free_seq != 0;
+      p.free_seq = record ? hand_off.free_seq : 0;
+      if (record) hand_off.record = true;
     }
     return true;
   });
@@ -338,9 +336,8 @@ void ExpandableSegment::detach_physical(const IdlePhysical& p, std::vector<Spare
   keep->push_back(SparePhysical{p.handle, p.pages});
 }
 
-void ExpandableSegment::count_in_use(
-    const std::vector<Range>& in_use,
-    std::map<std::pair<const ExpandableSegment*, std::size_t>, int>* counts) const {
+void ExpandableSegment::count_in_use(const std::vector<Range>& in_use,
+                                     PhysicalPages::InUseCounts* counts) const {
   for (const Range& r : in_use)
     for (const MappedChunk& c : chunks_in(r)) (*counts)[{this, page_floor(c.ptr)}] += 1;
 }

@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "device.h"
@@ -104,7 +103,7 @@ class ExpandableSegment {
     bool record = false;
   };
   // A block over r was handed out (+1) or freed (-1).
-  void use(Range r, int delta, HandOff* hand_off = nullptr);
+  void use(Range r, int delta, HandOff& hand_off);
   // r may be handed out: no physical allocation under it is in use through another address,
   // and none is mapped twice inside it.
   bool usable(Range r) const;
@@ -135,8 +134,7 @@ class ExpandableSegment {
   static void detach_physical(const IdlePhysical& p, std::vector<SparePhysical>* keep);
   // Adds, for each address of this segment, the blocks in use over it (their ranges) to
   // `counts`: PhysicalPages::check's input.
-  void count_in_use(const std::vector<Range>& in_use,
-                    std::map<std::pair<const ExpandableSegment*, std::size_t>, int>* counts) const;
+  void count_in_use(const std::vector<Range>& in_use, PhysicalPages::InUseCounts* counts) const;
 
  private:
   using Physical = PhysicalPages::Physical;

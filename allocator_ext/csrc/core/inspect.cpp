@@ -259,7 +259,7 @@ std::string CachingAllocator::check_invariants() const {
   }
   for (const auto& [page, physical] : shared_physical_) {
     reserved_bytes[kLargePool] += static_cast<std::int64_t>(physical->physical_bytes());
-    std::map<std::pair<const ExpandableSegment*, std::size_t>, int> in_use;
+    PhysicalPages::InUseCounts in_use;
     for (const auto& es : expandable_segments_) {
       if (&es->physical() != physical.get()) continue;
       std::vector<Range> ranges;

@@ -71,9 +71,7 @@ void PhysicalPages::unlink_idle(Physical* p) {
   p->idle_prev = p->idle_next = nullptr;
 }
 
-std::string PhysicalPages::check(
-    const std::map<std::pair<const ExpandableSegment*, std::size_t>, int>& in_use_by_address)
-    const {
+std::string PhysicalPages::check(const InUseCounts& in_use_by_address) const {
   std::size_t idle = 0, physical = 0;
   for (const auto& [handle, p] : physical_) {
     int addresses_in_use = 0, total = 0;

@@ -66,11 +66,12 @@ class PhysicalPages {
   std::size_t idle_bytes() const { return idle_bytes_; }
   const Physical* idle_head() const { return idle_head_; }
   std::uint64_t next_stamp() const { return ++stamp_; }
+  // Blocks in use over each address (segment, first page).
+  using InUseCounts = std::map<std::pair<const ExpandableSegment*, std::size_t>, int>;
   // The invariant against the blocks in use, given per address as a count: each address's
   // count is its own (through one address at a time) and the idle list and bytes are right.
   // Empty where it holds, else what is wrong.
-  std::string check(const std::map<std::pair<const ExpandableSegment*, std::size_t>, int>&
-                        in_use_by_address) const;
+  std::string check(const InUseCounts& in_use_by_address) const;
 
  private:
   void link_idle(Physical* p);
