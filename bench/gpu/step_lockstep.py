@@ -551,10 +551,13 @@ def run_workload(model: str, ours: str, against: str | list[str], fractions: lis
             if out:
                 write_whole(out, json.dumps(result, indent=1).encode())
             if phase.get("mean_ratio") is not None:
-                print(f"{model} {'capped' if fraction else 'uncapped'}: reserved/requested over "
-                      f"the phase " + ", ".join(f"{a} {v:.3f}" for a, v in
-                                                phase["phase_reserved_over_requested"].items()),
-                      flush=True)
+                # A phase that failed after timing some rounds has their times, not its peaks.
+                if "phase_reserved_over_requested" in phase:
+                    print(f"{model} {'capped' if fraction else 'uncapped'}: reserved/requested "
+                          f"over the phase " + ", ".join(
+                              f"{a} {v:.3f}"
+                              for a, v in phase["phase_reserved_over_requested"].items()),
+                          flush=True)
                 for other, vs in phase["against"].items():
                     if vs is None:
                         continue
