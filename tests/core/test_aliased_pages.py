@@ -160,6 +160,39 @@ def test_another_stream_maps_memory_in_use_nowhere_and_waits_for_its_last_user_o
     assert dev.counters()["release"]["bytes"] == dev.counters()["create"]["bytes"]
 
 
+def test_pages_taking_turns_between_streams_cost_an_event_a_free_and_a_query_a_hand_out(
+        ) -> None:
+    # Streams 1 and 2 take turns with the same 20 MiB while both keep running: each free
+    # records an event (the next stream's wait needs that position), each hand-out waits on
+    # the device for the other's latest, found with one query; frees query nothing (the list
+    # of events is trimmed every 64, by bisection). The host waits for nothing.
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, ALIASED_PAGES)
+    a.free(a.malloc(20 * MiB))
+    before = dev.counters()
+    turns = 300
+    for _ in range(turns):
+        for stream in (1, 2):
+            a.free(a.malloc(20 * MiB, stream=stream))
+    made = {k: dev.counters()[k]["count"] - before.get(k, {}).get("count", 0)
+            for k in ("event_record", "event_query", "stream_wait_event")}
+    hand_outs = 2 * turns
+    assert made["event_record"] <= hand_outs + 1
+    assert made["stream_wait_event"] == hand_outs and host_waits(dev) == 0
+    assert made["event_query"] <= hand_outs + made["event_record"] // 8
+    assert a.stats()["reserved_bytes.all.peak"] == 20 * MiB
+    # Where the other's work is done by the hand-out, no wait; trims drop the events.
+    dev.synchronize()  # (the test's: each stream waited for the other)
+    waits = a.stats()["num_stream_waits"]
+    for _ in range(64):
+        for stream in (1, 2):
+            a.free(a.malloc(20 * MiB, stream=stream))
+            dev.complete_stream(stream)
+    assert a.stats()["num_stream_waits"] == waits
+    assert dev.outstanding_events <= 2 * 64
+    assert a.check_invariants() == ""
+
+
 def test_memory_in_use_through_no_address_leaves_whole_for_the_small_pool() -> None:
     # The small pool shares no pages: its growth takes a physical allocation of the large pool
     # that is in use nowhere, with every address it is mapped at, each unmapped once the events

@@ -559,11 +559,16 @@ void CachingAllocator::aliased_pages_freed(Block* block) {
   ExpandableSegment::HandOff hand_off;
   hand_off.free_seq = captures_underway() ? 0 : next_free_seq_;
   block->expandable->use(Range{block->ptr, block->size}, -1, hand_off);
-  if (hand_off.record) {
-    drop_completed_free_events(block->stream);
-    free_events_[block->stream].emplace_back(next_free_seq_++,
-                                             device_->record_event(block->stream));
-  }
+  if (hand_off.record) record_free_event(block->stream);
+}
+
+std::uint64_t CachingAllocator::record_free_event(StreamId stream) {
+  // Only a hand-out's query looks at an event (wait_on_device); the list is trimmed every
+  // kFreeEventsBeforeTrim events, by bisection: a few queries however long it is.
+  FreeEvents& events = free_events_[stream];
+  if (!events.empty() && events.size() % kFreeEventsBeforeTrim == 0) trim_free_events(events);
+  events.emplace_back(next_free_seq_++, device_->record_event(stream));
+  return events.back().first;
 }
 
 void CachingAllocator::free_block(Block* block) {

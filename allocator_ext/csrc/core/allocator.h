@@ -321,10 +321,20 @@ class CachingAllocator {
   void wait_on_device(StreamId stream,
                       const std::vector<std::pair<StreamId, std::uint64_t>>& others);
   // Events recorded when pages that change stream were freed, by stream, oldest first, with
-  // their sequence numbers; dropped once complete (Note [aliased pages]).
-  std::map<StreamId, std::deque<std::pair<std::uint64_t, EventId>>> free_events_;
+  // their sequence numbers (Note [aliased pages]); a stream's complete in order.
+  using FreeEvents = std::deque<std::pair<std::uint64_t, EventId>>;
+  static constexpr std::size_t kFreeEventsBeforeTrim = 64;
+  std::map<StreamId, FreeEvents> free_events_;
   std::uint64_t next_free_seq_ = 1;
-  void drop_completed_free_events(StreamId stream);
+  // Records one on `stream`, after all it has queued; returns its sequence number.
+  std::uint64_t record_free_event(StreamId stream);
+  // Per (stream, other stream): the latest of the other's free events the stream was made to
+  // wait for; its later work is ordered after every free before it.
+  std::map<std::pair<StreamId, StreamId>, std::uint64_t> waited_on_;
+  // Releases the events up to and including `last`.
+  void drop_free_events_through(FreeEvents& events, FreeEvents::iterator last);
+  // Drops the complete ones (a prefix), found by bisection.
+  void trim_free_events(FreeEvents& events);
   // A block of a segment with aliased pages handed out or freed: out of the hot path's line.
   [[gnu::noinline]] void aliased_pages_handed_out(Block* block);
   [[gnu::noinline]] void aliased_pages_freed(Block* block);

@@ -111,9 +111,11 @@
 // - a block over memory last handed out on another stream makes its stream wait on the device
 //   (cudaStreamWaitEvent) for that stream's work up to the memory's free, as cudaMallocAsync
 //   orders cross-stream reuse: memory that has changed stream once gets an event at each free
-//   (one a free), and a hand-out after it waits only where that event has not completed; the
-//   first change waits on an event recorded then. The host never waits, and no page moves
-//   between streams;
+//   (one a free), and a hand-out after it waits only where that event has not completed (one
+//   query) and its stream is not already ordered after a later free of that stream; the first
+//   change waits on an event recorded then. Frees query nothing: a stream's events complete in
+//   order, and its list is trimmed every 64 by bisection (host time, in a stream pipeline,
+//   is what these calls cost). The host never waits, and no page moves between streams;
 // - memory of other segments moves here as usual; the shared memory leaves for another pool
 //   (a take-back of the small pool, say) only whole, with every address, and only where it is
 //   in use through none: each address is carved from an end of its free block and unmapped
@@ -567,31 +569,55 @@ void CachingAllocator::order_page_move(PageMove move, const std::vector<StreamId
 void CachingAllocator::wait_on_device(
     StreamId stream, const std::vector<std::pair<StreamId, std::uint64_t>>& others) {
   for (const auto& [other, seq] : others) {
+    if (captures_underway()) {
+      // An event recorded during a capture is a node of its graph: used once, never kept.
+      const EventId event = device_->record_event(other);
+      device_->stream_wait_event(stream, event);
+      device_->release_event(event);
+      stats_.num_stream_waits++;
+      continue;
+    }
+    std::uint64_t& waited = waited_on_[{stream, other}];
+    if (seq != 0 && seq <= waited) continue;  // already ordered after that free
+    FreeEvents& events = free_events_[other];
     EventId event = 0;
-    bool recorded_now = false;
     if (seq == 0) {  // no event at the free: all the other stream has queued comes first
-      event = device_->record_event(other);
-      recorded_now = true;
+      waited = record_free_event(other);
+      event = events.back().second;
     } else {
-      drop_completed_free_events(other);
-      auto& events = free_events_[other];
       // Dropped, or complete: that work is done and nothing need wait.
       if (events.empty() || events.front().first > seq) continue;
       auto it = std::lower_bound(events.begin(), events.end(), std::make_pair(seq, EventId{0}));
+      if (device_->query_event(it->second)) {
+        drop_free_events_through(events, it);
+        continue;
+      }
       event = it->second;
+      waited = it->first;
     }
     device_->stream_wait_event(stream, event);
-    if (recorded_now) device_->release_event(event);
     stats_.num_stream_waits++;
   }
 }
 
-void CachingAllocator::drop_completed_free_events(StreamId stream) {
-  auto& events = free_events_[stream];
-  while (!events.empty() && device_->query_event(events.front().second)) {
-    device_->release_event(events.front().second);
-    events.pop_front();
+void CachingAllocator::drop_free_events_through(FreeEvents& events, FreeEvents::iterator last) {
+  const auto end = std::next(last);
+  for (auto it = events.begin(); it != end; ++it) device_->release_event(it->second);
+  events.erase(events.begin(), end);
+}
+
+void CachingAllocator::trim_free_events(FreeEvents& events) {
+  // Complete ones form a prefix: bisect for its end.
+  std::size_t lo = 0, hi = events.size();  // [0, lo) complete; [hi, size) not
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    if (device_->query_event(events[mid].second)) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
   }
+  if (lo > 0) drop_free_events_through(events, events.begin() + static_cast<std::ptrdiff_t>(lo - 1));
 }
 
 void CachingAllocator::finish_page_moves(bool wait) {

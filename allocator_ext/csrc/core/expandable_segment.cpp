@@ -192,7 +192,15 @@ std::size_t ExpandableSegment::mapped_bytes() const {
 }
 
 void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
-  for_each_chunk(r, [&](std::size_t first, const Chunk& c) {
+  // By the page array, not the chunk map: a block of many one-page chunks is walked often.
+  const std::size_t end = page_ceil(r.ptr + r.size);
+  for (std::size_t page = page_floor(r.ptr); page < end;) {
+    const PageChunk& c = page_chunks_[page];
+    if (c.physical == nullptr) {  // unmapped: nothing in use here
+      ++page;
+      continue;
+    }
+    const std::size_t first = c.first;
     Physical& p = *c.physical;
     if (delta > 0 && p.in_use == 0) {
       if (p.handed_out && p.last_stream != stream_) {
@@ -217,8 +225,8 @@ void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
       p.free_seq = record ? hand_off.free_seq : 0;
       if (record) hand_off.record = true;
     }
-    return true;
-  });
+    page = first + c.pages;
+  }
 }
 
 bool ExpandableSegment::usable(Range r) const {
@@ -292,9 +300,20 @@ std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
     const PhysicalPages::Address& a = p->addresses.front();
     return a.segment->base() + a.first * page_size_;
   };
-  std::sort(idle.begin(), idle.end(), [&](const Physical* a, const Physical* b) {
+  auto before = [&](const Physical* a, const Physical* b) {
     return a->pages != b->pages ? a->pages > b->pages : where(a) < where(b);
+  };
+  // Handles of one size (one page each, say) are taken from the front: sort only those.
+  const bool one_size = std::all_of(idle.begin(), idle.end(), [&](const Physical* p) {
+    return p->pages == idle.front()->pages;
   });
+  if (one_size && !idle.empty() && idle.size() > max_pages / idle.front()->pages) {
+    const auto taken = static_cast<std::ptrdiff_t>(max_pages / idle.front()->pages);
+    std::partial_sort(idle.begin(), idle.begin() + taken, idle.end(), before);
+    idle.resize(static_cast<std::size_t>(taken));
+  } else {
+    std::sort(idle.begin(), idle.end(), before);
+  }
   std::vector<SparePhysical> chosen;
   for (const Physical* p : idle) {
     if (p->pages > max_pages) continue;

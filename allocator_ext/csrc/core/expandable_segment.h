@@ -163,7 +163,7 @@ class ExpandableSegment {
   // With aliases tracked, each page's chunk too, by page: first_usable() scans long free
   // blocks page by page, which an array does several times faster than the map.
   struct PageChunk {
-    const Physical* physical = nullptr;  // none: unmapped
+    Physical* physical = nullptr;  // none: unmapped
     std::uint32_t first = 0;             // the chunk's first page
     std::uint32_t pages = 0;
   };
