@@ -76,9 +76,11 @@ def judged_rounds(path: Path, judged: str) -> list[tuple[str, float, str, list[R
         seen: set[str] = set()
         by_other: dict[str, list[Round]] = {}
         for rnd in phase.get("rounds", []):
-            # A run of several processes has ours over each other (step_ratios_against); an
-            # earlier run of two, over its one other (step_ratios).
-            against_each = rnd.get("step_ratios_against") or {against: rnd["step_ratios"]}
+            # A run of several processes has ours over each other (step_ratios_against: none
+            # in a round ours ran alone); an earlier run of two, over its one other
+            # (step_ratios).
+            against_each = (rnd["step_ratios_against"] if "step_ratios_against" in rnd
+                            else {against: rnd["step_ratios"]})
             shapes = rnd.get("shapes")
             new_shape = None
             if shapes is not None:

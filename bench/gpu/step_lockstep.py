@@ -348,10 +348,11 @@ def timed_round(r: int, trainers: list[Trainer], steps: int, reset_peak: bool) -
                               f"different shapes")
     against = {o.name: [a["s"] / b["s"] for a, b in zip(mine, got[o.name], strict=True)]
                for o in others}
-    first = others[0].name
+    first = others[0].name if others else None  # none: ours alone, every other gone
     return {"round": r, "seed": ROUND_SEED + r,
-            "ratio": sum(s["s"] for s in mine) / sum(s["s"] for s in got[first]),
-            "step_ratios": against[first], "step_ratios_against": against,
+            "ratio": (sum(s["s"] for s in mine) / sum(s["s"] for s in got[first])
+                      if first else None),
+            "step_ratios": against[first] if first else [], "step_ratios_against": against,
             "step_times_s": {n: [round(s["s"], 6) for s in v] for n, v in got.items()},
             "enqueue_times_s": {n: [round(s["enqueue_s"], 6) for s in v]
                                 for n, v in got.items()},
@@ -396,10 +397,10 @@ def summarize(rounds: list[dict], ours: str) -> dict:
     if not rounds:
         return {}
     names = list(dict.fromkeys(n for r in rounds for n in r["step_times_s"]))
-    first = names[1]
+    first = names[1] if len(names) > 1 else None
     paired = [r for r in rounds if first in r["step_ratios_against"]]
-    mean, se = mean_and_stderr([sum(r["step_times_s"][ours]) / sum(r["step_times_s"][first])
-                                for r in paired])
+    mean, se = (mean_and_stderr([sum(r["step_times_s"][ours]) / sum(r["step_times_s"][first])
+                                 for r in paired]) if paired else (None, None))
     ratios = [x for r in paired for x in r["step_ratios_against"][first]]
     moved = [x for r in paired for x, c in zip(r["step_ratios_against"][first],
                                                r["step_device_calls"][ours], strict=True)
@@ -423,7 +424,8 @@ def summarize(rounds: list[dict], ours: str) -> dict:
     # the kernel, or more faults or preemptions, says where a slower process loses its time.
     step_usage = {n: {k: statistics.median(u[k] for r in rounds for u in r["step_usage"].get(n, []))
                       for k in USAGE} for n in names}
-    return {"mean_ratio": mean, "stderr": se, "median_step_ratio": statistics.median(ratios),
+    return {"mean_ratio": mean, "stderr": se,
+            "median_step_ratio": statistics.median(ratios) if ratios else None,
             "median_enqueue_share": enqueue_share, "median_step_usage": step_usage,
             "median_enqueue_ratio": statistics.median(enqueue_ratios) if enqueue_ratios else None,
             "steps_compared": len(ratios), "device_calls_while_timed": calls,
@@ -441,8 +443,9 @@ def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int,
               save: Callable[[dict], None] = lambda phase: None) -> dict:
     """Timed rounds uncapped (fraction 0) or, after a capped warm-up, under the cap; `save` gets
     the phase so far after every round. A process of another allocator that runs out of memory
-    leaves `trainers` (the others go on without it, its failure in the phase); where ours
-    fails, another fails otherwise (a wrong result, a hang), or no other is left, the phase
+    leaves `trainers` (the others go on without it, its failure in the phase); where every
+    other has left, ours goes on alone, for its memory and retries under the cap (no step
+    ratio). Where ours fails, or another fails otherwise (a wrong result, a hang), the phase
     ends."""
     phase: dict[str, Any] = {"fraction_of_peak": fraction, "rounds": [], "failures": [],
                              "left": {}}
@@ -450,7 +453,7 @@ def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int,
     def leave(e: RoundFailed) -> bool:
         """Takes the failed process out where the phase can go on without it."""
         gone = [t for t in trainers[1:] if t.name == e.who]
-        if not gone or not e.out_of_memory or len(trainers) <= 2:
+        if not gone or not e.out_of_memory:
             return False
         trainers.remove(gone[0])
         gone[0].finish()
@@ -483,8 +486,10 @@ def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int,
             save(phase)
             rr = phase["rounds"][-1]
             calls = {n: sum(sum(c.values()) for c in v) for n, v in rr["step_device_calls"].items()}
-            print(f"  round {r}: {trainers[0].name} / {trainers[1].name} total step time "
-                  f"{rr['ratio']:.4f}; device calls while timed {calls}", flush=True)
+            versus = (f"{trainers[0].name} / {trainers[1].name} total step time "
+                      f"{rr['ratio']:.4f}" if rr["ratio"] is not None
+                      else f"{trainers[0].name} alone")
+            print(f"  round {r}: {versus}; device calls while timed {calls}", flush=True)
             r += 1
         stats = all_of("stats")
         phase["reserved_over_requested"] = {
@@ -550,14 +555,15 @@ def run_workload(model: str, ours: str, against: str | list[str], fractions: lis
             result["phases"].append(phase)
             if out:
                 write_whole(out, json.dumps(result, indent=1).encode())
+            # A phase that failed after timing some rounds has their times, not its peaks;
+            # one that ours finished alone has its peaks and no step ratio.
+            if "phase_reserved_over_requested" in phase:
+                print(f"{model} {'capped' if fraction else 'uncapped'}: reserved/requested "
+                      f"over the phase " + ", ".join(
+                          f"{a} {v:.3f}"
+                          for a, v in phase["phase_reserved_over_requested"].items())
+                      + f"; allocation retries {phase['num_alloc_retries']}", flush=True)
             if phase.get("mean_ratio") is not None:
-                # A phase that failed after timing some rounds has their times, not its peaks.
-                if "phase_reserved_over_requested" in phase:
-                    print(f"{model} {'capped' if fraction else 'uncapped'}: reserved/requested "
-                          f"over the phase " + ", ".join(
-                              f"{a} {v:.3f}"
-                              for a, v in phase["phase_reserved_over_requested"].items()),
-                          flush=True)
                 for other, vs in phase["against"].items():
                     if vs is None:
                         continue

@@ -108,6 +108,28 @@ def test_a_process_that_fails_leaves_and_the_others_go_on() -> None:
     assert step_lockstep.succeeded({"phases": [phase]})
 
 
+def test_where_every_other_runs_out_of_memory_ours_goes_on_alone_for_its_memory() -> None:
+    # Under a cap both of PyTorch's allocators run out in the second round: ours times the
+    # rounds left alone, so the phase still says what ours reserved and retried there.
+    ours = FakeTrainer("allocwatch", 1.0)
+    trainers = [ours, FakeTrainer("pytorch", 2.0, fail_at=3),
+                FakeTrainer("expandable", 0.8, fail_at=3)]
+    phase = step_lockstep.run_phase(trainers, 0.0, 3, 2)  # type: ignore[arg-type]
+    assert trainers == [ours] and sorted(phase["left"]) == ["expandable", "pytorch"]
+    assert not phase["failures"] and len(phase["rounds"]) == 3
+    assert [r["ratio"] for r in phase["rounds"]][1:] == [None, None]
+    assert [sorted(r["step_times_s"]) for r in phase["rounds"]][1:] == [["allocwatch"]] * 2
+    assert phase["against"]["pytorch"]["rounds"] == 1
+    assert phase["phase_reserved_over_requested"] == {"allocwatch": 1.2}
+    assert phase["num_alloc_retries"] == {"allocwatch": 0}
+    assert phase["host_waits_per_step"]["allocwatch"]["num_stream_waits"] == 2
+    assert step_lockstep.succeeded({"phases": [phase]})
+    # The table shows ours's memory beside the others' out-of-memory, and no step ratio.
+    row = patterns.phase_row({"model": "kv_generate", "ours": "allocwatch"}, phase, None)
+    assert row["step_ratio"] is None and row["reserved_over_requested"] == {"allocwatch": 1.2}
+    assert sorted(row["left"]) == ["expandable", "pytorch"]
+
+
 def test_when_our_process_fails_or_another_fails_otherwise_the_phase_fails() -> None:
     trainers = [FakeTrainer("allocwatch", 1.0, fail_at=2), FakeTrainer("pytorch", 1.0),
                 FakeTrainer("expandable", 1.0)]
