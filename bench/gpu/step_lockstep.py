@@ -56,7 +56,8 @@ smaller workspace or another plan, at a cost on the host); per step, allocwatch'
 (num_host_waits.device / .stream / .event: the allocator's thread waiting for the device) and
 its device-side stream waits (num_stream_waits), which PyTorch's allocators do not count.
 Under a cap, a process of another allocator that runs out of memory is reported and leaves;
-the others go on.
+the others go on, and where none is left the judged allocator's process goes on alone, for
+its memory and retries under the cap (no step ratio).
 
 --ours picks the allocator judged (default allocwatch's); --ours and --against the same
 allocator check the harness itself, whose ratio should then be 1.00 within the spread.
