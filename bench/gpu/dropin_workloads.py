@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,7 +40,8 @@ def _gpt2(n_layer: int = 4) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=n_layer, n_embd=512, n_head=8, n_positions=512, vocab_size=8192)
-    return GPT2LMHeadModel(config).cuda()
+    model: torch.nn.Module = GPT2LMHeadModel(config)
+    return model.cuda()
 
 
 def _lm_steps(model: torch.nn.Module, steps: int, seqs: list[int]) -> None:
@@ -77,13 +78,13 @@ def timm_cudnn(steps: int) -> dict[str, Any]:
 
 
 def hf_compile(steps: int) -> dict[str, Any]:
-    model = torch.compile(_gpt2())
+    model = cast(torch.nn.Module, torch.compile(_gpt2()))  # a module that compiles its forward
     _lm_steps(model, steps, [256])
     return {"model": "transformers GPT-2 (4 layers)", "compile": "default"}
 
 
 def hf_reduce_overhead(steps: int) -> dict[str, Any]:
-    model = torch.compile(_gpt2(), mode="reduce-overhead")
+    model = cast(torch.nn.Module, torch.compile(_gpt2(), mode="reduce-overhead"))
     _lm_steps(model, steps, [128, 256])
     return {"model": "transformers GPT-2 (4 layers)", "compile": "reduce-overhead"}
 

@@ -70,7 +70,7 @@ def judged_rounds(path: Path, judged: str) -> list[tuple[str, float, str, list[R
     if judged not in (ours, *others) or ours in others:
         raise PoolError(f"{path}: times {ours} against {', '.join(others)}, not {judged} "
                         f"against another allocator")
-    out = []
+    out: list[tuple[str, float, str, list[Round]]] = []
     for phase in phases:
         fraction = float(phase.get("fraction_of_peak") or 0.0)
         seen: set[str] = set()

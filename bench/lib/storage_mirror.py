@@ -94,7 +94,7 @@ class StorageMirror(TorchDispatchMode):
             return result
 
         self._resize = original
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         super().__enter__()
         return self
 

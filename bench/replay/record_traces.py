@@ -563,7 +563,7 @@ def oom_parent_main(args: argparse.Namespace) -> int:
         by_workload.setdefault(workload, []).append(setting)
     # The workloads' caps are a few GiB each: they record at once on one GPU.
     with ThreadPoolExecutor(max(1, len(by_workload))) as pool:
-        chains = pool.map(lambda item: record_oom_workload(*item, args, out_dir),
+        chains = pool.map(lambda item: record_oom_workload(item[0], item[1], args, out_dir),
                           by_workload.items())
         results = [result for chain in chains for result in chain]
     for result in results:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.lib.sidecar_process import SidecarProcess
 
@@ -67,8 +68,9 @@ def child(seconds: float, interval: float, target: str, source: str) -> dict:
     time.sleep(seconds)
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_SELF)
-    out = {"cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-           "wall_s": wall, "blocks_in_use": len(held)}
+    out: dict[str, Any] = {
+        "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "wall_s": wall, "blocks_in_use": len(held)}
     if agent is not None:
         out["reports_sent"] = agent.reports_sent
         out["sample_errors"] = agent.sample_errors
