@@ -14,8 +14,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-# Simulated device counters -> cost table kinds. Event records and queries are left out: every
-# allocator setting makes the same ones, at a cost far below a microsecond.
+# Simulated device counters -> cost table kinds. Event records and queries are left out: the
+# call share measures what a setting asks of the driver to get memory, and PyTorch's rules make
+# the same events for record_stream under every setting. alias_pages makes more (one at each
+# free of memory that changes stream), host time this share does not show (docs/benchmarks.md,
+# "Aliased pages").
 COUNTER_TO_KIND = {
     "malloc": "segment_alloc",
     "free": "segment_free",
