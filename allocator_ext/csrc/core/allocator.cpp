@@ -562,13 +562,12 @@ void CachingAllocator::aliased_pages_freed(Block* block) {
   if (hand_off.record) record_free_event(block->stream);
 }
 
-std::uint64_t CachingAllocator::record_free_event(StreamId stream) {
+void CachingAllocator::record_free_event(StreamId stream) {
   // Only a hand-out's query looks at an event (wait_on_device); the list is trimmed every
   // kFreeEventsBeforeTrim events, by bisection: a few queries however long it is.
   FreeEvents& events = free_events_[stream];
   if (!events.empty() && events.size() % kFreeEventsBeforeTrim == 0) trim_free_events(events);
   events.emplace_back(next_free_seq_++, device_->record_event(stream));
-  return events.back().first;
 }
 
 void CachingAllocator::free_block(Block* block) {

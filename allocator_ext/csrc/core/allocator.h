@@ -326,11 +326,8 @@ class CachingAllocator {
   static constexpr std::size_t kFreeEventsBeforeTrim = 64;
   std::map<StreamId, FreeEvents> free_events_;
   std::uint64_t next_free_seq_ = 1;
-  // Records one on `stream`, after all it has queued; returns its sequence number.
-  std::uint64_t record_free_event(StreamId stream);
-  // Per (stream, other stream): the latest of the other's free events the stream was made to
-  // wait for; its later work is ordered after every free before it.
-  std::map<std::pair<StreamId, StreamId>, std::uint64_t> waited_on_;
+  // Records one on `stream`, after all it has queued.
+  void record_free_event(StreamId stream);
   // Releases the events up to and including `last`.
   void drop_free_events_through(FreeEvents& events, FreeEvents::iterator last);
   // Drops the complete ones (a prefix), found by bisection.

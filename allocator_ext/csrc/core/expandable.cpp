@@ -112,10 +112,10 @@
 //   (cudaStreamWaitEvent) for that stream's work up to the memory's free, as cudaMallocAsync
 //   orders cross-stream reuse: memory that has changed stream once gets an event at each free
 //   (one a free), and a hand-out after it waits only where that event has not completed (one
-//   query) and its stream is not already ordered after a later free of that stream; the first
-//   change waits on an event recorded then. Frees query nothing: a stream's events complete in
-//   order, and its list is trimmed every 64 by bisection (host time, in a stream pipeline,
-//   is what these calls cost). The host never waits, and no page moves between streams;
+//   query); the first change waits on an event recorded then. Frees query nothing: a stream's
+//   events complete in order, and its list is trimmed every 64 by bisection (host time, in a
+//   stream pipeline, is what these calls cost). The host never waits, and no page moves
+//   between streams;
 // - memory of other segments moves here as usual; the shared memory leaves for another pool
 //   (a take-back of the small pool, say) only whole, with every address, and only where it is
 //   in use through none: each address is carved from an end of its free block and unmapped
@@ -577,12 +577,10 @@ void CachingAllocator::wait_on_device(
       stats_.num_stream_waits++;
       continue;
     }
-    std::uint64_t& waited = waited_on_[{stream, other}];
-    if (seq != 0 && seq <= waited) continue;  // already ordered after that free
     FreeEvents& events = free_events_[other];
     EventId event = 0;
     if (seq == 0) {  // no event at the free: all the other stream has queued comes first
-      waited = record_free_event(other);
+      record_free_event(other);
       event = events.back().second;
     } else {
       // Dropped, or complete: that work is done and nothing need wait.
@@ -593,7 +591,6 @@ void CachingAllocator::wait_on_device(
         continue;
       }
       event = it->second;
-      waited = it->first;
     }
     device_->stream_wait_event(stream, event);
     stats_.num_stream_waits++;
