@@ -614,7 +614,8 @@ void CachingAllocator::trim_free_events(FreeEvents& events) {
       hi = mid;
     }
   }
-  if (lo > 0) drop_free_events_through(events, events.begin() + static_cast<std::ptrdiff_t>(lo - 1));
+  if (lo > 0)
+    drop_free_events_through(events, events.begin() + static_cast<std::ptrdiff_t>(lo - 1));
 }
 
 void CachingAllocator::finish_page_moves(bool wait) {

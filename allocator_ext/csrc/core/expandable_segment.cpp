@@ -193,13 +193,7 @@ std::size_t ExpandableSegment::mapped_bytes() const {
 
 void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
   // By the page array, not the chunk map: a block of many one-page chunks is walked often.
-  const std::size_t end = page_ceil(r.ptr + r.size);
-  for (std::size_t page = page_floor(r.ptr); page < end;) {
-    const PageChunk& c = page_chunks_[page];
-    if (c.physical == nullptr) {  // unmapped: nothing in use here
-      ++page;
-      continue;
-    }
+  for_each_page_chunk(r, [&](const PageChunk& c) {
     const std::size_t first = c.first;
     Physical& p = *c.physical;
     if (delta > 0 && p.in_use == 0) {
@@ -225,27 +219,22 @@ void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
       p.free_seq = record ? hand_off.free_seq : 0;
       if (record) hand_off.record = true;
     }
-    page = first + c.pages;
-  }
+    return true;
+  });
 }
 
 bool ExpandableSegment::usable(Range r) const {
   // An allocation mapped elsewhere too may appear once in r: each seen is stamped.
   const std::uint64_t stamp = physical_->next_stamp();
-  const std::size_t end = page_ceil(r.ptr + r.size);
-  for (std::size_t p = page_floor(r.ptr); p < end;) {
-    const PageChunk& c = page_chunks_[p];
-    if (c.physical == nullptr) {
-      ++p;
-      continue;
-    }
+  bool ok = true;
+  for_each_page_chunk(r, [&](const PageChunk& c) {
     if (c.physical->addresses.size() > 1) {
-      if (!c.physical->free_at(address(c.first)) || c.physical->seen == stamp) return false;
+      if (!c.physical->free_at(address(c.first)) || c.physical->seen == stamp) return ok = false;
       c.physical->seen = stamp;
     }
-    p = c.first + c.pages;
-  }
-  return true;
+    return true;
+  });
+  return ok;
 }
 
 std::uintptr_t ExpandableSegment::first_usable(Range r, std::size_t size) const {

@@ -164,7 +164,7 @@ class ExpandableSegment {
   // blocks page by page, which an array does several times faster than the map.
   struct PageChunk {
     Physical* physical = nullptr;  // none: unmapped
-    std::uint32_t first = 0;             // the chunk's first page
+    std::uint32_t first = 0;       // the chunk's first page
     std::uint32_t pages = 0;
   };
   std::vector<PageChunk> page_chunks_;
@@ -175,6 +175,21 @@ class ExpandableSegment {
   PhysicalPages::Address address(std::size_t first) const { return {this, first}; }
   // f(first page, chunk) for each chunk mapped over any part of r, in address order, while f
   // returns true.
+  // f(page chunk) for each chunk mapped over any part of r, by the page array (aliases
+  // tracked), while f returns true.
+  template <class F>
+  void for_each_page_chunk(Range r, F&& f) const {
+    const std::size_t end = page_ceil(r.ptr + r.size);
+    for (std::size_t page = page_floor(r.ptr); page < end;) {
+      const PageChunk& c = page_chunks_[page];
+      if (c.physical == nullptr) {  // unmapped
+        ++page;
+        continue;
+      }
+      if (!f(c)) return;
+      page = c.first + c.pages;
+    }
+  }
   template <class F>
   void for_each_chunk(Range r, F&& f) const {
     if (r.size == 0) return;
