@@ -36,17 +36,28 @@ int main() {
   }
   {
     PagePolicy p;
-    expect(!p.near_ceiling(1000 * MiB), "no refusal yet: no ceiling");
+    expect(!p.single_pages(1000 * MiB), "no limit, no refusal: growth is chunked");
     p.growth_refused(1000 * MiB);
-    expect(!p.near_ceiling(950 * MiB) && p.near_ceiling(951 * MiB),
-           "within 5 % of where growth was refused is near the ceiling");
+    expect(!p.single_pages(950 * MiB) && p.single_pages(951 * MiB),
+           "within 5 % of where the device refused growth, single pages");
     p.mapped(900 * MiB);
-    expect(p.ceiling() == 1000 * MiB, "growth below the ceiling keeps it");
+    expect(p.single_pages(951 * MiB), "growth below where the device refused keeps it");
     p.mapped(1001 * MiB);
-    expect(p.ceiling() == 0, "growth past the ceiling forgets it");
+    expect(!p.single_pages(1001 * MiB), "growth past it forgets it");
     p.growth_refused(500 * MiB);
-    p.forget_ceiling();
-    expect(!p.near_ceiling(499 * MiB), "a new memory limit forgets the ceiling");
+    p.limit_set(0);
+    expect(!p.single_pages(499 * MiB), "a new memory limit forgets where the device refused");
+  }
+  {
+    PagePolicy p;
+    p.limit_set(1000 * MiB);
+    expect(p.single_pages(1 * MiB), "under a memory limit, single pages from the start");
+    p.mapped(2000 * MiB);
+    expect(p.single_pages(1 * MiB), "the limit stays whatever is mapped");
+    p.limit_set(1000 * MiB, /*whole_device=*/true);
+    expect(!p.single_pages(999 * MiB), "a limit of the whole device is no limit");
+    p.limit_set(0);
+    expect(!p.single_pages(1 * MiB), "nor is none");
   }
   {
     PagePolicy p;

@@ -98,6 +98,22 @@ def test_a_device_memory_cap_is_honoured() -> None:
     assert r["peak_reserved_bytes"] <= int(0.5 * peak)
 
 
+@pytest.mark.parametrize("name", ["trainer__default", "trainer__default_lockstep",
+                                  "kv_generate__default_lockstep"])
+def test_a_memory_fraction_known_from_the_start_keeps_the_pattern_recordings_within_it(
+        name: str) -> None:
+    # The GPU benchmark caps each run with a memory fraction of 1.03 x its peak request. Known
+    # from the start, the fraction makes growth single pages (Note [page policy]); the same
+    # memory as a device that refuses only when full is found too late, chunks made on the way
+    # up pinning their free pages.
+    trace = load_trace(RECORDED / f"{name}.pickle.gz")
+    limit = int(1.03 * peak_requested_bytes(trace))
+    h200 = 141 << 30
+    fraction = replay(trace, device_memory=h200, memory_fraction=limit / h200).report
+    assert fraction["num_ooms"] == 0 and fraction["num_alloc_retries"] == 0
+    assert replay(trace, device_memory=limit).report["num_ooms"] > 0
+
+
 def test_the_users_empty_cache_is_replayed() -> None:
     # alloc, free, then a segment_free the allocator did not need: an empty_cache() call.
     events = [

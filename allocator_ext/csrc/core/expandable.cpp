@@ -46,12 +46,16 @@
 // spot, not a plateau. A chunk still goes back whole or not at all, so a chunk partly in use
 // pins its free pages; under a cap those pinned pages are where a long run's later
 // repetitions ran out of memory (a convnet at 1.03 x its peak request: four errors a pass from
-// pass 12 on, its free memory in 41 pieces of at most 7 MiB). So once the device or the memory
-// fraction has refused growth, growth that would bring reserved memory within 5 % of that
-// ceiling (reserved memory plus what the device had left; the fraction's limit) creates
-// single pages. A refusal far above what is reserved (cuDNN's benchmark mode probing for a
-// workspace larger than the device) leaves growth chunked; a new memory fraction, or growth
-// past the ceiling (another process freed memory), forgets it.
+// pass 12 on, its free memory in 41 pieces of at most 7 MiB). So under a memory fraction
+// below the whole device, large-pool growth creates single pages from the start: the chunks
+// created on the way up are the ones that pin pages once the fraction is near (growing in
+// chunks until 95 % of it still ran the trainer's and KV-cache's recordings out of memory at
+// 1.03 x; single pages throughout, none). Without a fraction the ceiling is known only once
+// the device refuses growth: then growth that would bring reserved memory within 5 % of it
+// (reserved memory plus what the device had left) creates single pages. A refusal far above
+// what is reserved (cuDNN's benchmark mode probing for a workspace larger than the device)
+// leaves growth chunked; a new memory fraction, or growth past that ceiling (another process
+// freed memory), forgets it.
 //
 // Memory fraction. With reuse_free_pages the fraction is checked in map_block, after the
 // take-back, against what growth really adds. PyTorch checks reserved memory plus the whole
@@ -271,7 +275,7 @@ std::size_t CachingAllocator::growth_chunk_pages(const BlockPool& pool, std::siz
   if (pool.is_small) return 1;
   if (config_.expandable_grow > 0) return whole_pages(size, page) / page;
   if (config_.expandable_chunk > page &&
-      !page_policy_.near_ceiling(total_allocated_memory_ + size))
+      !page_policy_.single_pages(total_allocated_memory_ + size))
     return config_.expandable_chunk / page;
   return 1;
 }
@@ -343,8 +347,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   if (took_back) take_back_free_pages(to_map->pool, to_map, rest);
   if (over_fraction_when_mapping(rest)) {
     // Still over the memory fraction: pages taken back go to the device, and the caller's
-    // out-of-memory path frees cached blocks and retries. The fraction is the ceiling.
-    page_policy_.growth_refused(allowed_memory_maximum_);
+    // out-of-memory path frees cached blocks and retries.
     release_spares_beyond(0, page);
     return false;
   }

@@ -5,8 +5,8 @@
 // It remembers three things, each forgotten by an explicit reclaim (empty_cache, an operator's
 // garbage_collect) or a new memory limit, as the note says:
 // - the high-water mark: the most reserved since the start or the last explicit reclaim;
-// - the ceiling: reserved memory plus what was left when the device or the memory fraction
-//   last refused growth;
+// - the ceiling: a memory fraction, known from the moment it is set, and reserved memory plus
+//   what was left when the device last refused growth;
 // - the growths that moved pages, by (stream, request, bytes allocated): a recurring one is a
 //   cycle, settled by creating its pages once (settle_page_moves).
 #pragma once
@@ -23,8 +23,8 @@ namespace allocwatch {
 class PagePolicy {
  public:
   // Large-pool growth creates single pages, not chunks, once reserved memory would pass this
-  // share of the ceiling.
-  static constexpr double kNearCeiling = 0.95;
+  // share of where the device last refused growth.
+  static constexpr double kNearRefusal = 0.95;
 
   // --- the high-water mark ---
   void reserved(std::size_t total) { high_water_ = std::max(high_water_, total); }
@@ -33,16 +33,26 @@ class PagePolicy {
   bool above_high_water(std::size_t reserved_after) const { return reserved_after > high_water_; }
 
   // --- the ceiling ---
-  void growth_refused(std::size_t ceiling) { ceiling_ = ceiling; }
-  void forget_ceiling() { ceiling_ = 0; }
-  std::size_t ceiling() const { return ceiling_; }
-  bool near_ceiling(std::size_t reserved_after) const {
-    return ceiling_ > 0 &&
-           static_cast<double>(reserved_after) > kNearCeiling * static_cast<double>(ceiling_);
+  // A memory fraction below the whole device (or a memory limit) is a ceiling from the moment
+  // it is set; `limit` 0: none. A new one forgets where the device refused.
+  void limit_set(std::size_t limit, bool whole_device = false) {
+    limited_ = limit > 0 && !whole_device;
+    refused_at_ = 0;
   }
-  // Reserved memory passed the ceiling after all (another process freed memory): forget it.
+  // The device refused growth with `ceiling` = reserved memory + what it had left.
+  void growth_refused(std::size_t ceiling) { refused_at_ = ceiling; }
+  // Large-pool growth to `reserved_after` creates single pages rather than chunks: always
+  // under a ceiling set in advance (chunks created on the way up pin their free pages by the
+  // time it is near), and near where the device refused.
+  bool single_pages(std::size_t reserved_after) const {
+    return limited_ ||
+           (refused_at_ > 0 &&
+            static_cast<double>(reserved_after) > kNearRefusal * static_cast<double>(refused_at_));
+  }
+  // Reserved memory passed where the device refused after all (another process freed
+  // memory): forget that refusal.
   void mapped(std::size_t reserved_now) {
-    if (reserved_now > ceiling_) ceiling_ = 0;
+    if (reserved_now > refused_at_) refused_at_ = 0;
   }
 
   // --- growths that moved pages ---
@@ -72,7 +82,8 @@ class PagePolicy {
  private:
   using Growth = std::tuple<StreamId, std::size_t, std::size_t>;
   std::size_t high_water_ = 0;
-  std::size_t ceiling_ = 0;
+  bool limited_ = false;        // a memory fraction below the whole device, or a limit
+  std::size_t refused_at_ = 0;  // reserved + what the device had left at its last refusal
   std::set<Growth> moved_;
   Growth growth_{};
   bool growth_moved_pages_ = false;
