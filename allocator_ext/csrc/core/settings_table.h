@@ -123,7 +123,7 @@ enum class OnPytorchCall { resets, keeps };
   X(std::size_t, expandable_chunk, "expandable_chunk_mb",                                         \
     mebibytes(2).multiple_of(2).or_zero(), 0, 10 * kMiB, allocwatch, keeps,                       \
     "large-pool growth maps physical chunks of this size where a whole one fits, single "         \
-    "pages for the rest (0: pages only)")                                                         \
+    "pages for the rest (0, or under a memory fraction below 1: pages only)")                   \
   X(bool, reuse_free_pages, "reuse_free_pages",                                                   \
     any_value(), false, true, allocwatch, keeps,                                                  \
     "before an expandable segment grows past reserved memory's high-water mark, wholly free "     \
