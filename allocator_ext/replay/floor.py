@@ -12,10 +12,14 @@ allocator can avoid under the core's rules sets the floor, and it counts:
   stream and one pool (requests up to 1 MiB in the small pool, the rest in the large; a CUDA
   graph's or a MemPool's private pool has its own, as the snapshot's segments say), so each
   stream's pool needs whole pages for what it holds, at best packed without a gap;
+- private pools keep their memory: a CUDA graph replays into the memory its capture used,
+  freed blocks included, so a pool gives nothing back while it lives (PyTorch releases a
+  graph's pool only once the graph is gone; a pool the snapshot still lists lived to the end
+  of the trace), and its pages count at the most it has held;
 - sizes rounded to 512 bytes, as every block is.
 
 At each event of the trace the floor takes, for every (stream, pool), its live and waiting
-bytes rounded up to whole pages, and sums them; its peak over the trace, over the trace's
+bytes rounded up to whole pages (a private pool's most so far), and sums them; its peak over the trace, over the trace's
 peak requested bytes, is the ratio no allocator can go below on that trace. It is a lower
 bound, not a layout: it assumes perfect packing inside each stream's pages at every moment,
 which an allocator that cannot move live blocks does not always reach. The fragmentation
@@ -72,6 +76,7 @@ def reserved_floor(trace: Trace, page_bytes: int = PAGE_BYTES) -> Floor:
     Key = tuple[int, tuple[int, int] | None, bool]          # (stream, private pool, small)
     live: dict[int, tuple[int, Key]] = {}                   # address -> (request, key)
     held: dict[Key, int] = {}                               # key -> rounded bytes
+    kept: dict[Key, int] = {}                               # private pool -> most pages held
     pool_of = private_pools(trace)
     pages = peak_pages = 0
     for i, e in enumerate(trace.events):
@@ -81,12 +86,18 @@ def reserved_floor(trace: Trace, page_bytes: int = PAGE_BYTES) -> Floor:
             size = -(-e.size // BLOCK_ROUNDING) * BLOCK_ROUNDING
             before = held.get(key, 0)
             held[key] = before + size
-            pages += _pages(before + size, page_bytes) - _pages(before, page_bytes)
+            if key[1] is None:
+                pages += _pages(before + size, page_bytes) - _pages(before, page_bytes)
+            else:  # a private pool keeps the most it has held: only more adds pages
+                most = kept.get(key, 0)
+                kept[key] = max(most, _pages(before + size, page_bytes))
+                pages += kept[key] - most
             peak_pages = max(peak_pages, pages)
         elif e.action == "free_completed" and e.addr in live:
             request, key = live.pop(e.addr)
             size = -(-request // BLOCK_ROUNDING) * BLOCK_ROUNDING
             before = held[key]
             held[key] = before - size
-            pages -= _pages(before, page_bytes) - _pages(before - size, page_bytes)
+            if key[1] is None:
+                pages -= _pages(before, page_bytes) - _pages(before - size, page_bytes)
     return Floor(peak_requested_bytes(trace), peak_pages * page_bytes, page_bytes)

@@ -49,6 +49,25 @@ def test_a_private_pool_needs_pages_of_its_own() -> None:
     assert reserved_floor(pooled).floor_bytes == 2 * PAGE_BYTES
 
 
+def test_a_private_pool_keeps_the_most_it_has_held() -> None:
+    # A graph replays into the memory its capture used: 4 MiB freed inside the graph's pool
+    # stays the pool's, so the default pool's 4 MiB after it need pages of their own. Outside a
+    # pool the same program fits in two pages.
+    steps = [("segment_alloc", 1 << 30, 4 * MiB, 1), ("alloc", 1 << 30, 4 * MiB, 1),
+             ("free_requested", 1 << 30, 4 * MiB, 1), ("free_completed", 1 << 30, 4 * MiB, 1),
+             ("segment_alloc", 2 << 30, 4 * MiB, 1), ("alloc", 2 << 30, 4 * MiB, 1)]
+    assert reserved_floor(program(*steps)).floor_bytes == 2 * PAGE_BYTES
+    pooled = program(*steps)
+    pooled.final_segments = [{"address": 1 << 30, "total_size": 4 * MiB,
+                              "segment_pool_id": (0, 1)}]
+    floor = reserved_floor(pooled)
+    assert floor.floor_bytes == 4 * PAGE_BYTES and floor.ratio == 2.0
+    # Its own blocks reuse what it keeps: 3 MiB more in the pool add no page.
+    again = program(*steps, ("alloc", (1 << 30) + 64, 3 * MiB, 1))
+    again.final_segments = pooled.final_segments
+    assert reserved_floor(again).floor_bytes == 4 * PAGE_BYTES
+
+
 def test_a_free_waiting_for_other_streams_holds_its_bytes_until_it_completes() -> None:
     # A is freed while another stream may still read it: B cannot have its bytes. Both count as
     # requested (as PyTorch's requested_bytes counts them), so the floor is whole pages of both.
