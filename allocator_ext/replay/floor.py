@@ -19,8 +19,9 @@ allocator can avoid under the core's rules sets the floor, and it counts:
 - sizes rounded to 512 bytes, as every block is.
 
 At each event of the trace the floor takes, for every (stream, pool), its live and waiting
-bytes rounded up to whole pages (a private pool's most so far), and sums them; its peak over the trace, over the trace's
-peak requested bytes, is the ratio no allocator can go below on that trace. It is a lower
+bytes rounded up to whole pages (a private pool's most so far), and sums them; its peak over
+the trace, over the trace's peak requested bytes, is the ratio no allocator can go below on
+that trace. It is a lower
 bound, not a layout: it assumes perfect packing inside each stream's pages at every moment,
 which an allocator that cannot move live blocks does not always reach. The fragmentation
 bar is the floor + 0.01 where the floor is above 1.00.

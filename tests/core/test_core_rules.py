@@ -879,7 +879,8 @@ def test_a_refusal_far_above_what_is_reserved_leaves_growth_chunked() -> None:
 def test_under_a_memory_fraction_growth_creates_single_pages_from_the_start() -> None:
     # A fraction says where the ceiling is before anything is refused. Chunks created on the
     # way up would pin their free pages by the time the ceiling is near: the 1.03 x replays of
-    # the trainer and KV-cache recordings ran out of memory so (docs/benchmarks.md, Pressure).
+    # the trainer and KV-cache recordings ran out of memory so (docs/benchmarks.md,
+    # Fragmentation).
     dev, a = native(capacity=GiB, config=CHUNKED)
     a.set_memory_limit(100 * MiB)
     a.free(a.malloc(36 * MiB))
