@@ -173,8 +173,6 @@ class ExpandableSegment {
   std::unique_ptr<PhysicalPages> own_physical_;
   PhysicalPages* physical_;  // own_physical_, or one shared with other segments
   PhysicalPages::Address address(std::size_t first) const { return {this, first}; }
-  // f(first page, chunk) for each chunk mapped over any part of r, in address order, while f
-  // returns true.
   // f(page chunk) for each chunk mapped over any part of r, by the page array (aliases
   // tracked), while f returns true.
   template <class F>
@@ -190,6 +188,8 @@ class ExpandableSegment {
       page = c.first + c.pages;
     }
   }
+  // f(first page, chunk) for each chunk mapped over any part of r, in address order, while f
+  // returns true.
   template <class F>
   void for_each_chunk(Range r, F&& f) const {
     if (r.size == 0) return;

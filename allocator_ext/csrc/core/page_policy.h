@@ -2,13 +2,14 @@
 // growths, and the decisions that depend on nothing else (expandable.cpp, Note [page policy],
 // has the rules and why). The allocator owns one and asks it; the block logic stays there.
 //
-// It remembers three things, each forgotten by an explicit reclaim (empty_cache, an operator's
-// garbage_collect) or a new memory limit, as the note says:
-// - the high-water mark: the most reserved since the start or the last explicit reclaim;
+// It remembers three things, as the note says:
+// - the high-water mark: the most reserved since the start or the last explicit reclaim
+//   (empty_cache, an operator's garbage_collect);
 // - the ceiling: a memory fraction, known from the moment it is set, and reserved memory plus
-//   what was left when the device last refused growth;
+//   what was left when the device last refused growth (forgotten by a new memory fraction);
 // - the growths that moved pages, by (stream, request, bytes allocated): a recurring one is a
-//   cycle, settled by creating its pages once (settle_page_moves).
+//   cycle, settled by creating its pages once (settle_page_moves); forgotten by an explicit
+//   reclaim.
 #pragma once
 
 #include <algorithm>
