@@ -168,6 +168,52 @@ def record_stream() -> str:
         f"{core_stats()['num_sync_all_streams']}"
 
 
+def waiting_frees(on: bool = True) -> str:
+    """record_stream's producer and consumer under a memory fraction that holds one buffer, not
+    two: the producer's next buffer takes the memory the consumer still reads, its stream
+    waiting for the consumer on the device; no retry, no host wait, no release of the cache
+    (Note [waiting frees] in core/allocator.cpp). Ordered any other way, the sums differ."""
+    torch.empty(1, device="cuda")                         # device 0's allocator exists
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((4 * MiB + 24 * MiB) / total)
+    side = torch.cuda.Stream()
+    checked = reused = 0
+    start = core_stats()
+    for i in range(50):
+        x = torch.full((4 * MiB,), float(i), device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1_000_000)                # the consumer is slow
+            total_x = x.sum()
+        x.record_stream(side)
+        x_ptr = x.data_ptr()
+        del x                                           # freed while the side stream reads
+        y = torch.full((4 * MiB,), -1.0, device="cuda")  # no room beside x's memory
+        reused += y.data_ptr() == x_ptr
+        side.synchronize()
+        assert total_x.item() == float(i) * 4 * MiB, (i, total_x.item())
+        del y
+        checked += 1
+    end = core_stats()
+    waits = {k: end[k] - start[k] for k in ("num_stream_waits", "num_alloc_retries",
+                                             "num_host_waits.event", "num_sync_all_streams")}
+    if on:
+        assert reused == checked, f"{reused} of {checked} buffers reused the waiting memory"
+        assert waits["num_stream_waits"] >= checked, waits
+        assert waits["num_alloc_retries"] == waits["num_host_waits.event"] == 0, waits
+        assert waits["num_sync_all_streams"] == 0, waits
+    else:
+        assert waits["num_alloc_retries"] >= checked and waits["num_stream_waits"] == 0, waits
+    return (f"{checked} iterations checked under a fraction of one buffer "
+            f"(reuse_waiting_frees {'on' if on else 'off'}): {waits}")
+
+
+def waiting_frees_off() -> str:
+    """The same loop with reuse_waiting_frees:False (ENVIRONMENT below): every buffer is a
+    retry, the host waiting for the consumer, as under PyTorch's allocator."""
+    return waiting_frees(on=False)
+
+
 def graph_capture() -> str:
     """Capture and replay a CUDA graph while eager code allocates around it."""
     static_in = torch.randn(1024, 1024, device="cuda")
@@ -685,6 +731,7 @@ def page_moves() -> str:
 
 # Set before install(), which reads them (a scenario's own settings).
 ENVIRONMENT = {
+    "waiting_frees_off": {"ALLOCWATCH_ALLOC_CONF": "reuse_waiting_frees:False"},
     "trace_trackers": {"ALLOCWATCH_ALLOC_CONF": "expandable_segments:False",
                        "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"},
 }

@@ -247,6 +247,10 @@ bool CachingAllocator::alloc_attempts(AllocParams& p, MallocRound& round) {
   for (; round.stage <= 3; ++round.stage, round.released = false, round.refused = false) {
     if (!round.released) {
       round.released = true;
+      // Reserved memory cannot grow: before anything cached is released, a block of this
+      // stream that waits only for other streams' uses serves, ordered after them on the
+      // device (Note [waiting frees]).
+      if (round.stage == 2 && config_.reuse_waiting_frees && reuse_waiting_free(p)) return true;
       // Free enough oversize cached blocks (max_split_size) and retry.
       if (round.stage == 2 && !release_available_cached_blocks(p)) continue;
       // Free every unsplit cached block and retry (counted as a retry).
@@ -772,6 +776,69 @@ void CachingAllocator::insert_events(Block* block) {
     block->event_count++;
     events_[s].emplace_back(e, block);
   }
+}
+
+// Note [waiting frees]
+// A block freed while other streams may still use it (record_stream) waits for events that the
+// host checks at later allocations; until they complete, its memory serves nobody. Where
+// reserved memory can grow, that rule stays: the allocating stream waits for nothing. Where it
+// cannot (the memory fraction, or the device is full, after the take-back of free pages),
+// PyTorch's next steps release cached blocks and, at the retry, wait on the host for every
+// stream's events (synchronize_and_free_events) and release everything cached. Ordering on the
+// device does what that wait does, without the host and without releasing anything: the
+// allocating stream waits for the block's events (cudaStreamWaitEvent), after which the other
+// streams' uses are done before anything it runs next, as cudaMallocAsync orders reuse across
+// streams. The block must belong to the allocating stream, whose own earlier work is ordered
+// already; the one that fits best once its freed neighbours join it serves, and only its
+// events are waited for. Never during a capture: events there are graph nodes, and the
+// capture's own rule (reuse_freed_in_capture) applies.
+//
+// Why only under pressure: the wait costs device time, since the allocating stream cannot run
+// ahead of the other streams' uses any more. Taken whenever no cached block served, it held the
+// record_stream pipeline's replay lower (1.687 -> 1.354 x its peak request), but on an H100
+// that pipeline's steps ran 1.56 x PyTorch's, the producer waiting for the consumer at every
+// item (docs/benchmarks.md, "Waiting frees reused on the device"). Under pressure the
+// alternative is a retry, whose wait is for every stream, from the host.
+bool CachingAllocator::reuse_waiting_free(AllocParams& p) {
+  if (!captures_underway_.empty() || events_.empty()) return false;
+  auto room = [](const Block* b) {  // its size once it and its freed neighbours merge
+    std::size_t n = b->size;
+    for (const Block* side : {b->prev, b->next}) {
+      if (side != nullptr && side->mapped && side->is_free()) n += side->size;
+    }
+    return n;
+  };
+  Block* best = nullptr;
+  std::size_t best_room = 0;
+  for (auto& [stream, queue] : events_) {
+    for (auto& [event, block] : queue) {
+      if (block->stream != p.stream || block->pool != p.pool) continue;
+      const std::size_t r = room(block);
+      if (r >= p.size && (best == nullptr || r < best_room)) {
+        best = block;
+        best_room = r;
+      }
+    }
+  }
+  if (best == nullptr) return false;
+  for (auto it = events_.begin(); it != events_.end();) {
+    auto& queue = it->second;
+    for (auto e = queue.begin(); e != queue.end();) {
+      if (e->second != best) {
+        ++e;
+        continue;
+      }
+      // The wait takes the event as it stands now: releasing it next is safe.
+      device_->stream_wait_event(p.stream, e->first);
+      device_->release_event(e->first);
+      stats_.num_stream_waits++;
+      e = queue.erase(e);
+    }
+    it = queue.empty() ? events_.erase(it) : std::next(it);
+  }
+  best->event_count = 0;
+  free_block(best);
+  return get_free_block(p);
 }
 
 void CachingAllocator::insert_events_deferred_until_no_capture() {

@@ -358,6 +358,11 @@ class CachingAllocator {
 
   // Events.
   void insert_events(Block* block);
+  // reuse_waiting_frees, where reserved memory cannot grow (Note [waiting frees] in
+  // allocator.cpp): frees the waiting block of p's stream and pool that best fits p once its
+  // freed neighbours join it, ordering p's stream after its other streams' uses on the device,
+  // and finds p's block; false where none would fit.
+  bool reuse_waiting_free(AllocParams& p);
   void insert_events_deferred_until_no_capture();
   void process_events_locked();
   void synchronize_and_free_events();
