@@ -145,6 +145,21 @@ def out_of_memory() -> str:
             f"called {len(seen)} times")
 
 
+def _read_while_freed(i: int, side: torch.cuda.Stream) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Buffer i is filled with i, summed on the slow side stream and freed while that read may
+    still run (record_stream); the next buffer, filled with -1, would overwrite it. Returns the
+    side stream's sum, the freed buffer's address and the next buffer."""
+    x = torch.full((4 * MiB,), float(i), device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000)                    # the consumer is slow
+        total = x.sum()
+    x.record_stream(side)
+    x_ptr = x.data_ptr()
+    del x                                               # freed while the side stream reads
+    return total, x_ptr, torch.full((4 * MiB,), -1.0, device="cuda")
+
+
 def record_stream() -> str:
     """A producer and a consumer on two streams; without record_stream's events, the
     producer's next buffer would reuse memory the consumer is still reading."""
@@ -152,14 +167,7 @@ def record_stream() -> str:
     side = torch.cuda.Stream()
     checked = 0
     for i in range(200):
-        x = torch.full((4 * MiB,), float(i), device="cuda")
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(1_000_000)                # the consumer is slow
-            total = x.sum()
-        x.record_stream(side)
-        del x                                           # freed while the side stream reads
-        y = torch.full((4 * MiB,), -1.0, device="cuda")  # would overwrite x's memory
+        total, _, y = _read_while_freed(i, side)
         side.synchronize()
         assert total.item() == float(i) * 4 * MiB, (i, total.item())
         del y
@@ -180,15 +188,7 @@ def waiting_frees(on: bool = True) -> str:
     checked = reused = 0
     start = core_stats()
     for i in range(50):
-        x = torch.full((4 * MiB,), float(i), device="cuda")
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(1_000_000)                # the consumer is slow
-            total_x = x.sum()
-        x.record_stream(side)
-        x_ptr = x.data_ptr()
-        del x                                           # freed while the side stream reads
-        y = torch.full((4 * MiB,), -1.0, device="cuda")  # no room beside x's memory
+        total_x, x_ptr, y = _read_while_freed(i, side)   # y: no room beside x's memory
         reused += y.data_ptr() == x_ptr
         side.synchronize()
         assert total_x.item() == float(i) * 4 * MiB, (i, total_x.item())
