@@ -203,7 +203,9 @@ def waiting_frees(on: bool = True) -> str:
         assert waits["num_alloc_retries"] == waits["num_host_waits.event"] == 0, waits
         assert waits["num_sync_all_streams"] == 0, waits
     else:
-        assert waits["num_alloc_retries"] >= checked and waits["num_stream_waits"] == 0, waits
+        # Every buffer after the first is a retry that waits on the host for the consumer.
+        assert waits["num_alloc_retries"] >= checked - 1, waits
+        assert waits["num_host_waits.event"] >= checked - 1, waits
     return (f"{checked} iterations checked under a fraction of one buffer "
             f"(reuse_waiting_frees {'on' if on else 'off'}): {waits}")
 
