@@ -70,19 +70,28 @@ class Counters:
 
         self.torch = torch
         self.device = device
-        if core is None and allocator_ext.installed():
-            core = allocator_ext.allocator(device)
         self.core = core
+        self._installed = core is None and allocator_ext.installed()
+
+    def _allocwatch(self) -> Any:
+        """allocwatch's core for the device, once PyTorch has made it: a workload with nothing
+        on the device before its first step (the stream pipeline) has none when this is built,
+        and PyTorch's statistics lack the core's own (its host waits)."""
+        if self.core is None and self._installed:
+            import allocator_ext
+
+            self.core = allocator_ext.allocator(self.device)
+        return self.core
 
     def stats(self) -> dict[str, int]:
-        if self.core is not None:
+        if self._allocwatch() is not None:
             return dict(self.core.stats())
         if self.torch.cuda.is_available():
             return dict(self.torch.cuda.memory_stats(self.device))
         return {}
 
     def reset_peak(self) -> None:
-        if self.core is not None:
+        if self._allocwatch() is not None:
             self.core.reset_peak_stats()
         elif self.torch.cuda.is_available():
             self.torch.cuda.reset_peak_memory_stats(self.device)
