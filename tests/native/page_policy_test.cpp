@@ -45,19 +45,18 @@ int main() {
     p.mapped(1001 * MiB);
     expect(!p.single_pages(1001 * MiB), "growth past it forgets it");
     p.growth_refused(500 * MiB);
-    p.limit_set(0);
+    p.limit_set(/*below_whole_device=*/false);
     expect(!p.single_pages(499 * MiB), "a new memory limit forgets where the device refused");
   }
   {
     PagePolicy p;
-    p.limit_set(1000 * MiB);
+    p.limit_set(/*below_whole_device=*/true);
     expect(p.single_pages(1 * MiB), "under a memory limit, single pages from the start");
     p.mapped(2000 * MiB);
     expect(p.single_pages(1 * MiB), "the limit stays whatever is mapped");
-    p.limit_set(1000 * MiB, /*whole_device=*/true);
-    expect(!p.single_pages(999 * MiB), "a limit of the whole device is no limit");
-    p.limit_set(0);
-    expect(!p.single_pages(1 * MiB), "nor is none");
+    p.limit_set(/*below_whole_device=*/false);
+    expect(!p.single_pages(999 * MiB) && !p.single_pages(1 * MiB),
+           "a limit of the whole device, or none, is no limit");
   }
   {
     PagePolicy p;

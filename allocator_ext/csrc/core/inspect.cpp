@@ -18,14 +18,14 @@ void CachingAllocator::set_memory_fraction(double fraction) {
   allowed_memory_maximum_ =
       static_cast<std::size_t>(fraction * static_cast<double>(device_->memory_info().total));
   set_fraction_ = true;
-  page_policy_.limit_set(allowed_memory_maximum_, fraction >= 1.0);  // the ceiling from now on
+  page_policy_.limit_set(allowed_memory_maximum_ > 0 && fraction < 1.0);  // the ceiling now
 }
 
 void CachingAllocator::set_memory_limit(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   allowed_memory_maximum_ = bytes;
   set_fraction_ = bytes > 0;
-  page_policy_.limit_set(bytes, bytes >= device_->memory_info().total);
+  page_policy_.limit_set(bytes > 0 && bytes < device_->memory_info().total);
 }
 
 std::size_t CachingAllocator::memory_limit() const {

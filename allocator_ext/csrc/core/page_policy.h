@@ -34,10 +34,11 @@ class PagePolicy {
   bool above_high_water(std::size_t reserved_after) const { return reserved_after > high_water_; }
 
   // --- the ceiling ---
-  // A memory fraction below the whole device (or a memory limit) is a ceiling from the moment
-  // it is set; `limit` 0: none. A new one forgets where the device refused.
-  void limit_set(std::size_t limit, bool whole_device = false) {
-    limited_ = limit > 0 && !whole_device;
+  // A memory fraction or limit was set: `below_whole_device` says whether it caps anything
+  // (a limit below the device's memory is a ceiling from the moment it is set). Either way it
+  // forgets where the device refused.
+  void limit_set(bool below_whole_device) {
+    limited_ = below_whole_device;
     refused_at_ = 0;
   }
   // The device refused growth with `ceiling` = reserved memory + what it had left.
