@@ -4,9 +4,11 @@ Where reserved memory cannot grow (the memory fraction, or the device is full), 
 defaults (reuse_waiting_frees) let a request take a block of its own stream that waits only for
 other streams' uses, before anything cached is released: its stream waits for those uses on
 the device, the host for nothing, and no retry is counted (Note [waiting frees] in
-core/allocator.cpp). With room to grow, PyTorch's rule holds: the block waits until the host
-sees its events complete (tests/core/test_core_rules.py), and so it does under the preset
-`native`, whose retry waits on the host for every stream.
+core/allocator.cpp). Where none fits alone, all of them are freed so, each block's stream
+waiting for its uses, and another stream's request takes their pages by the take-back, ordered
+after that stream on the device. With room to grow, PyTorch's rule holds: the block waits until
+the host sees its events complete (tests/core/test_core_rules.py), and so it does under the
+preset `native`, whose retry waits on the host for every stream.
 """
 
 from __future__ import annotations
@@ -96,15 +98,41 @@ def test_a_cached_block_that_fits_comes_before_any_wait() -> None:
     assert p != cached
 
 
-def test_another_streams_waiting_block_is_left_to_pytorchs_retry() -> None:
-    # Its own stream's work is not ordered before the request's stream: only the host's wait
-    # for every stream, and the release of the cache, make its memory free for another stream.
+def test_another_streams_waiting_block_moves_its_pages_ordered_on_the_device() -> None:
+    # MAIN's block waits for the consumer's use; OTHER asks. MAIN is ordered after that use,
+    # the block's pages move to OTHER's segment, and OTHER is ordered after MAIN's work: two
+    # waits on the device, none on the host, no retry.
     dev, a = full_device()
     freed_while_in_use(a, 30 * MiB, stream=MAIN)
     assert a.malloc(30 * MiB, OTHER)
     s = a.stats()
-    assert s["num_stream_waits"] == 0
-    assert s["num_alloc_retries"] == 1 and s["num_host_waits.event"] == 1
+    assert s["num_stream_waits"] == 2
+    assert s["num_alloc_retries"] == 0 and s["num_sync_all_streams"] == 0
+    assert all(s[k] == 0 for k in HOST_WAITS)
+    after = dev.record_event(OTHER)
+    dev.complete_stream(OTHER)
+    dev.complete_stream(MAIN)                  # MAIN waits for the consumer: not done yet
+    assert not dev.query_event(after)
+    dev.complete_stream(CONSUMER)
+    dev.complete_stream(MAIN)
+    dev.complete_stream(OTHER)
+    assert dev.query_event(after)
+    # The pages' old addresses are unmapped once the device is past the move, found by polling.
+    assert s["pending_unmap_bytes"] == 30 * MiB
+    a.process_events()
+    assert a.stats()["pending_unmap_bytes"] == 0
+    assert a.check_invariants() == ""
+
+
+def test_waiting_blocks_that_fit_only_together_serve_once_all_are_waited_for() -> None:
+    dev, a = full_device()
+    first = freed_while_in_use(a, 20 * MiB)
+    second = freed_while_in_use(a, 20 * MiB)
+    assert a.malloc(40 * MiB, MAIN) == min(first, second)   # the two merged
+    s = a.stats()
+    assert s["num_stream_waits"] == 2 and s["pending_events"] == 0
+    assert s["num_alloc_retries"] == 0 and all(s[k] == 0 for k in HOST_WAITS)
+    assert a.check_invariants() == ""
 
 
 def test_the_waiting_block_that_fits_best_is_taken_and_only_its_use_is_waited_for() -> None:

@@ -145,10 +145,12 @@ def out_of_memory() -> str:
             f"called {len(seen)} times")
 
 
-def _read_while_freed(i: int, side: torch.cuda.Stream) -> tuple[torch.Tensor, int, torch.Tensor]:
+def _read_while_freed(i: int, side: torch.cuda.Stream, then_on: torch.cuda.Stream | None = None
+                      ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Buffer i is filled with i, summed on the slow side stream and freed while that read may
-    still run (record_stream); the next buffer, filled with -1, would overwrite it. Returns the
-    side stream's sum, the freed buffer's address and the next buffer."""
+    still run (record_stream); the next buffer, filled with -1 on the current stream (or
+    `then_on`), would overwrite it. Returns the side stream's sum, the freed buffer's address
+    and the next buffer."""
     x = torch.full((4 * MiB,), float(i), device="cuda")
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -157,7 +159,8 @@ def _read_while_freed(i: int, side: torch.cuda.Stream) -> tuple[torch.Tensor, in
     x.record_stream(side)
     x_ptr = x.data_ptr()
     del x                                               # freed while the side stream reads
-    return total, x_ptr, torch.full((4 * MiB,), -1.0, device="cuda")
+    with torch.cuda.stream(then_on or torch.cuda.current_stream()):
+        return total, x_ptr, torch.full((4 * MiB,), -1.0, device="cuda")
 
 
 def record_stream() -> str:
@@ -208,6 +211,36 @@ def waiting_frees(on: bool = True) -> str:
         assert waits["num_host_waits.event"] >= checked - 1, waits
     return (f"{checked} iterations checked under a fraction of one buffer "
             f"(reuse_waiting_frees {'on' if on else 'off'}): {waits}")
+
+
+def waiting_frees_across_streams() -> str:
+    """The same under a fraction of one buffer, but the next buffer is made on a third stream:
+    the waiting buffer's stream is ordered after the consumer's read on the device, and its
+    pages move to the third stream's segment, that stream ordered after the first (Note
+    [waiting frees], Note [moving pages]). No retry, no host wait; ordered any other way, the
+    third stream's -1s land in memory the consumer is still summing, and the sums differ."""
+    torch.empty(1, device="cuda")                         # device 0's allocator exists
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((4 * MiB + 24 * MiB) / total)
+    side, third = torch.cuda.Stream(), torch.cuda.Stream()
+    checked = 0
+    start = core_stats()
+    for i in range(50):
+        total_x, _, y = _read_while_freed(i, side, then_on=third)
+        side.synchronize()
+        assert total_x.item() == float(i) * 4 * MiB, (i, total_x.item())
+        with torch.cuda.stream(third):
+            del y
+        third.synchronize()
+        checked += 1
+    end = core_stats()
+    waits = {k: end[k] - start[k] for k in ("num_stream_waits", "num_alloc_retries",
+                                             "num_host_waits.event", "num_host_waits.stream",
+                                             "num_host_waits.device", "num_sync_all_streams")}
+    # Each buffer: the first stream waits for the read, the third for the first.
+    assert waits["num_stream_waits"] >= 2 * checked, waits
+    assert all(v == 0 for k, v in waits.items() if k != "num_stream_waits"), waits
+    return f"{checked} iterations checked under a fraction of one buffer, three streams: {waits}"
 
 
 def waiting_frees_off() -> str:

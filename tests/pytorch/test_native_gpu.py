@@ -21,7 +21,7 @@ NAMES = ["installed", "statistics", "history_and_snapshot", "out_of_memory", "re
          "graph_capture", "expandable_and_empty_cache", "mempool", "graph_trees",
          "checkpoint_state", "cudnn_benchmark", "fraction_and_settings", "every_setting",
          "raw_alloc_statistics", "ipc", "trace_trackers", "page_moves", "waiting_frees",
-         "waiting_frees_off", "nccl_mempool"]
+         "waiting_frees_across_streams", "waiting_frees_off", "nccl_mempool"]
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ SCENARIOS = REPO / "tests" / "pytorch" / "gpu_scenarios.py"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["record_stream", "waiting_frees", "graph_capture",
+@pytest.mark.parametrize("name", ["record_stream", "waiting_frees",
+                                  "waiting_frees_across_streams", "graph_capture",
                                   "expandable_and_empty_cache", "out_of_memory", "statistics"])
 def test_scenario_on_the_gpu(name: str) -> None:
     """Through the pluggable path, the fallback where the native back end cannot be built: the

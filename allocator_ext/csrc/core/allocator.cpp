@@ -249,10 +249,13 @@ bool CachingAllocator::alloc_attempts(AllocParams& p, MallocRound& round) {
       round.released = true;
       // Reserved memory cannot grow: before anything cached is released, a block of this
       // stream that waits only for other streams' uses serves, ordered after them on the
-      // device (Note [waiting frees]).
-      if (round.stage == 2 && config_.reuse_waiting_frees && reuse_waiting_free(p)) return true;
+      // device (Note [waiting frees]); where none fits, the memory all of them free is tried.
+      bool freed_waiting = false;
+      if (round.stage == 2 && config_.reuse_waiting_frees &&
+          reuse_waiting_free(p, &freed_waiting))
+        return true;
       // Free enough oversize cached blocks (max_split_size) and retry.
-      if (round.stage == 2 && !release_available_cached_blocks(p)) continue;
+      if (round.stage == 2 && !release_available_cached_blocks(p) && !freed_waiting) continue;
       // Free every unsplit cached block and retry (counted as a retry).
       if (round.stage == 3) {
         if (!captures_underway_.empty()) continue;
@@ -790,8 +793,10 @@ void CachingAllocator::insert_events(Block* block) {
 // streams' uses are done before anything it runs next, as cudaMallocAsync orders reuse across
 // streams. The block must belong to the allocating stream, whose own earlier work is ordered
 // already; the one that fits best once its freed neighbours join it serves, and only its
-// events are waited for. Never during a capture: events there are graph nodes, and the
-// capture's own rule (reuse_freed_in_capture) applies.
+// events are waited for. Where none fits alone, the stream waits for all of its waiting blocks
+// of the pool, which merge where they border each other; what they do not serve stays cached
+// for the steps after, already ordered. Never during a capture: events there are graph nodes,
+// and the capture's own rule (reuse_freed_in_capture) applies.
 //
 // Why only under pressure: the wait costs device time, since the allocating stream cannot run
 // ahead of the other streams' uses any more. Taken whenever no cached block served, it held the
@@ -799,7 +804,7 @@ void CachingAllocator::insert_events(Block* block) {
 // that pipeline's steps ran 1.56 x PyTorch's, the producer waiting for the consumer at every
 // item (docs/benchmarks.md, "Waiting frees reused on the device"). Under pressure the
 // alternative is a retry, whose wait is for every stream, from the host.
-bool CachingAllocator::reuse_waiting_free(AllocParams& p) {
+bool CachingAllocator::reuse_waiting_free(AllocParams& p, bool* freed) {
   if (!captures_underway_.empty() || events_.empty()) return false;
   auto room = [](const Block* b) {  // its size once it and its freed neighbours merge
     std::size_t n = b->size;
@@ -808,11 +813,12 @@ bool CachingAllocator::reuse_waiting_free(AllocParams& p) {
     }
     return n;
   };
-  Block* best = nullptr;
+  auto ours = [&](const Block* b) { return b->stream == p.stream && b->pool == p.pool; };
+  const Block* best = nullptr;
   std::size_t best_room = 0;
   for (auto& [stream, queue] : events_) {
     for (auto& [event, block] : queue) {
-      if (block->stream != p.stream || block->pool != p.pool) continue;
+      if (!ours(block)) continue;
       const std::size_t r = room(block);
       if (r >= p.size && (best == nullptr || r < best_room)) {
         best = block;
@@ -820,25 +826,39 @@ bool CachingAllocator::reuse_waiting_free(AllocParams& p) {
       }
     }
   }
-  if (best == nullptr) return false;
+  // None fits alone: every waiting block of the pool, each one's stream ordered after its
+  // uses. The request's own may merge into one that fits; another stream's free pages are
+  // the take-back's to move, ordered after that stream's work (Note [moving pages]).
+  *freed = free_waiting_blocks(
+      [&](const Block* b) { return best != nullptr ? b == best : b->pool == p.pool; });
+  return get_free_block(p);
+}
+
+template <typename Which>
+bool CachingAllocator::free_waiting_blocks(Which which) {
+  bool freed = false;
   for (auto it = events_.begin(); it != events_.end();) {
     auto& queue = it->second;
     for (auto e = queue.begin(); e != queue.end();) {
-      if (e->second != best) {
+      Block* block = e->second;
+      if (!which(block)) {
         ++e;
         continue;
       }
       // The wait takes the event as it stands now: releasing it next is safe.
-      device_->stream_wait_event(p.stream, e->first);
+      device_->stream_wait_event(block->stream, e->first);
       device_->release_event(e->first);
       stats_.num_stream_waits++;
       e = queue.erase(e);
+      // At once, as process_events does: a block still counting events merges with nothing.
+      if (--block->event_count == 0) {
+        free_block(block);
+        freed = true;
+      }
     }
     it = queue.empty() ? events_.erase(it) : std::next(it);
   }
-  best->event_count = 0;
-  free_block(best);
-  return get_free_block(p);
+  return freed;
 }
 
 void CachingAllocator::insert_events_deferred_until_no_capture() {

@@ -360,9 +360,14 @@ class CachingAllocator {
   void insert_events(Block* block);
   // reuse_waiting_frees, where reserved memory cannot grow (Note [waiting frees] in
   // allocator.cpp): frees the waiting block of p's stream and pool that best fits p once its
-  // freed neighbours join it, ordering p's stream after its other streams' uses on the device,
-  // and finds p's block; false where none would fit.
-  bool reuse_waiting_free(AllocParams& p);
+  // freed neighbours join it (where none does, all of them), ordering p's stream after their
+  // other streams' uses on the device, and finds p's block; false where none fits (`freed`:
+  // whether any block was freed all the same).
+  bool reuse_waiting_free(AllocParams& p, bool* freed);
+  // Frees the waiting blocks `which` picks, each one's stream waiting on the device for its
+  // events; whether any was freed.
+  template <typename Which>
+  bool free_waiting_blocks(Which which);
   void insert_events_deferred_until_no_capture();
   void process_events_locked();
   void synchronize_and_free_events();

@@ -134,9 +134,10 @@ enum class OnPytorchCall { resets, keeps };
     "instead, once, so that a repeating workload stops moving pages")                             \
   X(bool, reuse_waiting_frees, "reuse_waiting_frees",                                           \
     any_value(), false, true, allocwatch, keeps,                                                  \
-    "where reserved memory cannot grow, a request takes a block of its stream still waiting for " \
-    "other streams' uses (record_stream) before anything cached is released, its stream "         \
-    "ordered after those uses on the device, not the host after every stream")                    \
+    "where reserved memory cannot grow, blocks still waiting for other streams' uses "            \
+    "(record_stream) serve before anything cached is released: the request's stream's that fits " \
+    "best, else all of them, each one's stream ordered after those uses on the device, not the "  \
+    "host after every stream")                                                                    \
   X(bool, alias_pages, "alias_pages",                                                             \
     any_value(), false, false, allocwatch, keeps,                                                 \
     "large-pool growth on any stream maps physical pages in use nowhere at one more address "     \
