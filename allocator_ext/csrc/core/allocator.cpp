@@ -791,12 +791,14 @@ void CachingAllocator::insert_events(Block* block) {
 // device does what that wait does, without the host and without releasing anything: the
 // allocating stream waits for the block's events (cudaStreamWaitEvent), after which the other
 // streams' uses are done before anything it runs next, as cudaMallocAsync orders reuse across
-// streams. The block must belong to the allocating stream, whose own earlier work is ordered
-// already; the one that fits best once its freed neighbours join it serves, and only its
-// events are waited for. Where none fits alone, the stream waits for all of its waiting blocks
-// of the pool, which merge where they border each other; what they do not serve stays cached
-// for the steps after, already ordered. Never during a capture: events there are graph nodes,
-// and the capture's own rule (reuse_freed_in_capture) applies.
+// streams. First a block of the allocating stream, whose own earlier work is ordered already:
+// the one that fits best once its freed neighbours join it serves, and only its events are
+// waited for. Where none fits alone, every waiting block of the pool is freed, each one's own
+// stream waiting for its uses: the allocating stream's merge where they border each other,
+// and another stream's are free pages like any, which the take-back moves to the allocating
+// stream ordered after that stream's work (Note [moving pages]); what serves nobody stays
+// cached, already ordered. Never during a capture: events there are graph nodes, and the
+// capture's own rule (reuse_freed_in_capture) applies.
 //
 // Why only under pressure: the wait costs device time, since the allocating stream cannot run
 // ahead of the other streams' uses any more. Taken whenever no cached block served, it held the
