@@ -50,7 +50,9 @@ def test_pytorchs_allocator_keeps_its_segments_and_asks_nothing_after_the_first_
 def test_a_long_run_can_run_out_of_memory_under_a_cap_its_first_pass_fits() -> None:
     """What one replay cannot show: under a cap of 1.03 x the peak requested bytes, page moves
     repeated in every pass (settle_page_moves off) fit the decoder's first pass, and leave its
-    free memory in pieces that a later pass's request cannot use (counted, not hidden)."""
+    free memory in pieces that a later pass's request cannot use (counted, not hidden). The
+    defaults settle repeated moves and run out later and less often; that they run out at
+    all is open (docs/benchmarks.md, "Repeated passes")."""
     trace = load_trace(DECODE)
     cap = int(1.03 * peak_requested_bytes(trace))
     report = replay(trace, config="settle_page_moves:False", device_memory=cap, passes=8).report
@@ -58,9 +60,11 @@ def test_a_long_run_can_run_out_of_memory_under_a_cap_its_first_pass_fits() -> N
     assert report["long_run"]["num_ooms_later_passes"] > 0
     assert sum(r["num_ooms"] for r in report["passes"]) == (
         report["long_run"]["num_ooms_later_passes"])
-    # The defaults settle repeated page moves and keep that layout: no pass runs out.
-    settled = replay(trace, device_memory=cap, passes=8)
-    assert settled.report["long_run"]["num_ooms_later_passes"] == 0
+    settled = replay(trace, device_memory=cap, passes=8).report["passes"]
+    unsettled = report["passes"]
+    first = [next((r["pass"] for r in rows if r["num_ooms"]), 9) for rows in (settled, unsettled)]
+    assert first[0] > first[1]
+    assert sum(r["num_ooms"] for r in settled) < sum(r["num_ooms"] for r in unsettled)
 
 
 def test_near_its_cap_a_long_run_grows_by_pages_that_free_memory_can_give_back() -> None:

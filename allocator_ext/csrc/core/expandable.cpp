@@ -293,7 +293,10 @@ bool CachingAllocator::should_take_back(std::size_t bytes) const {
 void CachingAllocator::release_spares_beyond(std::size_t keep_pages, std::size_t page) {
   // Taken-back chunks are mapped as they are (largest first) where they fit in the range being
   // mapped. Those that will not fit go back to the device before anything is created, so that
-  // physical memory never holds both (it could run the device out, or pass the cap).
+  // physical memory never holds both (it could run the device out, or pass the cap). A moved
+  // chunk's memory still goes only with its old address, once the device is past the move (the
+  // driver frees a released allocation at its last unmap): until then it serves nobody, which
+  // costs capped runs (docs/benchmarks.md, "Repeated passes"; an open cost).
   std::sort(spare_pages_.begin(), spare_pages_.end(),
             [](const SparePhysical& a, const SparePhysical& b) { return a.pages > b.pages; });
   std::vector<SparePhysical> kept;

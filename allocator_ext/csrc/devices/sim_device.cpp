@@ -109,35 +109,48 @@ bool SimDevice::create_physical(std::size_t size, PhysicalHandle* handle) {
   count("create", size);
   used_ += size;
   *handle = next_handle_++;
-  physical_[*handle] = size;
+  physical_[*handle] = Physical{size, 0, false};
   return true;
 }
 
 void SimDevice::release_physical(PhysicalHandle handle, std::size_t size) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = physical_.find(handle);
-  if (it == physical_.end() || it->second != size) misuse("release of an unknown handle");
+  if (it == physical_.end() || it->second.released || it->second.size != size)
+    misuse("release of an unknown handle");
   count("release", size);
+  if (it->second.mappings > 0) {
+    it->second.released = true;  // freed by its last unmap
+    return;
+  }
   used_ -= size;
   physical_.erase(it);
 }
 
+SimDevice::Physical& SimDevice::live_physical(PhysicalHandle handle) {
+  auto it = physical_.find(handle);
+  if (it == physical_.end() || it->second.released) misuse("map of an unknown handle");
+  return it->second;
+}
+
 void SimDevice::map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (physical_.count(handle) == 0) misuse("map of an unknown handle");
+  Physical& physical = live_physical(handle);
   if (mappings_.count(addr) != 0) misuse("map over a mapped address " + std::to_string(addr));
   count("map", size);
   mappings_[addr] = handle;
+  physical.mappings++;
 }
 
 void SimDevice::map_range(std::uintptr_t addr, const std::vector<Mapping>& mappings) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::uintptr_t at = addr;
   for (const Mapping& m : mappings) {
-    if (physical_.count(m.handle) == 0) misuse("map of an unknown handle");
+    Physical& physical = live_physical(m.handle);
     if (mappings_.count(at) != 0) misuse("map over a mapped address " + std::to_string(at));
     count("map_only", m.size);
     mappings_[at] = m.handle;
+    physical.mappings++;
     at += m.size;
   }
   count("set_access", at - addr);
@@ -145,8 +158,15 @@ void SimDevice::map_range(std::uintptr_t addr, const std::vector<Mapping>& mappi
 
 void SimDevice::unmap(std::uintptr_t addr, std::size_t size) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (mappings_.erase(addr) == 0) misuse("unmap of an address that is not mapped");
+  auto mapping = mappings_.find(addr);
+  if (mapping == mappings_.end()) misuse("unmap of an address that is not mapped");
   count("unmap", size);
+  auto it = physical_.find(mapping->second);
+  mappings_.erase(mapping);
+  if (it != physical_.end() && --it->second.mappings == 0 && it->second.released) {
+    used_ -= it->second.size;
+    physical_.erase(it);
+  }
 }
 
 EventId SimDevice::record_event(StreamId stream) {

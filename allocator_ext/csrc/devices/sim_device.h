@@ -86,7 +86,15 @@ class SimDevice : public Device {
   std::uintptr_t next_reservation_ = 0x100000000000ull;
   PhysicalHandle next_handle_ = 1;
   std::map<std::uintptr_t, std::size_t> segments_;
-  std::unordered_map<PhysicalHandle, std::size_t> physical_;
+  // As the driver keeps it (cuMemRelease): a released allocation still mapped somewhere holds
+  // its memory until its last mapping goes.
+  struct Physical {
+    std::size_t size = 0;
+    std::size_t mappings = 0;
+    bool released = false;
+  };
+  std::unordered_map<PhysicalHandle, Physical> physical_;
+  Physical& live_physical(PhysicalHandle handle);
   std::unordered_map<std::uintptr_t, PhysicalHandle> mappings_;
   // Work recorded on a stream after position `after` waits on the device for stream `on` to
   // reach `sequence` (stream_wait_event).
