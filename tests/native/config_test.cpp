@@ -9,17 +9,15 @@
 #include <vector>
 
 #include "core/config.h"
+#include "expect.h"
 
 using allocwatch::AllocatorConfig;
 using allocwatch::apply_config;
 using allocwatch::ConfigError;
 
-namespace {
+using allocwatch_tests::expect;
 
-void expect(bool ok, const std::string& what) {
-  std::printf("%s %s\n", ok ? "ok  " : "FAIL", what.c_str());
-  if (!ok) std::exit(1);
-}
+namespace {
 
 AllocatorConfig parse(const std::string& text) {
   return apply_config(AllocatorConfig::native(), text);

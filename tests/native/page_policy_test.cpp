@@ -5,18 +5,14 @@
 #include <cstdlib>
 
 #include "core/page_policy.h"
+#include "expect.h"
 
 using allocwatch::PagePolicy;
 
+using allocwatch_tests::checks;
+using allocwatch_tests::expect;
+
 namespace {
-
-int checks = 0;
-
-void expect(bool ok, const char* what) {
-  ++checks;
-  std::printf("%s %s\n", ok ? "ok  " : "FAIL", what);
-  if (!ok) std::exit(1);
-}
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
 

@@ -5,20 +5,16 @@
 #include <cstdlib>
 
 #include "devices/sim_device.h"
+#include "expect.h"
 
 using allocwatch::DeviceError;
 using allocwatch::PhysicalHandle;
 using allocwatch::SimDevice;
 
+using allocwatch_tests::checks;
+using allocwatch_tests::expect;
+
 namespace {
-
-int checks = 0;
-
-void expect(bool ok, const char* what) {
-  ++checks;
-  std::printf("%s %s\n", ok ? "ok  " : "FAIL", what);
-  if (!ok) std::exit(1);
-}
 
 template <typename F>
 bool refused(F f) {
