@@ -9,8 +9,8 @@
 // unmaps only in empty_cache. Each rule was chosen by replaying the recorded traces
 // (bench/replay/fragmentation.py for reserved memory and device calls, and
 // bench/replay/steady_state.py for the calls repeated passes keep making); the figures, and
-// the variants that lost, are in docs/benchmarks.md. Code elsewhere cites this note rather
-// than arguing the rules again.
+// the variants that lost, are in docs/benchmarks.md ("Each rule switched off"). Code elsewhere
+// cites this note rather than arguing the rules again.
 //
 // Take-back. Growing a segment while wholly free pages sit elsewhere raises reserved memory for
 // nothing, so before a segment grows such pages are unmapped and their physical memory mapped
