@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from allocator_ext.replay.costs import CostTable, load_cost_table
+from allocator_ext.replay.peak import PeakWatch
 from allocator_ext.replay.replayer import PassResult, Replayer
 from allocator_ext.replay.trace import Trace, TraceEvent
 
@@ -101,6 +102,7 @@ def replay(
     progress: Callable[[int], None] | None = None,
     timeline: bool = False,
     passes: int = 1,
+    explain_peak: bool = False,
 ) -> ReplayResult:
     """Replays `trace` under `config` (None: allocwatch's defaults; "native": PyTorch's),
     `passes` times on one allocator (the report is the first pass's; with more, it gains
@@ -108,7 +110,8 @@ def replay(
 
     `device_memory` caps the simulated device (0: unlimited); `memory_fraction` applies
     ``set_per_process_memory_fraction``. `progress` is called with the number of events done,
-    over all passes.
+    over all passes. With `explain_peak` the report gains `peak_anatomy`: what the first
+    pass's reserved memory held at its peak (peak.py; a snapshot at each new high).
     """
     if passes < 1:
         raise ValueError(f"passes must be at least 1, not {passes}")
@@ -117,6 +120,7 @@ def replay(
     tl = Timeline()
     # About as many points as one pass has steps, however many passes are drawn.
     recorder = tl.recorder(replayer, steps_per_point=passes) if timeline else None
+    watch = PeakWatch(replayer) if explain_peak else None
     n = len(trace.events)
     looped = passes > 1  # every pass then gets a row, and the report a long-run verdict
     rows: list[dict[str, Any]] = []
@@ -127,10 +131,13 @@ def replay(
                 progress(done * n + events)
 
         before = replayer.allocator.stats() if looped else {}
-        result = replayer.run_pass(progress=pass_progress, after_step=recorder)
+        result = replayer.run_pass(progress=pass_progress,
+                                   after_step=_both(recorder, watch if done == 0 else None))
         if done == 0:
             # The first pass is the recorded run's own: its report before anything is freed.
             report = replayer.report(costs)
+            if watch is not None and watch.anatomy is not None:
+                report["peak_anatomy"] = watch.anatomy.as_dict()
         if looped:
             rows.append(_pass_row(done + 1, replayer, before, result, costs))
         if done + 1 < passes:
@@ -139,6 +146,20 @@ def replay(
         report["passes"] = rows
         report["long_run"] = _long_run(rows, report)
     return ReplayResult(report, tl)
+
+
+def _both(*callbacks: Callable[[TraceEvent], None] | None
+          ) -> Callable[[TraceEvent], None] | None:
+    """One after_step callback that calls each of `callbacks` given (None: none given)."""
+    given = [c for c in callbacks if c is not None]
+    if len(given) <= 1:
+        return given[0] if given else None
+
+    def each(event: TraceEvent) -> None:
+        for callback in given:
+            callback(event)
+
+    return each
 
 
 def _pass_row(number: int, replayer: Replayer, before: dict[str, int], result: PassResult,

@@ -33,6 +33,12 @@ how often it would have retried or run out of memory, and what its device calls 
   allocwatch replay trace.pickle.gz --plot replay.png
   allocwatch replay trace.pickle.gz --passes 50          what a long run of it reserves
 
+Beside reserved/requested stand the trace's floor (what any allocator under the core's rules
+must reserve: memory waiting for other streams' events, whole pages for each stream's pool) and
+where the reserved memory lay at its peak: blocks in use, blocks waiting for other streams' work,
+free bytes in pages that blocks in use share, free whole pages still mapped, and free bytes of
+cudaMalloc segments and of CUDA graphs' and MemPools' private pools.
+
 One replay answers for the run that was recorded. A long run repeats its steps for hours, and a
 cache that keeps changing its layout can keep growing: --passes N runs the trace's program N
 times on the one allocator (each pass freeing what it still holds at its end, as a step does)
@@ -97,6 +103,8 @@ def human_report(r: dict) -> str:
         f"peak reserved      {format_size(r['peak_reserved_bytes'])}   "
         f"(recorded run: {format_size(rec['peak_reserved_bytes'])})",
         f"reserved/requested {r['reserved_ratio']:.4f}",
+        *_floor_lines(r.get("floor")),
+        *_peak_lines(r.get("peak_anatomy")),
         f"cap                {r.get('cap', 'none')}",
         f"retries / OOMs     {r['num_alloc_retries']} / {r['num_ooms']}",
         f"device allocs      {r['num_device_alloc']}   (recorded run: {rec['num_segment_alloc']})",
@@ -120,6 +128,36 @@ def human_report(r: dict) -> str:
     if "long_run" in r:
         lines += _long_run_lines(r["long_run"])
     return "\n".join(lines)
+
+
+def _floor_lines(f: dict | None) -> list[str]:
+    """The trace's floor (allocator_ext/replay/floor.py) and the fragmentation bar it sets."""
+    if not f:
+        return []
+    return [f"floor              {f['floor_ratio']:.4f}  the least any allocator under the "
+            f"core's rules could reserve here (bar {f['bar']:.4f})"]
+
+
+def _peak_lines(a: dict | None) -> list[str]:
+    """Where the peak's reserved memory lay (allocator_ext/replay/peak.py)."""
+    if not a:
+        return []
+    from allocator_ext.replay.sizes import format_size
+
+    rows = [
+        ("in use", a["in_use"], "blocks handed out"),
+        ("waiting", a["waiting"], "freed, waiting for other streams' work (record_stream)"),
+        ("free, partial", a["free_partial_pages"],
+         f"in {a['free_partial_pieces']} pieces, in pages that blocks in use share"),
+        ("free, whole", a["free_whole_pages"],
+         "whole free pages still mapped (kept by the page rules, or inside chunks in use)"),
+        ("free, plain", a["free_plain_segments"], "in cudaMalloc segments"),
+        ("private pools", a["private_pools"], "free in CUDA graphs' and MemPools' pools"),
+    ]
+    lines = [f"at the peak        {format_size(a['reserved'])} reserved in "
+             f"{a['mapped_ranges']} segments or mapped ranges:"]
+    lines += [f"  {name:17s}{format_size(n):>11s}  {why}" for name, n, why in rows if n]
+    return lines
 
 
 def _long_run_lines(run: dict) -> list[str]:
@@ -161,6 +199,7 @@ def load_costs(path: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from allocator_ext.replay import TraceError, load_trace, replay
     from allocator_ext.replay.cap import resolve_cap
+    from allocator_ext.replay.floor import reserved_floor
     from allocator_ext.replay.progress import progress_bar
     from allocator_ext.replay.trace import peak_requested_bytes
 
@@ -178,12 +217,14 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar(len(trace.events) * args.passes, "replay", args.json) as progress:
             result = replay(trace, config=args.config, device_memory=cap.device_memory,
                             memory_fraction=cap.memory_fraction, costs=costs,
-                            progress=progress, timeline=bool(args.plot), passes=args.passes)
+                            progress=progress, timeline=bool(args.plot), passes=args.passes,
+                            explain_peak=True)
     except (TraceError, ValueError) as e:
         print(f"allocwatch replay: {e}", file=sys.stderr)
         return 2
     result.report["cap"] = cap.describe()
     result.report["cap_from"] = cap.sources()
+    result.report["floor"] = reserved_floor(trace).as_dict()
 
     # The figures first: a plot that cannot be written loses nothing else.
     if args.json:
