@@ -58,10 +58,11 @@ def _whole_pages(ptr: int, size: int, page: int) -> int:
 
 
 def anatomy(snapshot: dict[str, Any], reserved: int, requested: int,
-            large_page: int) -> PeakAnatomy:
+            large_page: int, aliased: bool = False) -> PeakAnatomy:
     """The breakdown of `reserved` bytes by the allocator's `snapshot` (PyTorch's layout),
     with `requested` the bytes the program held then and `large_page` the large pool's page
-    size in expandable segments."""
+    size in expandable segments; `aliased`: alias_pages is on, and the snapshot lists each
+    address of a page."""
     listed = in_use = pending = partial = pieces = whole = plain = private = 0
     segments = snapshot["segments"]
     for seg in segments:
@@ -85,8 +86,9 @@ def anatomy(snapshot: dict[str, Any], reserved: int, requested: int,
                 if size > full:
                     partial += size - full
                     pieces += 1
-    # Listed but not reserved: old addresses of moved pages, pending like waiting blocks.
-    moved_away = max(0, listed - reserved)
+    # Listed but not reserved: old addresses of moved pages, pending like waiting blocks (with
+    # aliased pages, the extra addresses of pages too: nothing is told apart then).
+    moved_away = 0 if aliased else max(0, listed - reserved)
     return PeakAnatomy(reserved, requested, in_use, max(0, pending - moved_away), partial, pieces,
                        whole, plain, private, len(segments))
 
@@ -98,7 +100,9 @@ class PeakWatch:
 
     def __init__(self, replayer: Any) -> None:
         self.replayer = replayer
-        self.large_page = int(replayer.allocator.config()["expandable_large_page"])
+        config = replayer.allocator.config()
+        self.large_page = int(config["expandable_large_page"])
+        self.aliased = bool(config["alias_pages"])
         self.high = 0
         self.anatomy: PeakAnatomy | None = None
 
@@ -108,4 +112,4 @@ class PeakWatch:
             return
         self.high = reserved
         self.anatomy = anatomy(self.replayer.allocator.snapshot(), reserved,
-                               self.replayer.requested, self.large_page)
+                               self.replayer.requested, self.large_page, self.aliased)

@@ -85,6 +85,16 @@ def test_at_a_replays_peak_every_reserved_byte_is_in_one_category(name: str, con
         assert a["waiting"] > 0     # its record_stream frees wait for the consumer
 
 
+def test_with_aliased_pages_each_address_is_listed_so_the_parts_add_up_to_more() -> None:
+    report = replay(load_trace(TRACES / "stream_pipeline__default_lockstep.pickle.gz"),
+                    config="alias_pages:True,expandable_chunk_mb:2", explain_peak=True).report
+    a = report["peak_anatomy"]
+    parts = sum(a[k] for k in ("in_use", "waiting", "free_partial_pages", "free_whole_pages",
+                               "free_plain_segments", "private_pools"))
+    assert parts >= a["reserved"] == report["peak_reserved_bytes"]
+    assert a["in_use"] + a["waiting"] >= a["requested"]
+
+
 def test_replay_command_shows_the_floor_and_the_peak() -> None:
     trace = str(TRACES / "stream_pipeline__default_lockstep.pickle.gz")
     run = [sys.executable, "-m", "exporter.cli", "replay", trace]
