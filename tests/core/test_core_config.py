@@ -4,13 +4,12 @@ and refusal of bad input that names what is wrong and changes nothing."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.paths import REPO
+from support.native_checks import run_native_checks
 
 import allocator_ext as ae
 from allocator_ext import _core
@@ -128,16 +127,8 @@ def test_a_space_inside_a_word_is_refused_by_the_core_naming_the_key(text: str,
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_the_parser_on_its_own_takes_whitespace_as_its_comments_say(tmp_path: Path) -> None:
-    exe = tmp_path / "config_test"
-    subprocess.run(["c++", "-std=c++17", "-Wall", "-Wextra", "-Werror",
-                    f"-I{REPO / 'allocator_ext' / 'csrc'}",
-                    str(REPO / "tests" / "native" / "config_test.cpp"),
-                    str(REPO / "allocator_ext" / "csrc" / "core" / "config.cpp"), "-o", str(exe)],
-                   check=True, timeout=300)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "FAIL" not in out.stdout
-    assert out.stdout.count("ok  ") >= 12
+    out = run_native_checks(tmp_path, "config_test", "core/config.cpp")
+    assert out.count("ok  ") >= 12
 
 
 def test_a_refused_change_leaves_the_settings_in_force() -> None:

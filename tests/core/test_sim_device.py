@@ -7,23 +7,14 @@ device's own calls, no allocator), compiled with the device alone."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from support.paths import REPO
+from support.native_checks import run_native_checks
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
 
 def test_released_physical_memory_stays_until_its_last_mapping_goes(tmp_path: Path) -> None:
-    exe = tmp_path / "sim_device_test"
-    src = REPO / "allocator_ext" / "csrc"
-    subprocess.run(["c++", "-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{src}",
-                    str(REPO / "tests" / "native" / "sim_device_test.cpp"),
-                    str(src / "devices" / "sim_device.cpp"), "-o", str(exe)],
-                   check=True, timeout=300)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "FAIL" not in out.stdout
-    assert out.stdout.count("ok  ") == 9
+    out = run_native_checks(tmp_path, "sim_device_test", "devices/sim_device.cpp")
+    assert out.count("ok  ") == 9
