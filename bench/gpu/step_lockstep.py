@@ -31,11 +31,13 @@ the optimizer's state in place), then --steps steps of the warm-up sequence (cuB
 the allocators' first growth). Then come --rounds timed rounds, each --steps steps of shapes
 drawn afresh from a seed of its own, the same seed in both processes and never the warm-up's:
 what a training run with random shapes sees, where a step's exact shapes rarely come back. With
---fraction-of-peak F (and in the suite's second half) each process then caps itself with
-set_per_process_memory_fraction at F x the most bytes it has requested at once so far (its
-warm-up, which met the largest shapes, and in the suite the uncapped rounds, whose shapes the capped
-rounds draw again), empties its cache, warms up again under the cap, and times the rounds;
-running out of memory is reported.
+--fraction-of-peak F (and in the suite's second half) every process then caps itself with
+set_per_process_memory_fraction at F x the most bytes any of them has requested at once so far
+(their warm-ups, which met the largest shapes, and in the suite the uncapped rounds, whose shapes
+the capped rounds draw again), empties its cache, warms up again under the cap, and times the
+rounds; running out of memory is reported. One cap for all: where the program's peak request
+follows its timing (a consumer stream lagging its producer holds more of the producer's frees
+back), each process capped at its own peak would run under a limit of its own.
 
 Reported per round: allocwatch's total step time over the other's; over all rounds the mean of
 those ratios with its standard error and the median of the per-step ratios (the bar: <= 1.00).
@@ -174,8 +176,10 @@ def child(model_name: str, steps: int, cores: str, self_check: bool,
     for line in sys.stdin:
         command, *arg = line.split()
         try:
-            if command == "cap":
-                peak = highest_requested()
+            if command == "peak":
+                answer({"requested": highest_requested()})
+            elif command == "cap":  # cap F BYTES: F x the most any process requested
+                peak = max(highest_requested(), int(arg[1]))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     total = torch.cuda.get_device_properties(0).total_memory
@@ -472,7 +476,9 @@ def run_phase(trainers: list[Trainer], fraction: float, rounds: int, steps: int,
 
     try:
         if fraction:
-            caps = all_of(f"cap {fraction}", READY_TIMEOUT_S)
+            peak = max(a["requested"] for a in all_of("peak"))
+            phase["capped_for_requested_bytes"] = peak
+            caps = all_of(f"cap {fraction} {peak}", READY_TIMEOUT_S)
             phase["capped_at_bytes"] = {t.name: c["capped_at_bytes"]
                                         for t, c in zip(trainers, caps, strict=True)}
         r = 0
@@ -607,7 +613,8 @@ def main() -> int:
                    help="CPU cores the processes' timed steps run on, e.g. 2 or 2,3 (default: "
                         "the first this process may use, the parent then on the others)")
     p.add_argument("--fraction-of-peak", type=float, default=0.0, metavar="F",
-                   help="cap each process at F x the peak requested bytes it has met (e.g. 1.03)")
+                   help="cap every process at F x the most bytes any of them has requested at "
+                        "once (e.g. 1.03)")
     p.add_argument("--fixed-shapes", action="store_true",
                    help="every step at the workload's largest shapes (the steps repeat)")
     p.add_argument("--json", metavar="FILE",

@@ -212,6 +212,10 @@ def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: P
     (phase,) = lockstep_self_check(tmp_path, "--rounds", "2", "--steps", "3",
                                    "--fraction-of-peak", "1.03")["phases"]
     assert phase["fraction_of_peak"] == 1.03 and not phase["failures"]
+    # One cap for every process: 1.03 x the most any of them requested, not each its own.
+    peak = phase["capped_for_requested_bytes"]
+    assert phase["capped_at_bytes"] == {"pytorch": int(1.03 * peak),
+                                        "expandable": int(1.03 * peak)}
     rounds = phase["rounds"]
     assert len(rounds) == 2 and phase["steps_compared"] == 6
     assert phase["timed_shapes_fresh"] and rounds[0]["shapes"] != rounds[1]["shapes"]
