@@ -259,6 +259,9 @@ constexpr int kPieces = 8;
 struct Probes {
   std::string error;                  // what stopped the probes early, if anything
   int span_result = -1;               // CUresult of one cuMemUnmap over kPieces mappings
+  // A growth of kBurstBytes as the allocator makes it: created and mapped one 2 MiB page at a
+  // time, or in kBurstChunk chunks, one set_access over the range either way; seconds each.
+  std::vector<double> burst_pages_s, burst_chunks_s;
   std::vector<double> span_s;         // its times, when it worked
   std::vector<double> separate_s;     // kPieces cuMemUnmap calls, one per mapping
   std::string offset_step = "not run";  // "ok", or the step that was refused
@@ -327,14 +330,56 @@ void probe_range_calls(CudaDevice& device, int repeats, Probes* probes) {
   device.free_address(base, kPieces * page);
 }
 
+// The cost table times one call at a time, each after other sizes' calls; a warm-up grows by
+// hundreds of pages in a row. This times such a growth whole, single pages against chunks, so
+// that the table's per-page price (create + map_only, one set_access a range) can be checked
+// against the calls made back to back.
+constexpr std::size_t kBurstBytes = 1000 * MiB;
+constexpr std::size_t kBurstChunk = 10 * MiB;  // expandable_chunk_mb's default
+
+void probe_growth_burst(CudaDevice& device, int repeats, Probes* probes) {
+  const std::uintptr_t base = device.reserve_address(kBurstBytes, device.granularity());
+  auto grow = [&](std::size_t piece, std::vector<double>* out) {
+    std::vector<PhysicalHandle> handles(kBurstBytes / piece);
+    out->push_back(seconds_of([&] {
+      for (std::size_t i = 0; i < handles.size(); ++i) {
+        require(device.create_physical(piece, &handles[i]), "cuMemCreate: out of memory");
+        device.map_no_access(base + i * piece, piece, handles[i]);
+      }
+      device.set_access(base, kBurstBytes);
+    }));
+    fill_and_verify(device, base, kBurstBytes, 0x5A);
+    for (std::size_t i = 0; i < handles.size(); ++i) {
+      device.unmap(base + i * piece, piece);
+      device.release_physical(handles[i], piece);
+    }
+  };
+  for (int r = 0; r < repeats; ++r) {  // alternated, so that drift spreads over both
+    grow(device.granularity(), &probes->burst_pages_s);
+    grow(kBurstChunk, &probes->burst_chunks_s);
+  }
+  device.free_address(base, kBurstBytes);
+}
+
 Probes run_probes(CudaDevice& device, int repeats) {
   Probes probes;
   try {
     probe_range_calls(device, repeats, &probes);
+    probe_growth_burst(device, repeats, &probes);
   } catch (const std::exception& e) {
     probes.error = e.what();
   }
   if (!probes.error.empty()) std::printf("probes stopped early: %s\n", probes.error.c_str());
+  if (!probes.burst_pages_s.empty() && !probes.burst_chunks_s.empty()) {
+    const double pages = double(kBurstBytes / device.granularity());
+    const double chunks = double(kBurstBytes / kBurstChunk);
+    std::printf("probe: %zu MiB grown in a row: %.0f single pages %.1f ms (%.2f us a page), "
+                "%.0f chunks of %zu MiB %.1f ms (%.2f us a chunk)\n",
+                kBurstBytes / MiB, pages, quantile(probes.burst_pages_s, 0.5) * 1e3,
+                quantile(probes.burst_pages_s, 0.5) / pages * 1e6, chunks, kBurstChunk / MiB,
+                quantile(probes.burst_chunks_s, 0.5) * 1e3,
+                quantile(probes.burst_chunks_s, 0.5) / chunks * 1e6);
+  }
   if (probes.span_result == 0) {
     std::printf("probe: one cuMemUnmap over %d mappings works: %.1f us (one call each: %.1f us)\n",
                 kPieces, quantile(probes.span_s, 0.5) * 1e6,
@@ -451,7 +496,10 @@ void write_json(const std::string& path, const Options& options, CudaDevice& dev
     << ", \"one_call_s\": " << median_or_null(probes.span_s)
     << ", \"one_call_per_mapping_s\": " << median_or_null(probes.separate_s)
     << "}, \"map_pieces_by_offset\": {\"step\": " << json_string(probes.offset_step)
-    << ", \"cu_result\": " << probes.offset_result << "}},\n";
+    << ", \"cu_result\": " << probes.offset_result << "}"
+    << ", \"growth_burst\": {\"bytes\": " << kBurstBytes << ", \"chunk_bytes\": " << kBurstChunk
+    << ", \"single_pages_s\": " << median_or_null(probes.burst_pages_s)
+    << ", \"chunks_s\": " << median_or_null(probes.burst_chunks_s) << "}},\n";
   j << "  \"calls\": {\n";
   for (std::size_t i = 0; i < kTableKinds.size(); ++i) {
     const std::string& kind = kTableKinds[i];

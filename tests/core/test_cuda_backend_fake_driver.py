@@ -77,6 +77,12 @@ def test_device_call_costs_writes_cost_table(native_build: Path, fake_driver_dir
     assert probes["unmap_spanning_mappings"]["cu_result"] != 0
     assert probes["map_pieces_by_offset"]["cu_result"] != 0
     assert "probe: one cuMemUnmap over 8 mappings refused" in result.stdout
+    # A 1000 MiB growth made back to back, in 2 MiB pages and in 10 MiB chunks, each timed whole
+    # (the memory written and read back in between).
+    burst = probes["growth_burst"]
+    assert (burst["bytes"], burst["chunk_bytes"]) == (1000 << 20, 10 << 20)
+    assert burst["single_pages_s"] > 0 and burst["chunks_s"] > 0
+    assert "probe: 1000 MiB grown in a row: 500 single pages" in result.stdout
 
 
 def test_device_call_costs_fails_clearly_without_a_driver(native_build: Path,
