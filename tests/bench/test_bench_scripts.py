@@ -229,6 +229,42 @@ def test_step_lockstep_times_fresh_shapes_the_same_in_both_processes(tmp_path: P
     assert phase["median_step_ratio"] > 0
 
 
+class _ScriptedTrainer:
+    """A stand-in for a training process that answers the lockstep coordinator's commands
+    with a peak request of its own: on the CPU the real processes count no requested bytes, so
+    they cannot show two peaks apart."""
+
+    def __init__(self, name: str, requested: int) -> None:
+        self.name, self.requested, self.sent = name, requested, []
+
+    def send(self, what: str) -> None:
+        self.sent.append(what)
+
+    def read(self, timeout: float = 0) -> dict:
+        command, *arg = self.sent[-1].split()
+        if command == "peak":
+            return {"requested": self.requested}
+        if command == "cap":
+            return {"capped_at_bytes": int(float(arg[0]) * max(self.requested, int(arg[1])))}
+        assert command == "stats", command
+        return {"peak_reserved": 0, "peak_requested": 0, "phase_peak_reserved": 0,
+                "phase_peak_requested": 0, "num_alloc_retries": 0, "num_ooms": 0,
+                "warmup_shapes": []}
+
+
+def test_step_lockstep_caps_every_process_at_the_most_any_requested() -> None:
+    # A program whose peak request follows its timing peaks differently in each process: every
+    # process is capped at 1.03 x the largest of those peaks, not each at its own.
+    from bench.gpu.step_lockstep import run_phase
+    trainers = [_ScriptedTrainer("allocwatch", 100 << 20),
+                _ScriptedTrainer("pytorch", 130 << 20),
+                _ScriptedTrainer("expandable", 90 << 20)]
+    phase = run_phase(list(trainers), 1.03, rounds=0, steps=1)
+    assert phase["capped_for_requested_bytes"] == 130 << 20
+    assert set(phase["capped_at_bytes"].values()) == {int(1.03 * (130 << 20))}
+    assert all(t.sent[:2] == ["peak", f"cap 1.03 {130 << 20}"] for t in trainers)
+
+
 @pytest.mark.timeout(180)
 def test_step_lockstep_a_run_stopped_midway_keeps_every_round_it_timed(tmp_path: Path) -> None:
     # A device call's time limit stops a run with SIGTERM: the rounds timed so far are in the
