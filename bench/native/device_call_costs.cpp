@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -395,15 +396,18 @@ Probes run_probes(CudaDevice& device, int repeats) {
 }
 
 std::string nvidia_driver_version() {
-  // The kernel module's version (e.g. 580.95.05), which cuDriverGetVersion does not give.
+  // The kernel module's version (e.g. 580.95.05), which cuDriverGetVersion does not give: the
+  // first number after "Module" ("... Kernel Module  580.95.05 ..." or, for the open module,
+  // "... Open Kernel Module for x86_64  580.95.05 ...").
   std::ifstream file("/proc/driver/nvidia/version");
   std::string line;
   if (!std::getline(file, line)) return "unknown";
   std::istringstream words(line);
-  std::string word, previous;
+  std::string word;
+  bool after_module = false;
   while (words >> word) {
-    if (previous == "Module") return word;
-    previous = word;
+    if (word == "Module") after_module = true;
+    else if (after_module && std::isdigit(static_cast<unsigned char>(word[0]))) return word;
   }
   return "unknown";
 }
