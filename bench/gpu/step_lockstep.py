@@ -123,7 +123,8 @@ def usage() -> dict[str, float]:
 
 def child(model_name: str, steps: int, cores: str, self_check: bool,
           fixed_shapes: bool = False) -> None:
-    """Answers one line per command on stdin: 'cap F', 'seed N', 'step', 'stats'."""
+    """Answers one line per command on stdin: 'peak', 'cap F BYTES', 'seed N', 'step',
+    'stats'."""
     torch = setup_in_child()
     from allocator_ext import workloads
 
