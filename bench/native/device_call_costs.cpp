@@ -374,12 +374,12 @@ Probes run_probes(CudaDevice& device, int repeats) {
   if (!probes.burst_pages_s.empty() && !probes.burst_chunks_s.empty()) {
     const double pages = double(kBurstBytes / device.granularity());
     const double chunks = double(kBurstBytes / kBurstChunk);
+    const double pages_s = quantile(probes.burst_pages_s, 0.5);
+    const double chunks_s = quantile(probes.burst_chunks_s, 0.5);
     std::printf("probe: %zu MiB grown in a row: %.0f single pages %.1f ms (%.2f us a page), "
                 "%.0f chunks of %zu MiB %.1f ms (%.2f us a chunk)\n",
-                kBurstBytes / MiB, pages, quantile(probes.burst_pages_s, 0.5) * 1e3,
-                quantile(probes.burst_pages_s, 0.5) / pages * 1e6, chunks, kBurstChunk / MiB,
-                quantile(probes.burst_chunks_s, 0.5) * 1e3,
-                quantile(probes.burst_chunks_s, 0.5) / chunks * 1e6);
+                kBurstBytes / MiB, pages, pages_s * 1e3, pages_s / pages * 1e6, chunks,
+                kBurstChunk / MiB, chunks_s * 1e3, chunks_s / chunks * 1e6);
   }
   if (probes.span_result == 0) {
     std::printf("probe: one cuMemUnmap over %d mappings works: %.1f us (one call each: %.1f us)\n",
