@@ -8,8 +8,9 @@
 //
 //   bash bench/native/build_native.sh && build/native/device_call_costs --json device_costs.json
 // Printed: a table of each call and size (p10, median, p90 and the fit, µs); --quick times
-// fewer sizes and adds the driver probes (one unmap over several mappings; pieces of one
-// allocation mapped at offsets).
+// fewer sizes. Then the driver probes: one unmap over several mappings; pieces of one
+// allocation mapped at offsets; a 1000 MiB growth made back to back; one page's calls while
+// the device works (the table's are on an idle device).
 //
 // Every driver call is checked: CudaDevice throws on any error, and an out-of-memory answer
 // (false) is turned into an error here, since the sizes are chosen to fit.
@@ -267,6 +268,12 @@ struct Probes {
   std::vector<double> separate_s;     // kPieces cuMemUnmap calls, one per mapping
   std::string offset_step = "not run";  // "ok", or the step that was refused
   int offset_result = -1;             // CUresult of that step (0: all worked)
+  // One page's calls with the device idle and while it works (kBusyCalls order), seconds each;
+  // how often the work still ran after them, and how long each round of work was.
+  std::map<std::string, std::vector<double>> idle_s, busy_s;
+  int busy_rounds = 0, still_running = 0;
+  // The work's own time, alone and with kBusyPages pages' calls made meanwhile, seconds.
+  std::vector<double> work_alone_s, work_with_calls_s;
 };
 
 void probe_range_calls(CudaDevice& device, int repeats, Probes* probes) {
@@ -362,11 +369,103 @@ void probe_growth_burst(CudaDevice& device, int repeats, Probes* probes) {
   device.free_address(base, kBurstBytes);
 }
 
+// The table times each call on an idle device; the allocator moves pages while training
+// kernels run. This times one page's calls both ways: first after a device synchronisation,
+// and while a queue of memsets (about kBusySeconds of work on the default stream) runs. Whether
+// the work still runs after the calls tells whether any of them waited for the device; the
+// work's own time (device events), alone and with kBusyPages pages created, mapped, unmapped
+// and released meanwhile, whether the calls hold the device up.
+constexpr double kBusySeconds = 0.05;
+constexpr std::size_t kBusyBytes = 1 * GiB;
+constexpr int kBusyPages = 40;
+const std::vector<std::string> kBusyCalls = {"create", "map_only", "set_access", "unmap",
+                                             "release"};
+constexpr int kNotReady = 600;  // CUDA_ERROR_NOT_READY
+
+void probe_calls_while_busy(CudaDevice& device, int repeats, Probes* probes) {
+  using MemsetD8Async = int (*)(unsigned long long, unsigned char, std::size_t, void*);
+  using StreamQuery = int (*)(void*);
+  using EventCreate = int (*)(void**, unsigned int);
+  using EventRecord = int (*)(void*, void*);
+  using EventSynchronize = int (*)(void*);
+  using EventElapsed = int (*)(float*, void*, void*);
+  using EventDestroy = int (*)(void*);
+  auto memset_async = driver_symbol<MemsetD8Async>("cuMemsetD8Async");
+  auto stream_query = driver_symbol<StreamQuery>("cuStreamQuery");
+  auto event_create = driver_symbol<EventCreate>("cuEventCreate");
+  auto event_record = driver_symbol<EventRecord>("cuEventRecord");
+  auto event_synchronize = driver_symbol<EventSynchronize>("cuEventSynchronize");
+  auto event_elapsed = driver_symbol<EventElapsed>("cuEventElapsedTime");
+  auto event_destroy = driver_symbol<EventDestroy>("cuEventDestroy_v2");
+  void* buffer = nullptr;
+  require(device.malloc(kBusyBytes, &buffer), "cuMemAlloc of the busy buffer: out of memory");
+  void* start = nullptr;
+  void* end = nullptr;
+  require(event_create(&start, 0) == 0 && event_create(&end, 0) == 0, "cuEventCreate failed");
+  const auto work = [&](int memsets) {
+    for (int i = 0; i < memsets; ++i)
+      require(memset_async(reinterpret_cast<unsigned long long>(buffer),
+                           static_cast<unsigned char>(i), kBusyBytes, nullptr) == 0,
+              "cuMemsetD8Async failed");
+  };
+  device.synchronize();
+  const double one = seconds_of([&] {
+    work(1);
+    device.synchronize();
+  });
+  const int memsets = std::clamp(static_cast<int>(kBusySeconds / std::max(one, 1e-6)) + 1, 1, 512);
+  const std::size_t page = device.granularity();
+  const std::uintptr_t base = device.reserve_address(kBusyPages * page, page);
+  auto cycle = [&](std::size_t i, std::map<std::string, std::vector<double>>* out) {
+    const std::uintptr_t at = base + i * page;
+    PhysicalHandle handle = 0;
+    bool created = false;
+    const double create = seconds_of([&] { created = device.create_physical(page, &handle); });
+    require(created, "cuMemCreate: out of memory");
+    const double map = seconds_of([&] { device.map_no_access(at, page, handle); });
+    const double access = seconds_of([&] { device.set_access(at, page); });
+    const double unmap = seconds_of([&] { device.unmap(at, page); });
+    const double release = seconds_of([&] { device.release_physical(handle, page); });
+    if (out == nullptr) return;
+    for (const auto& [call, s] : {std::pair{"create", create}, std::pair{"map_only", map},
+                                  std::pair{"set_access", access}, std::pair{"unmap", unmap},
+                                  std::pair{"release", release}})
+      (*out)[call].push_back(s);
+  };
+  // The work alone and with pages changing hands meanwhile, on the device's own clock.
+  auto timed_work = [&](bool with_calls) {
+    require(event_record(start, nullptr) == 0, "cuEventRecord failed");
+    work(memsets);
+    require(event_record(end, nullptr) == 0, "cuEventRecord failed");
+    if (with_calls) {
+      for (int i = 0; i < kBusyPages; ++i) cycle(i, i == 0 ? &probes->busy_s : nullptr);
+      if (stream_query(nullptr) == kNotReady) probes->still_running++;
+    }
+    require(event_synchronize(end) == 0, "cuEventSynchronize failed");
+    float ms = 0;
+    require(event_elapsed(&ms, start, end) == 0, "cuEventElapsedTime failed");
+    (with_calls ? probes->work_with_calls_s : probes->work_alone_s).push_back(ms * 1e-3);
+  };
+  for (int r = 0; r < repeats; ++r) {  // alternated, so that drift spreads over both
+    device.synchronize();
+    cycle(0, &probes->idle_s);
+    timed_work(false);
+    timed_work(true);
+    probes->busy_rounds++;
+  }
+  device.synchronize();
+  event_destroy(start);
+  event_destroy(end);
+  device.free_address(base, kBusyPages * page);
+  device.free(buffer, kBusyBytes);
+}
+
 Probes run_probes(CudaDevice& device, int repeats) {
   Probes probes;
   try {
     probe_range_calls(device, repeats, &probes);
     probe_growth_burst(device, repeats, &probes);
+    probe_calls_while_busy(device, repeats, &probes);
   } catch (const std::exception& e) {
     probes.error = e.what();
   }
@@ -380,6 +479,18 @@ Probes run_probes(CudaDevice& device, int repeats) {
                 "%.0f chunks of %zu MiB %.1f ms (%.2f us a chunk)\n",
                 kBurstBytes / MiB, pages, pages_s * 1e3, pages_s / pages * 1e6, chunks,
                 kBurstChunk / MiB, chunks_s * 1e3, chunks_s / chunks * 1e6);
+  }
+  if (probes.busy_rounds > 0) {
+    std::printf("probe: one page's calls first after a synchronisation -> while the device works "
+                "(median us):");
+    for (const std::string& call : kBusyCalls)
+      std::printf(" %s %.1f -> %.1f", call.c_str(), quantile(probes.idle_s.at(call), 0.5) * 1e6,
+                  quantile(probes.busy_s.at(call), 0.5) * 1e6);
+    std::printf("; the work still ran after %d pages' calls in %d of %d; the work %.2f ms alone, "
+                "%.2f ms with them\n",
+                kBusyPages, probes.still_running, probes.busy_rounds,
+                quantile(probes.work_alone_s, 0.5) * 1e3,
+                quantile(probes.work_with_calls_s, 0.5) * 1e3);
   }
   if (probes.span_result == 0) {
     std::printf("probe: one cuMemUnmap over %d mappings works: %.1f us (one call each: %.1f us)\n",
@@ -503,7 +614,23 @@ void write_json(const std::string& path, const Options& options, CudaDevice& dev
     << ", \"cu_result\": " << probes.offset_result << "}"
     << ", \"growth_burst\": {\"bytes\": " << kBurstBytes << ", \"chunk_bytes\": " << kBurstChunk
     << ", \"single_pages_s\": " << median_or_null(probes.burst_pages_s)
-    << ", \"chunks_s\": " << median_or_null(probes.burst_chunks_s) << "}},\n";
+    << ", \"chunks_s\": " << median_or_null(probes.burst_chunks_s) << "}"
+    << ", \"calls_while_busy\": {\"rounds\": " << probes.busy_rounds
+    << ", \"pages\": " << kBusyPages << ", \"work_still_running\": " << probes.still_running
+    << ", \"work_alone_s\": " << median_or_null(probes.work_alone_s)
+    << ", \"work_with_calls_s\": " << median_or_null(probes.work_with_calls_s);
+  for (const auto& [name, samples] : {std::pair{"after_synchronize_s", &probes.idle_s},
+                                      std::pair{"busy_s", &probes.busy_s}}) {
+    j << ", \"" << name << "\": {";
+    int n = 0;
+    for (const std::string& call : kBusyCalls) {
+      auto it = samples->find(call);
+      j << (n++ ? ", " : "") << json_string(call) << ": "
+        << (it == samples->end() ? std::string("null") : median_or_null(it->second));
+    }
+    j << "}";
+  }
+  j << "}},\n";
   j << "  \"calls\": {\n";
   for (std::size_t i = 0; i < kTableKinds.size(); ++i) {
     const std::string& kind = kTableKinds[i];

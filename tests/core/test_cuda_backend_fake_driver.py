@@ -83,6 +83,16 @@ def test_device_call_costs_writes_cost_table(native_build: Path, fake_driver_dir
     assert (burst["bytes"], burst["chunk_bytes"]) == (1000 << 20, 10 << 20)
     assert burst["single_pages_s"] > 0 and burst["chunks_s"] > 0
     assert "probe: 1000 MiB grown in a row: 500 single pages" in result.stdout
+    # One page's calls first after a synchronisation and while the device works, and the
+    # work's own time alone and with 40 pages' calls meanwhile. The stand-in's work is done at
+    # once, so it never still runs after them.
+    busy = probes["calls_while_busy"]
+    assert (busy["rounds"], busy["pages"], busy["work_still_running"]) == (3, 40, 0)
+    assert busy["work_alone_s"] > 0 and busy["work_with_calls_s"] > 0
+    for side in ("after_synchronize_s", "busy_s"):
+        assert set(busy[side]) == {"create", "map_only", "set_access", "unmap", "release"}
+        assert all(v > 0 for v in busy[side].values()), busy
+    assert "probe: one page's calls first after a synchronisation -> while" in result.stdout
 
 
 def test_device_call_costs_fails_clearly_without_a_driver(native_build: Path,

@@ -123,6 +123,8 @@ int main() {
     device.release_event(again);
     hold_events(0);
     expect(live_events() == 1, "one event created for both records");
+    expect(hook<int (*)()>("fake_cuda_timed_events")() == 0,
+           "the back end's events are created with timing disabled (cheaper to record)");
 
     // Capture status.
     expect(!device.is_capturing(0), "not capturing");
