@@ -357,9 +357,6 @@ PYBIND11_MODULE(_core, m) {
            "Addresses for the next segment allocations: a list of (size, address).")
       .def("complete_stream", &SimDevice::complete_stream, py::arg("stream"),
            "Complete every event recorded on `stream` so far.")
-      .def("complete_through", &SimDevice::complete_through, py::arg("event"),
-           "Complete the event's stream up to the event (and the work it waits on), not past "
-           "it: a kernel ends while those queued after it still run.")
       .def("record_event", &SimDevice::record_event, py::arg("stream"),
            "An event marking the work queued on `stream` so far (as a kernel's caller would).")
       .def("query_event", &SimDevice::query_event, py::arg("event"),

@@ -515,46 +515,6 @@ def test_pages_taken_from_another_streams_block_are_ordered_on_the_device() -> N
     assert a.check_invariants() == ""
 
 
-@pytest.mark.parametrize("done_at_take", [True, False])
-def test_a_donor_streams_work_after_its_free_runs_on_beside_the_receiver(
-        done_at_take: bool) -> None:
-    # Once a stream's segment has given pages away, its frees record an event: the next
-    # receiver of its pages waits on the device only for that stream's work up to the free,
-    # and not at all where that is done. Work the donor queued after the free (a producer's
-    # next batches) runs on beside the receiver's, as cudaMallocAsync orders reuse.
-    dev = ae.SimDevice(capacity=GiB)
-    a = ae.Allocator(dev)
-    first = a.malloc(60 * MiB, stream=1)
-    live = [a.malloc(40 * MiB, stream=2)]
-    a.free(first)
-    live.append(a.malloc(70 * MiB, stream=2))     # stream 1's segment gives its pages away
-    for stream in (1, 2):
-        dev.complete_stream(stream)
-    a.process_events()
-    again = a.malloc(60 * MiB, stream=1)          # created: stream 2 has no free pages
-    assert a.stats()["reserved_bytes.all.current"] == 170 * MiB
-    a.free(again)                                 # an event at the free
-    if done_at_take:
-        dev.complete_stream(1)
-    at_free = dev.record_event(1)                 # stream 1 up to its free, and no further
-    after_free = dev.record_event(1)              # work stream 1 queued after the free
-    waits = calls(dev, "stream_wait_event")
-    live.append(a.malloc(60 * MiB, stream=2))     # above the mark: stream 1's pages move
-    s = a.stats()
-    assert s["reserved_bytes.all.current"] == 170 * MiB
-    assert calls(dev, "stream_wait_event") - waits == (0 if done_at_take else 1)
-    assert host_waits(dev) == 0
-    if not done_at_take:
-        dev.complete_through(at_free)             # its kernels up to the free end
-    receiver_work = dev.record_event(2)
-    dev.complete_stream(2)
-    assert dev.query_event(receiver_work)         # not held back by the work after the free
-    assert not dev.query_event(after_free)
-    for p in live:
-        a.free(p)
-    assert a.check_invariants() == ""
-
-
 def test_moved_pages_are_unmapped_once_events_say_the_device_is_done() -> None:
     # The old mapping stays until events recorded at the move on every stream in use have
     # completed, found by polling on later allocations: never by waiting on the host.

@@ -334,7 +334,6 @@ bool CachingAllocator::get_free_block(AllocParams& p) {
     pool.blocks.erase(it);
     Block* front = new_block(b->stream, inside - b->ptr, &pool, b->ptr);
     front->expandable = b->expandable;
-    front->used_until = b->used_until;
     front->splice(b->prev, b);
     b->size -= front->size;
     b->ptr = inside;
@@ -534,12 +533,6 @@ void CachingAllocator::free_allocated(Block* block) {
   stats_.allocated_bytes.decrease(kind, static_cast<std::int64_t>(block->size));
   trace_.record(TraceAction::free_requested, block->ptr, block->requested_size, block->stream);
   if (block->size >= config_.max_split_size) stats_.oversize_allocations.decrease(1);
-  // Pages another stream may take: how far its own stream used them, for the taker to wait
-  // for on the device (Note [moving pages]). Record_stream uses are over before it is free.
-  block->used_until = block->expandable != nullptr && block->expandable->gave_pages_away() &&
-                              !captures_underway()
-                          ? record_free_event(block->stream)
-                          : kUsedUntilAllQueued;
 
   if (!block->stream_uses.empty()) {
     // Used on other streams: the block may be reused only once their work up to now is done.
@@ -576,13 +569,12 @@ void CachingAllocator::aliased_pages_freed(Block* block) {
   if (hand_off.record) record_free_event(block->stream);
 }
 
-std::uint64_t CachingAllocator::record_free_event(StreamId stream) {
-  // Only a hand-out's or a page move's query looks at an event (wait_on_device); the list is
-  // trimmed every kFreeEventsBeforeTrim events, by bisection: a few queries however long it is.
+void CachingAllocator::record_free_event(StreamId stream) {
+  // Only a hand-out's query looks at an event (wait_on_device); the list is trimmed every
+  // kFreeEventsBeforeTrim events, by bisection: a few queries however long it is.
   FreeEvents& events = free_events_[stream];
   if (!events.empty() && events.size() % kFreeEventsBeforeTrim == 0) trim_free_events(events);
-  events.emplace_back(next_free_seq_, device_->record_event(stream));
-  return next_free_seq_++;
+  events.emplace_back(next_free_seq_++, device_->record_event(stream));
 }
 
 void CachingAllocator::free_block(Block* block) {
@@ -648,7 +640,6 @@ Block* CachingAllocator::merge_into_cached_next(Block* block, BlockPool& pool) {
   }
   next->ptr = block->ptr;
   next->size += block->size;
-  next->used_until = later_use(next->used_until, block->used_until);
   next->requested_size = block->requested_size;  // as the general merge leaves it (snapshots)
   next->prev = block->prev;
   if (next->prev) next->prev->next = next;
@@ -673,7 +664,6 @@ std::size_t CachingAllocator::try_merge_blocks(Block* dst, Block* src, BlockPool
   }
   const std::size_t subsumed = src->size;
   dst->size += subsumed;
-  dst->used_until = later_use(dst->used_until, src->used_until);
   if (src->mapped) {
     pool.blocks.erase(src);
   } else {
@@ -864,8 +854,6 @@ bool CachingAllocator::free_waiting_blocks(Which which) {
       e = queue.erase(e);
       // At once, as process_events does: a block still counting events merges with nothing.
       if (--block->event_count == 0) {
-        // Its uses come before its stream's work from here on, not before its free there.
-        block->used_until = kUsedUntilAllQueued;
         free_block(block);
         freed = true;
       }

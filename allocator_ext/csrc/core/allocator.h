@@ -296,9 +296,7 @@ class CachingAllocator {
                                     std::shared_ptr<Device> segments = nullptr);  // mutex_ held
   bool get_free_block_of_use_on_oom_pools(AllocParams& p);
   void release_spares_beyond(std::size_t keep_pages, std::size_t page);
-  // Makes the mapped front of an unmapped block free; `used_until`: how far its pages were used
-  // (Block::used_until).
-  void adopt_mapped(Block* to_map, Range mapped, std::uint64_t used_until);
+  void adopt_mapped(Block* to_map, Range mapped);
   Block* try_allocate_expandable_block(StreamId stream, BlockPool* pool, std::size_t size);
   // An explicit reclaim's wait for the stream of `block`'s segment before its pages are unmapped
   // now, once a stream (`waited`: the streams waited for so far).
@@ -316,23 +314,20 @@ class CachingAllocator {
   std::size_t move_idle_physical(const PhysicalPages& physical, BlockPool& pool,
                                  std::size_t bytes, StreamId receiver);
   // Queues the old places' unmap behind events on every stream in use; the receiver waits on
-  // the device for each donor stream's work up to the donor block's free (its used_until).
-  void order_page_move(PageMove move,
-                       const std::vector<std::pair<StreamId, std::uint64_t>>& donors,
-                       StreamId receiver);
+  // the device for the donor's.
+  void order_page_move(PageMove move, const std::vector<StreamId>& donors, StreamId receiver);
   // `stream` waits on the device for each other stream's work on pages it was handed
   // (ExpandableSegment::HandOff), where that work may still run.
   void wait_on_device(StreamId stream,
                       const std::vector<std::pair<StreamId, std::uint64_t>>& others);
   // Events recorded when pages that change stream were freed, by stream, oldest first, with
-  // their sequence numbers (Notes [aliased pages], [moving pages]); a stream's complete in
-  // order.
+  // their sequence numbers (Note [aliased pages]); a stream's complete in order.
   using FreeEvents = std::deque<std::pair<std::uint64_t, EventId>>;
   static constexpr std::size_t kFreeEventsBeforeTrim = 64;
   std::map<StreamId, FreeEvents> free_events_;
   std::uint64_t next_free_seq_ = 1;
-  // Records one on `stream`, after all it has queued; returns its sequence number.
-  std::uint64_t record_free_event(StreamId stream);
+  // Records one on `stream`, after all it has queued.
+  void record_free_event(StreamId stream);
   // Releases the events up to and including `last`.
   void drop_free_events_through(FreeEvents& events, FreeEvents::iterator last);
   // Drops the complete ones (a prefix), found by bisection.

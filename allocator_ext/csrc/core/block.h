@@ -22,19 +22,6 @@ namespace allocwatch {
 struct BlockPool;
 class ExpandableSegment;
 
-// How far a free block's pages were used on its stream, for another stream that takes them
-// (expandable.cpp, Note [moving pages]): the sequence number of an event recorded on the
-// block's stream at a free (CachingAllocator::free_events_), or one of these.
-constexpr std::uint64_t kUsedUntilAllQueued = 0;  // not known: whatever the stream has queued
-constexpr std::uint64_t kNeverUsed = static_cast<std::uint64_t>(-1);  // created, never handed out
-// Two free blocks that merge: the later use of the two (one stream, so sequence numbers order).
-inline std::uint64_t later_use(std::uint64_t a, std::uint64_t b) {
-  if (a == kUsedUntilAllQueued || b == kUsedUntilAllQueued) return kUsedUntilAllQueued;
-  if (a == kNeverUsed) return b;
-  if (b == kNeverUsed) return a;
-  return a > b ? a : b;
-}
-
 struct Block {
   StreamId stream = 0;          // the stream it was allocated on; reused only there
   std::size_t size = 0;
@@ -52,7 +39,6 @@ struct Block {
   std::int64_t gc_count_base = 0;  // the pool's lookup count when the block was cached
   ExpandableSegment* expandable = nullptr;
   std::vector<StreamId> stream_uses;  // other streams that used it (record_stream)
-  std::uint64_t used_until = kUsedUntilAllQueued;  // while free: see later_use()
 
   Block(StreamId s, std::size_t sz, BlockPool* p, std::uintptr_t addr)
       : stream(s), size(sz), pool(p), ptr(addr) {}

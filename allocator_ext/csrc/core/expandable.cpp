@@ -143,15 +143,9 @@
 // - the donor's pages stay mapped where they were while their physical memory is mapped at
 //   once where the growth needs it (the driver maps one allocation at several addresses);
 // - where the donor block belonged to another stream, the receiving stream waits on the device
-//   (cudaStreamWaitEvent) for the donor's stream as far as it had come when the block was
-//   freed, as cudaMallocAsync orders cross-stream reuse after the free: the kernels that will
-//   use the pages queue behind those that used them, not behind what the donor queued since
-//   (a producer stream runs batches ahead of its consumer; waiting for all it had queued made
-//   the consumer wait for batches it did not need yet). So a segment records an event at each
-//   free once it has given pages away (Block::used_until; before that, none: its first
-//   donation waits for all its stream has queued), and no wait is needed where that event has
-//   completed. Pages a growth created were used by nobody; pages moved into a growth were
-//   ordered after their donors on the receiving stream, up to an event recorded there;
+//   for an event recorded on the donor's stream (cudaStreamWaitEvent), as cudaMallocAsync
+//   orders cross-stream reuse: the kernels that will use the pages queue behind those that
+//   used them;
 // - the old mapping is unmapped once events recorded at the move on every stream that
 //   allocates here (the segments' streams) have completed, found by polling them on later
 //   allocations as pending frees are; until then its address space is neither free nor
@@ -378,10 +372,8 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
     chunk_pages = growth_chunk_pages(*to_map->pool, size, page);
   }
   // The device had no memory left for pages below the high-water mark: take back after all.
-  bool moved_here = took_back || aliased > 0;
   if (mapped.size == 0 && !took_back && config_.reuse_free_pages && !captures_underway() &&
       take_back_free_pages(to_map->pool, to_map, rest) > 0) {
-    moved_here = true;
     release_spares_beyond(spare_room, page);
     mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_, &alias_bytes);
   }
@@ -389,15 +381,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   // returned to the device.
   release_spares_beyond(0, page);
   if (mapped.size == 0) return false;
-  // Pages created here were used by nobody; pages moved here were ordered after their donors'
-  // work on this stream, so a later taker waits for this stream's work up to now.
-  std::uint64_t used_until = kNeverUsed;
-  if (moved_here) {
-    used_until = es->gave_pages_away() && !captures_underway()
-                     ? record_free_event(to_map->stream)
-                     : kUsedUntilAllQueued;
-  }
-  adopt_mapped(to_map, mapped, used_until);
+  adopt_mapped(to_map, mapped);
   if (mapped.size > alias_bytes)
     count_reserved(*to_map->pool, TraceAction::segment_map, mapped.ptr,
                    mapped.size - alias_bytes, to_map->stream);
@@ -406,13 +390,12 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   return true;
 }
 
-void CachingAllocator::adopt_mapped(Block* to_map, Range mapped, std::uint64_t used_until) {
+void CachingAllocator::adopt_mapped(Block* to_map, Range mapped) {
   // The mapped front of the unmapped block becomes a free block, merged with free neighbours;
   // the rest stays unmapped: to_map -> remaining (still unmapped) -> to_map->next.
   BlockPool& pool = *to_map->pool;
   pool.unmapped.erase(to_map);
   to_map->mapped = true;
-  to_map->used_until = used_until;
   if (mapped.size < to_map->size) {
     Block* remaining = new_block(to_map->stream, to_map->size - mapped.size, &pool,
                                  to_map->ptr + mapped.size);
@@ -468,7 +451,6 @@ Block* CachingAllocator::carve_pages(Block* block, Range r) {
   if (before > 0) {
     Block* before_free = new_block(block->stream, before, &pool, block->ptr);
     before_free->expandable = block->expandable;
-    before_free->used_until = block->used_until;
     before_free->splice(block->prev, block);
     pool.insert_into_blocks(before_free);
   }
@@ -476,7 +458,6 @@ Block* CachingAllocator::carve_pages(Block* block, Range r) {
   if (after > 0) {
     Block* after_free = new_block(block->stream, after, &pool, r.ptr + r.size);
     after_free->expandable = block->expandable;
-    after_free->used_until = block->used_until;
     after_free->splice(block, block->next);
     pool.insert_into_blocks(after_free);
   }
@@ -518,13 +499,11 @@ std::size_t CachingAllocator::move_pages(Block* block, std::size_t limit, Stream
                                 &move.still_mapped);
   if (moved.size == 0) return 0;
   const StreamId donor = block->stream;
-  const std::uint64_t used_until = block->used_until;
-  if (donor != receiver) block->expandable->note_gave_pages_away();
   BlockPool& pool = *block->pool;
   move.blocks.push_back(carve_pages(block, moved));
   move.blocks.back()->unmap_pending = true;
   count_released(pool, TraceAction::segment_unmap, moved.ptr, moved.size, donor);
-  order_page_move(std::move(move), {{donor, used_until}}, receiver);
+  order_page_move(std::move(move), {donor}, receiver);
   return moved.size;
 }
 
@@ -559,7 +538,7 @@ std::size_t CachingAllocator::move_idle_physical(const PhysicalPages& physical, 
     return {};
   };
   PageMove move;
-  std::vector<std::pair<StreamId, std::uint64_t>> donors;  // all each has queued
+  std::vector<StreamId> donors;
   std::size_t taken = 0;
   while (taken < bytes) {
     const ExpandableSegment::IdlePhysical p = next_idle();
@@ -569,9 +548,8 @@ std::size_t CachingAllocator::move_idle_physical(const PhysicalPages& physical, 
       move.blocks.push_back(carve_pages(free_block_over(es, r), r));
       move.blocks.back()->unmap_pending = true;
       move.still_mapped.push_back(r);
-      if (std::none_of(donors.begin(), donors.end(),
-                       [&](const auto& d) { return d.first == es->stream(); }))
-        donors.emplace_back(es->stream(), kUsedUntilAllQueued);
+      if (std::find(donors.begin(), donors.end(), es->stream()) == donors.end())
+        donors.push_back(es->stream());
     }
     const std::size_t n = p.pages * physical.page_size();
     const auto& [es, r] = p.addresses.front();
@@ -582,27 +560,16 @@ std::size_t CachingAllocator::move_idle_physical(const PhysicalPages& physical, 
   return taken;
 }
 
-void CachingAllocator::order_page_move(
-    PageMove move, const std::vector<std::pair<StreamId, std::uint64_t>>& donors,
-    StreamId receiver) {
-  std::vector<std::pair<StreamId, std::uint64_t>> after_free;
+void CachingAllocator::order_page_move(PageMove move, const std::vector<StreamId>& donors,
+                                       StreamId receiver) {
   for (StreamId s : streams_in_use()) {
     const EventId event = device_->record_event(s);
     move.events.push_back(event);
-    if (s == receiver) continue;
-    auto donor = std::find_if(donors.begin(), donors.end(),
-                              [&](const auto& d) { return d.first == s; });
-    if (donor == donors.end() || donor->second == kNeverUsed) continue;
-    if (donor->second == kUsedUntilAllQueued) {
+    if (s != receiver && std::find(donors.begin(), donors.end(), s) != donors.end()) {
       device_->stream_wait_event(receiver, event);
       stats_.num_stream_waits++;
-    } else {
-      after_free.push_back(*donor);
     }
   }
-  // Only as far as the donor's stream had come at the free: its work queued since then (a
-  // producer's next batches) runs on beside the receiver's.
-  if (!after_free.empty()) wait_on_device(receiver, after_free);
   page_moves_.push_back(std::move(move));
 }
 

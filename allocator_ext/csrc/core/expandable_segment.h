@@ -81,9 +81,6 @@ class ExpandableSegment {
   std::size_t page_size() const { return page_size_; }
   StreamId stream() const { return stream_; }
   std::size_t mapped_bytes() const;  // address space mapped
-  // Another stream's segment took pages of this one (expandable.cpp, Note [moving pages]).
-  bool gave_pages_away() const { return gave_pages_away_; }
-  void note_gave_pages_away() { gave_pages_away_ = true; }
   // Its physical allocations: its own, or those of every segment it shares them with.
   const PhysicalPages& physical() const { return *physical_; }
 
@@ -162,7 +159,6 @@ class ExpandableSegment {
   std::size_t page_size_;
   std::size_t max_pages_;
   std::uintptr_t base_ = 0;
-  bool gave_pages_away_ = false;
   std::map<std::size_t, Chunk> chunks_;  // by first page: each address mapped
   // With aliases tracked, each page's chunk too, by page: first_usable() scans long free
   // blocks page by page, which an array does several times faster than the map.

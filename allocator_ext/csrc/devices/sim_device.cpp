@@ -250,13 +250,6 @@ void SimDevice::complete_stream(StreamId stream) {
                 s.waits.end());
 }
 
-void SimDevice::complete_through(EventId event) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = events_.find(event);
-  if (it == events_.end()) misuse("completion of an unknown event");
-  finish(it->second.stream, it->second.sequence);
-}
-
 bool SimDevice::stream_idle(StreamId stream) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = streams_.find(stream);

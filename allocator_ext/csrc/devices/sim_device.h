@@ -52,9 +52,6 @@ class SimDevice : public Device {
   // Completes every event recorded on `stream` so far, except those queued behind a
   // stream_wait_event whose event has not completed: the device would not run them yet.
   void complete_stream(StreamId stream);
-  // Completes the event's stream up to the event, the streams it waits on first; what was
-  // queued after it stays running.
-  void complete_through(EventId event);
   // Whether `stream` was last completed up to its latest event (false: work is queued).
   bool stream_idle(StreamId stream) const;
   // With auto-completion, every event is complete as soon as it is recorded.
