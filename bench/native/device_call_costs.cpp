@@ -268,9 +268,9 @@ struct Probes {
   std::vector<double> separate_s;     // kPieces cuMemUnmap calls, one per mapping
   std::string offset_step = "not run";  // "ok", or the step that was refused
   int offset_result = -1;             // CUresult of that step (0: all worked)
-  // One page's calls with the device idle and while it works (kBusyCalls order), seconds each;
-  // how often the work still ran after them, and how long each round of work was.
-  std::map<std::string, std::vector<double>> idle_s, busy_s;
+  // One page's calls first after a device synchronisation and while the device works, seconds
+  // each by call (kBusyCalls); in how many rounds the work still ran after the calls.
+  std::map<std::string, std::vector<double>> after_synchronize_s, busy_s;
   int busy_rounds = 0, still_running = 0;
   // The work's own time, alone and with kBusyPages pages' calls made meanwhile, seconds.
   std::vector<double> work_alone_s, work_with_calls_s;
@@ -448,7 +448,7 @@ void probe_calls_while_busy(CudaDevice& device, int repeats, Probes* probes) {
   };
   for (int r = 0; r < repeats; ++r) {  // alternated, so that drift spreads over both
     device.synchronize();
-    cycle(0, &probes->idle_s);
+    cycle(0, &probes->after_synchronize_s);
     timed_work(false);
     timed_work(true);
     probes->busy_rounds++;
@@ -484,7 +484,7 @@ Probes run_probes(CudaDevice& device, int repeats) {
     std::printf("probe: one page's calls first after a synchronisation -> while the device works "
                 "(median us):");
     for (const std::string& call : kBusyCalls)
-      std::printf(" %s %.1f -> %.1f", call.c_str(), quantile(probes.idle_s.at(call), 0.5) * 1e6,
+      std::printf(" %s %.1f -> %.1f", call.c_str(), quantile(probes.after_synchronize_s.at(call), 0.5) * 1e6,
                   quantile(probes.busy_s.at(call), 0.5) * 1e6);
     std::printf("; the work still ran after %d pages' calls in %d of %d; the work %.2f ms alone, "
                 "%.2f ms with them\n",
@@ -619,7 +619,7 @@ void write_json(const std::string& path, const Options& options, CudaDevice& dev
     << ", \"pages\": " << kBusyPages << ", \"work_still_running\": " << probes.still_running
     << ", \"work_alone_s\": " << median_or_null(probes.work_alone_s)
     << ", \"work_with_calls_s\": " << median_or_null(probes.work_with_calls_s);
-  for (const auto& [name, samples] : {std::pair{"after_synchronize_s", &probes.idle_s},
+  for (const auto& [name, samples] : {std::pair{"after_synchronize_s", &probes.after_synchronize_s},
                                       std::pair{"busy_s", &probes.busy_s}}) {
     j << ", \"" << name << "\": {";
     int n = 0;
