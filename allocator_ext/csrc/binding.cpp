@@ -456,6 +456,9 @@ PYBIND11_MODULE(_core, m) {
            "('allocated_bytes.all.current', 'reserved_bytes.large_pool.peak', "
            "'num_alloc_retries', ...), plus pending_events, pending_free_bytes, "
            "num_gc_reclaims, gc_reclaimed_bytes and num_empty_cache_calls.")
+      .def_property_readonly("reserved_bytes", &CachingAllocator::reserved_bytes,
+                             "stats()['reserved_bytes.all.current'] alone, read without "
+                             "building the dict.")
       .def("reset_peak_stats", &CachingAllocator::reset_peak_stats,
            "Set every '.peak' statistic to its current value "
            "(torch.cuda.reset_peak_memory_stats).")

@@ -107,7 +107,7 @@ class PeakWatch:
         self.anatomy: PeakAnatomy | None = None
 
     def __call__(self, _event: Any) -> None:
-        reserved = self.replayer.allocator.stats()["reserved_bytes.all.current"]
+        reserved = self.replayer.allocator.reserved_bytes
         if reserved <= self.high:
             return
         self.high = reserved

@@ -137,6 +137,9 @@ class CachingAllocator {
 
   // --- statistics ---
   std::map<std::string, std::int64_t> stats() const;
+  // stats()["reserved_bytes.all.current"] alone, without building the map: for a caller that
+  // reads it after every allocation (replay's peak watch).
+  std::int64_t reserved_bytes() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
   // Allocated and reserved bytes at their highest since the previous call (or since the

@@ -75,6 +75,11 @@ void CachingAllocator::reset_peak_stats() {
   stats_.reset_peak();
 }
 
+std::int64_t CachingAllocator::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_.reserved_bytes.by_pool[kAggregate].current;
+}
+
 IntervalPeaks CachingAllocator::take_interval_peaks() {
   std::lock_guard<std::mutex> lock(mutex_);
   const IntervalPeaks taken = stats_.interval_peaks;
