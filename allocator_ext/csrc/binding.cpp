@@ -459,6 +459,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("reserved_bytes", &CachingAllocator::reserved_bytes,
                              "stats()['reserved_bytes.all.current'] alone, read without "
                              "building the dict.")
+      .def_property_readonly("aliases_pages", &CachingAllocator::aliases_pages,
+                             "Whether the large pool's pages alias: alias_pages, or "
+                             "alias_pages_under_limit with a limit set when its first segment "
+                             "was made (a snapshot then lists a page at each of its addresses).")
       .def("reset_peak_stats", &CachingAllocator::reset_peak_stats,
            "Set every '.peak' statistic to its current value "
            "(torch.cuda.reset_peak_memory_stats).")

@@ -61,8 +61,8 @@ def anatomy(snapshot: dict[str, Any], reserved: int, requested: int,
             large_page: int, aliased: bool = False) -> PeakAnatomy:
     """The breakdown of `reserved` bytes by the allocator's `snapshot` (PyTorch's layout),
     with `requested` the bytes the program held then and `large_page` the large pool's page
-    size in expandable segments; `aliased`: alias_pages is on, and the snapshot lists each
-    address of a page."""
+    size in expandable segments; `aliased`: the large pool aliases pages, and the snapshot
+    lists each address of a page."""
     listed = in_use = pending = partial = pieces = whole = plain = private = 0
     segments = snapshot["segments"]
     for seg in segments:
@@ -102,7 +102,6 @@ class PeakWatch:
         self.replayer = replayer
         config = replayer.allocator.config()
         self.large_page = int(config["expandable_large_page"])
-        self.aliased = bool(config["alias_pages"])
         self.high = 0
         self.anatomy: PeakAnatomy | None = None
 
@@ -112,4 +111,5 @@ class PeakWatch:
             return
         self.high = reserved
         self.anatomy = anatomy(self.replayer.allocator.snapshot(), reserved,
-                               self.replayer.requested, self.large_page, self.aliased)
+                               self.replayer.requested, self.large_page,
+                               self.replayer.allocator.aliases_pages)

@@ -231,3 +231,68 @@ def test_the_record_stream_pipeline_reserves_within_its_bar_waiting_only_on_the_
     assert aliased["reserved_ratio"] <= bar
     assert aliased["num_ooms"] == 0 and aliased["num_sync_all_streams"] == 0
     assert aliased["device_calls"]["stream_wait_event"]["count"] > 0
+
+
+# --- alias_pages_under_limit: the same, for the large pool's segments made under a limit ---
+
+UNDER_LIMIT = "alias_pages_under_limit:True"
+
+
+def test_under_a_limit_a_repeated_step_finds_its_moved_pages_still_mapped() -> None:
+    # Under a memory fraction growth maps single pages, and the step's 60 MiB request takes the
+    # free 40 MiB back every pass: 20 page calls a pass (map, and unmap where they were). With
+    # alias_pages_under_limit they stay mapped at both addresses: no call after the first pass.
+    moved = looped_step_page_calls(None, 6, fraction=120 / 1024)
+    aliased = looped_step_page_calls(UNDER_LIMIT, 6, fraction=120 / 1024)
+    assert [c for _, c in moved[1:]] == [20] * 5
+    assert [c for _, c in aliased[1:]] == [0] * 5
+    assert [p for p, _ in aliased] == [p for p, _ in moved]   # the same memory
+
+
+def test_a_limit_counts_only_where_it_is_set_before_the_large_pool_first_grows() -> None:
+    dev = ae.SimDevice(capacity=GiB)
+    a = ae.Allocator(dev, UNDER_LIMIT)
+    x = a.malloc(40 * MiB)
+    a.set_memory_fraction(0.5)
+    y = a.malloc(40 * MiB)                     # a limit now, but the segment was made without
+    assert not a.aliases_pages
+    a.free(x)
+    a.free(y)
+    a.empty_cache()                            # every segment released: the next one decides
+    assert calls(dev, "address_free") == 1
+    z = a.malloc(40 * MiB)
+    assert a.aliases_pages
+    a.free(z)
+    a.empty_cache()
+    a.set_memory_fraction(1.0)                 # no limit when the next segment is made
+    a.malloc(40 * MiB)
+    assert not a.aliases_pages
+    assert a.check_invariants() == ""
+
+
+def test_under_a_limit_is_off_unless_asked_and_alias_pages_needs_no_limit() -> None:
+    for config, limit, aliases in ((None, True, False), (UNDER_LIMIT, False, False),
+                                   (ALIASED, False, True)):
+        a = ae.Allocator(ae.SimDevice(capacity=GiB), config)
+        if limit:
+            a.set_memory_fraction(0.5)
+        a.malloc(40 * MiB)
+        assert a.aliases_pages is aliases, config
+
+
+def test_the_pipelines_recording_under_a_fraction_stops_unmapping_with_aliased_pages() -> None:
+    # The record_stream pipeline as the lockstep benchmark ran it, replayed under a memory
+    # fraction of 1.5 x its peak request: its two streams pass pages to each other all the
+    # time. Moved, each passing unmaps a page (an unmap costs per page: 20 us or so); aliased,
+    # the pages keep both addresses, and reserved memory comes within its floor + 0.01.
+    trace = load_trace(RECORDED_TRACES / "stream_pipeline__default_lockstep.pickle.gz")
+    floor = reserved_floor(trace)
+    h200 = 143771566080
+    fraction = int(1.5 * floor.peak_requested_bytes) / h200
+    moved = replay(trace, device_memory=h200, memory_fraction=fraction).report
+    aliased = replay(trace, config=UNDER_LIMIT, device_memory=h200,
+                     memory_fraction=fraction).report
+    assert moved["device_calls"]["unmap"]["count"] > 500
+    assert aliased["device_calls"].get("unmap", {"count": 0})["count"] <= 5
+    assert aliased["num_alloc_retries"] == moved["num_alloc_retries"] == 0
+    assert aliased["reserved_ratio"] <= floor.bar < moved["reserved_ratio"]

@@ -140,6 +140,9 @@ class CachingAllocator {
   // stats()["reserved_bytes.all.current"] alone, without building the map: for a caller that
   // reads it after every allocation (replay's peak watch).
   std::int64_t reserved_bytes() const;
+  // Whether the general large pool's pages alias (alias_pages, or alias_pages_under_limit in
+  // force when its first segment was made): a snapshot then lists a page at each address.
+  bool aliases_pages() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
   // Allocated and reserved bytes at their highest since the previous call (or since the
@@ -427,6 +430,10 @@ class CachingAllocator {
   } device_free_asked_;
   // What the page policy remembers between growths (page_policy.h).
   PagePolicy page_policy_;
+  // The general large pool's segments alias their pages (Note [aliased pages]): alias_pages,
+  // or alias_pages_under_limit with a limit set when its first segment was made.
+  bool alias_under_limit_ = false;
+  bool aliasing() const { return config_.alias_pages || alias_under_limit_; }
   // The run of free and unmapped blocks the growth being served will occupy: no donor of its
   // pages (a free block inside the run is part of the request, and one whose pages moved
   // cannot be mapped again before they are unmapped).

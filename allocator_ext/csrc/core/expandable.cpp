@@ -135,6 +135,16 @@
 // ten passes), and a snapshot lists addresses, so a page mapped at several shows at each.
 // Private pools and the small pool keep one address per page.
 //
+// alias_pages_under_limit, off by default, turns the same on for the general large pool's
+// segments made while a memory fraction below the whole device (or a memory limit) is set and
+// none of them exists (the first decides; all released, the next decides again). Under a limit
+// growth maps single pages anyway (Note [page policy], page size and chunks), so aliasing costs
+// no extra creates there; and a moved page costs an unmap each time it moves (about 20 us, per
+// mapping: one call over several mappings costs as many), which a pipeline passing memory
+// between two streams pays on every pass. It stays off: on the GPU the pipeline held 1.05 x its
+// peak request but stepped 1.18-1.32 x slower where PyTorch's allocators kept up
+// (docs/benchmarks.md, "Aliased pages").
+//
 // Note [moving pages]
 // ~~~~~~~~~~~~~~~~~~~
 // A take-back never waits on the host. The training loop's CPU runs ahead of the GPU, and a
@@ -225,12 +235,20 @@ Block* CachingAllocator::find_expandable_block(StreamId stream, BlockPool* pool,
   // None: reserve a new segment with address space for all of the device's memory (and an
   // eighth more, so pages unmapped early in a segment can be remapped at its end).
   const std::size_t page = pool->is_small ? kSmallBuffer : config_.expandable_large_page;
+  // The large pool's first segment decides whether its pages alias under a limit (Note
+  // [aliased pages]), for it and the rest until every one of them is released.
+  if (pool == &large_blocks_) {
+    auto expandable = [](const Block* b) { return b->expandable != nullptr; };
+    if (std::none_of(pool->blocks.begin(), pool->blocks.end(), expandable) &&
+        std::none_of(pool->unmapped.begin(), pool->unmapped.end(), expandable))
+      alias_under_limit_ = config_.alias_pages_under_limit && page_policy_.limited();
+  }
   const std::size_t address_space = device_total_ + device_total_ / 8;
   expandable_segments_.push_back(
       std::make_unique<ExpandableSegment>(*device_, stream, address_space, page));
   ExpandableSegment* es = expandable_segments_.back().get();
   registration_[es->base()] = next_registration_++;
-  if (config_.alias_pages && pool == &large_blocks_) {
+  if (aliasing() && pool == &large_blocks_) {
     auto& shared = shared_physical_[page];
     if (shared == nullptr) shared = std::make_unique<PhysicalPages>(page);
     es->track_aliases(shared.get());
@@ -337,7 +355,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   // Pages in use nowhere come first, mapped here too (Note [aliased pages]); what they leave
   // follows the rules above.
   std::size_t aliased = 0;
-  if (config_.alias_pages && es->tracks_aliases() && !captures_underway()) {
+  if (aliasing() && es->tracks_aliases() && !captures_underway()) {
     for (const SparePhysical& s : es->idle_handles(growing_, rounded / page)) {
       spare_pages_.push_back(s);
       aliased += s.pages * page;

@@ -80,6 +80,11 @@ std::int64_t CachingAllocator::reserved_bytes() const {
   return stats_.reserved_bytes.by_pool[kAggregate].current;
 }
 
+bool CachingAllocator::aliases_pages() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return aliasing();
+}
+
 IntervalPeaks CachingAllocator::take_interval_peaks() {
   std::lock_guard<std::mutex> lock(mutex_);
   const IntervalPeaks taken = stats_.interval_peaks;

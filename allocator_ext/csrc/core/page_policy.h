@@ -41,6 +41,8 @@ class PagePolicy {
     limited_ = below_whole_device;
     refused_at_ = 0;
   }
+  // A memory fraction below the whole device, or a limit, is set.
+  bool limited() const { return limited_; }
   // The device refused growth with `ceiling` = reserved memory + what it had left.
   void growth_refused(std::size_t ceiling) { refused_at_ = ceiling; }
   // Large-pool growth to `reserved_after` creates single pages rather than chunks: always

@@ -143,6 +143,11 @@ enum class OnPytorchCall { resets, keeps };
     "large-pool growth on any stream maps physical pages in use nowhere at one more address "     \
     "before it moves or creates any; a page is then used through one address at a time, a use "   \
     "on another stream after the last on the device")                                             \
+  X(bool, alias_pages_under_limit, "alias_pages_under_limit",                                     \
+    any_value(), false, false, allocwatch, keeps,                                                 \
+    "alias_pages for the large pool's segments made while a memory fraction below the whole "     \
+    "device (or a memory limit) is set and none of them exists, until all are released: "         \
+    "growth there maps single pages anyway, and a moved page costs an unmap each time")           \
   /* PyTorch's keys for parts it keeps: accepted so that a job's settings keep working */         \
   X(AllocatorBackend, backend, "backend",                                                         \
     any_value(), AllocatorBackend::native, AllocatorBackend::native, pytorch, keeps,              \
