@@ -323,7 +323,8 @@ ROWS: list[tuple[str, list[dict]]] = [
             timeseries(
                 "Device allocations and frees",
                 "cudaMalloc / cudaFree (or page maps and unmaps with expandable segments) per "
-                "second. "
+                "second, and under allocwatch's allocator the driver calls behind them, by call "
+                "(a mapping makes one a page). "
                 "A steady rate in a training loop means the cache does not hold the working set.",
                 "ops",
                 [
@@ -334,6 +335,10 @@ ROWS: list[tuple[str, list[dict]]] = [
                     (
                         f"rate(torch_cuda_allocator_device_frees_total{{{RANK}}}{RATE})",
                         by_rank("device frees"),
+                    ),
+                    (
+                        f"rate(torch_cuda_allocator_device_calls_total{{{RANK}}}{RATE})",
+                        by_rank("driver {{call}} calls"),
                     ),
                 ],
             ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from allocator_ext.protocol.metrics import DEVICE_CALLS
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 MiB = 1 << 20
@@ -58,6 +59,8 @@ def allocator_stats(stats: Mapping[str, Any]) -> pb.AllocatorStats:
         host_waits_stream=_get(stats, "num_host_waits.stream"),
         host_waits_event=_get(stats, "num_host_waits.event"),
         stream_waits=_get(stats, "num_stream_waits"),
+        **{f"device_calls_{call}": _get(stats, f"num_device_calls.{call}")
+           for call in DEVICE_CALLS},
     )
 
 

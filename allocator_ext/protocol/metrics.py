@@ -36,6 +36,9 @@ INFO_LABELS = ("backend", "torch_version", "cuda_version", "pid", "host", "train
                "world_size", "agent_version", "protocol")
 POOLS = ("small", "large")
 WAIT_SCOPES = ("device", "stream", "event")
+# The device calls allocwatch's allocator counts (num_device_calls.*, core/counted_device.h).
+DEVICE_CALLS = ("segment_alloc", "segment_free", "create", "release", "map", "set_access",
+                "unmap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +203,13 @@ METRICS: tuple[Metric, ...] = (
     _counter("stream_waits", "num_stream_waits",
              "Orderings the allocator made on the device without the host waiting "
              "(cudaStreamWaitEvent)"),
+    _device("device_calls_total", "counter",
+            "Memory calls the allocator made of the driver, by call (segment_alloc: cudaMalloc, "
+            "segment_free: cudaFree, create: cuMemCreate, release: cuMemRelease, map: cuMemMap, "
+            "set_access: cuMemSetAccess, unmap: cuMemUnmap): one a page mapped or unmapped, "
+            "where device_mallocs counts a mapping (0 from PyTorch's allocator)",
+            labels=("call",), values=(("call", DEVICE_CALLS),),
+            field="allocator.device_calls_{call}", stats_key="num_device_calls.{call}"),
     _device("info", "info", "The training process behind the allocator series",
             labels=INFO_LABELS, source="the agent's hello (and the protocol version it speaks); "
                                        "one series per device the process reports"),

@@ -31,7 +31,9 @@ split the patterns among them) and writes one row per pattern and cap:
   resampled (bench.gpu.lockstep_pool's), the bar being <= 1.00;
 - allocwatch's host waits a step (num_host_waits.device / .stream / .event, and its
   device-side stream waits), n/a for PyTorch's allocators, which count none;
-- device calls a step (num_device_alloc + num_device_free + num_sync_all_streams) and
+- device calls a step (num_device_alloc + num_device_free + num_sync_all_streams: mappings,
+  not calls) of each allocator, and allocwatch's driver calls a step behind them
+  (num_device_calls.*: one a page mapped or unmapped, creates, releases, access grants), and
   allocation retries of each allocator; an allocator whose process ran out of memory under the
   cap is marked OOM, and the faster of the others is the one compared (none where both ran
   out: then allocwatch's memory and retries stand alone).
@@ -183,6 +185,8 @@ def phase_row(result: dict[str, Any], phase: dict[str, Any], floor: float | None
         "host_waits_per_step": (phase.get("host_waits_per_step") or {}).get(ours),
         "device_calls_per_step": {n: (c or {}).get("all") for n, c in
                                   (phase.get("device_calls_per_step") or {}).items()},
+        "driver_calls_per_step": ((phase.get("driver_calls_per_step") or {}).get(ours)
+                                  or {}).get("all"),
         "num_alloc_retries": phase.get("num_alloc_retries", {}),
         "num_ooms": phase.get("num_ooms", {}),
         "left": left, "failures": phase.get("failures", []),
@@ -246,7 +250,7 @@ def markdown(rows: list[dict[str, Any]], folders: list[Path]) -> str:
         f"| pattern | cap | peak reserved ÷ peak requested ({order}) | floor | step time, "
         f"{first['ours']} ÷ the faster other (95 % interval) | host waits a step, "
         f"{first['ours']} (device / stream / event; stream waits) | device calls a step "
-        f"({order}) | allocation retries ({order}) |",
+        f"({order}; {first['ours']}'s driver calls) | allocation retries ({order}) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         if row.get("fraction_of_peak") is None:
@@ -270,7 +274,8 @@ def markdown(rows: list[dict[str, Any]], folders: list[Path]) -> str:
         lines.append(f"| {row['pattern']} | {cap} | "
                      f"{_each(row, row['reserved_over_requested'], _ratio)} | "
                      f"{_ratio(row['floor'])} | {step} | {shown} | "
-                     f"{_each(row, row['device_calls_per_step'], _count)} | "
+                     f"{_each(row, row['device_calls_per_step'], _count)}; "
+                     f"{_count(row.get('driver_calls_per_step'))} | "
                      f"{_each(row, row['num_alloc_retries'], _count)} |")
     sources = sorted({str(r["source"]) for r in rows if r.get("source")})
     devices = sorted({str(r["device"]) for r in rows if r.get("device")})

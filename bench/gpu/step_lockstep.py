@@ -43,7 +43,9 @@ Reported per round: allocwatch's total step time over the other's; over all roun
 those ratios with its standard error and the median of the per-step ratios (the bar: <= 1.00).
 Per step, each allocator's device calls (its num_device_alloc / num_device_free /
 num_sync_all_streams: for allocwatch its core's counts, maps and unmaps with expandable
-segments; for PyTorch torch.cuda.memory_stats()'s), and the median step ratio over the steps
+segments; for PyTorch torch.cuda.memory_stats()'s) and, for allocwatch, the driver calls behind
+them (num_device_calls.*: one a page mapped or unmapped, and the creates, releases and access
+grants), and the median step ratio over the steps
 where allocwatch made device calls against those where it made none: where page moves cost
 step time, these say so. Per step also the time until the host had queued the whole step:
 its median share of the step shows whether the workload is bound by the host (where the
@@ -105,6 +107,10 @@ CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 # another on the device (no host wait).
 WAITS = ("num_host_waits.device", "num_host_waits.stream", "num_host_waits.event",
          "num_stream_waits")
+# The driver calls behind those device calls, where the allocator counts them (allocwatch's
+# num_device_calls.*): a mapping makes one a page, so a page move of 16 MiB is some 17 calls.
+DRIVER_CALLS = tuple(f"num_device_calls.{k}" for k in (
+    "segment_alloc", "segment_free", "create", "release", "map", "set_access", "unmap"))
 # What the process's threads took from the host during a step (getrusage, all threads): CPU
 # time in user space and in the kernel (the driver's ioctls, page faults), page faults, and
 # how often a thread was switched out, of its own accord or preempted. Their sum of CPU time is
@@ -204,9 +210,11 @@ def child(model_name: str, steps: int, cores: str, self_check: bool,
                 used_after = usage()
                 after = counters.stats()
                 counted = [k for k in WAITS if k in after]
+                driver = [k for k in DRIVER_CALLS if k in after]
                 answer({"s": seconds, "enqueue_s": enqueued, "shape": workloads.batch_shape(batch),
                         "calls": {k: after.get(k, 0) - before.get(k, 0) for k in CALLS},
                         "waits": {k: after[k] - before.get(k, 0) for k in counted} or None,
+                        "driver_calls": {k: after[k] - before.get(k, 0) for k in driver} or None,
                         "usage": {k: round(used_after[k] - used_before[k], 6) for k in USAGE}})
             elif command == "stats":
                 s = counters.stats()
@@ -364,6 +372,7 @@ def timed_round(r: int, trainers: list[Trainer], steps: int, reset_peak: bool) -
                                 for n, v in got.items()},
             "step_device_calls": {n: [s["calls"] for s in v] for n, v in got.items()},
             "step_host_waits": {n: [s.get("waits") for s in v] for n, v in got.items()},
+            "step_driver_calls": {n: [s.get("driver_calls") for s in v] for n, v in got.items()},
             "step_usage": {n: [s["usage"] for s in v] for n, v in got.items()},
             "shapes": [s["shape"] for s in mine]}
 
@@ -372,7 +381,7 @@ def per_step(rounds: list[dict], key: str, name: str, fields: tuple[str, ...]
              ) -> dict[str, float] | None:
     """The mean a step of each of `fields` in the rounds' per-step counts `key` of process
     `name`, and their sum as "all"; None where the process counts none of them."""
-    steps = [s for r in rounds for s in r[key].get(name, [])]
+    steps = [s for r in rounds for s in r.get(key, {}).get(name, [])]
     if not steps or any(s is None for s in steps):
         return None
     means = {f: sum(s.get(f, 0) for s in steps) / len(steps) for f in fields}
@@ -439,6 +448,8 @@ def summarize(rounds: list[dict], ours: str) -> dict:
                                       for n in names},
             "host_waits_per_step": {n: per_step(rounds, "step_host_waits", n, WAITS)
                                     for n in names},
+            "driver_calls_per_step": {n: per_step(rounds, "step_driver_calls", n, DRIVER_CALLS)
+                                      for n in names},
             "against": {n: against_summary(rounds, ours, n) for n in names if n != ours},
             "steps_with_device_calls": len(moved),
             "median_step_ratio_with_device_calls": statistics.median(moved) if moved else None,
@@ -584,7 +595,10 @@ def run_workload(model: str, ours: str, against: str | list[str], fractions: lis
                       f"median ratio {phase['median_step_ratio_with_device_calls']}; host waits "
                       f"a step {phase['host_waits_per_step'].get(ours)}; device calls a step "
                       + ", ".join(f"{n} {c['all']:.2f}" for n, c in
-                                  phase["device_calls_per_step"].items() if c), flush=True)
+                                  phase["device_calls_per_step"].items() if c)
+                      + "; driver calls a step "
+                      + ", ".join(f"{n} {c['all']:.2f}" for n, c in
+                                  phase["driver_calls_per_step"].items() if c), flush=True)
                 for name, used in phase["median_step_usage"].items():
                     print(f"  {name}, median a step: user {1e3 * used['user_s']:.2f} ms, system "
                           f"{1e3 * used['system_s']:.2f} ms, {used['minor_faults']:g} page "

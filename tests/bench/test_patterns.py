@@ -62,6 +62,9 @@ class FakeTrainer:
                                  "calls": {"num_device_alloc": 1, "num_device_free": 0,
                                            "num_sync_all_streams": 0},
                                  "waits": {"num_host_waits.stream": 1, "num_stream_waits": 2}
+                                 if self.name == "allocwatch" else None,
+                                 "driver_calls": {"num_device_calls.map": 8,
+                                                  "num_device_calls.set_access": 1}
                                  if self.name == "allocwatch" else None})
         elif command == "stats":
             self.pending.append({"peak_reserved": 110, "peak_requested": 100,
@@ -104,6 +107,9 @@ def test_a_process_that_fails_leaves_and_the_others_go_on() -> None:
     assert phase["host_waits_per_step"]["allocwatch"]["num_host_waits.stream"] == 1
     assert phase["host_waits_per_step"]["expandable"] is None  # PyTorch counts no waits
     assert phase["device_calls_per_step"]["expandable"]["all"] == 1
+    # The driver calls behind a mapping, where the allocator counts them (allocwatch's).
+    assert phase["driver_calls_per_step"]["allocwatch"]["all"] == 9
+    assert phase["driver_calls_per_step"]["expandable"] is None
     assert phase["phase_reserved_over_requested"] == {"allocwatch": 1.2, "expandable": 1.2}
     assert step_lockstep.succeeded({"phases": [phase]})
 
@@ -173,6 +179,8 @@ def timed_phase(fraction: float, ratios: dict[str, list[float]],
                                 "pytorch": None, "expandable": None},
         "device_calls_per_step": {"allocwatch": {"all": 2.5}, "pytorch": {"all": 0.125},
                                   "expandable": {"all": 1.0}},
+        "driver_calls_per_step": {"allocwatch": {"all": 34.0}, "pytorch": None,
+                                  "expandable": None},
         "num_alloc_retries": {"allocwatch": 0, "pytorch": 3, "expandable": 0},
     }
 
@@ -201,10 +209,11 @@ def test_the_table_compares_with_the_faster_other_and_shows_each_allocators_figu
     assert lines[0].startswith("| pattern | cap | peak reserved ÷ peak requested (default / "
                                "expandable / allocwatch) | floor |")
     # The floor of convnet's recorded trace (tests/data/traces), the faster other (expandable,
-    # of less total step time), allocwatch's waits, and each allocator's calls and retries.
+    # of less total step time), allocwatch's waits, each allocator's calls (allocwatch's
+    # driver calls behind them) and retries.
     assert lines[2] == ("| convnet | uncapped | 1.620 / 1.071 / 1.004 | 1.000 | **1.010** "
                         "(0.900–1.100) vs expandable, 2 rounds | 0 / 0.25 / 0; 1.5 | "
-                        "0.12 / 1 / 2.5 | 3 / 0 / 0 |")
+                        "0.12 / 1 / 2.5; 34 | 3 / 0 / 0 |")
     # Capped: the default's process left (OOM), so expandable is the faster one left.
     assert lines[3].startswith("| convnet | 1.03 × | OOM / 1.071 / 1.004 | 1.000 | **0.990** ")
     assert lines[4].startswith("| graph | — | failed: skipped: the graph workload needs")

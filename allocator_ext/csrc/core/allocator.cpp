@@ -48,7 +48,10 @@ class ScopedFlagOff {
 }  // namespace
 
 CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, AllocatorConfig config)
-    : device_(std::move(device)), config_(config) {
+    : config_(config) {
+  auto counted = std::make_shared<CountedDevice>(std::move(device));
+  counted_ = counted.get();
+  device_ = std::move(counted);
   stats_.max_split_size = config_.max_split_size == kNoMaxSplit
                               ? -1
                               : static_cast<std::int64_t>(config_.max_split_size);

@@ -26,6 +26,7 @@
 #include "capture_graphs.h"
 #include "checkpoint.h"
 #include "config.h"
+#include "counted_device.h"
 #include "device.h"
 #include "expandable_segment.h"
 #include "page_policy.h"
@@ -398,7 +399,8 @@ class CachingAllocator {
 
   mutable std::mutex mutex_;
   std::vector<OutsideWork> outside_;  // Note [pool allocators outside the lock]; under mutex_
-  std::shared_ptr<Device> device_;
+  std::shared_ptr<Device> device_;  // the back end, through counted_
+  CountedDevice* counted_ = nullptr;  // num_device_calls.* (counted_device.h)
   AllocatorConfig config_;
   DeviceStats stats_;
   BlockPool large_blocks_{false};

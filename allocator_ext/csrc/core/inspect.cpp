@@ -67,6 +67,7 @@ std::map<std::string, std::int64_t> CachingAllocator::stats() const {
     for (const Range& r : move.still_mapped) pending_unmap_bytes += static_cast<std::int64_t>(r.size);
   out["pending_unmap_bytes"] = pending_unmap_bytes;
   out["memory_limit_bytes"] = set_fraction_ ? static_cast<std::int64_t>(allowed_memory_maximum_) : 0;
+  for (const auto& [key, count] : counted_->counts()) out[key] = count;
   return out;
 }
 
@@ -96,6 +97,7 @@ IntervalPeaks CachingAllocator::take_interval_peaks() {
 void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.reset_accumulated();
+  counted_->reset();
 }
 
 void CachingAllocator::record_history(bool enabled, std::size_t max_entries) {
