@@ -36,7 +36,8 @@ class CountedDevice final : public Device {
   std::map<std::string, std::int64_t> counts() const {
     std::map<std::string, std::int64_t> out;
     for (int k = 0; k < kNumKinds; ++k)
-      out[std::string("num_device_calls.") + kNames[k]] = counts_[k].load(std::memory_order_relaxed);
+      out[std::string("num_device_calls.") + kNames[k]] =
+          counts_[k].load(std::memory_order_relaxed);
     return out;
   }
   void reset() {
