@@ -91,6 +91,7 @@ from pathlib import Path
 from typing import Any
 
 from allocator_ext.protocol.files import write_whole
+from allocator_ext.protocol.metrics import DEVICE_CALLS
 from allocator_ext.workloads import NAMES
 from bench.gpu.lockstep_pool import Round, median_interval
 from bench.lib import source_tree
@@ -109,8 +110,7 @@ WAITS = ("num_host_waits.device", "num_host_waits.stream", "num_host_waits.event
          "num_stream_waits")
 # The driver calls behind those device calls, where the allocator counts them (allocwatch's
 # num_device_calls.*): a mapping makes one a page, so a page move of 16 MiB is some 17 calls.
-DRIVER_CALLS = tuple(f"num_device_calls.{k}" for k in (
-    "segment_alloc", "segment_free", "create", "release", "map", "set_access", "unmap"))
+DRIVER_CALLS = tuple(f"num_device_calls.{call}" for call in DEVICE_CALLS)
 # What the process's threads took from the host during a step (getrusage, all threads): CPU
 # time in user space and in the kernel (the driver's ioctls, page faults), page faults, and
 # how often a thread was switched out, of its own accord or preempted. Their sum of CPU time is
