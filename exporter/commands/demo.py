@@ -302,7 +302,6 @@ def run_demo(duration: float = 30.0, port: int = 9471, workload: str = "auto",
         return 128 + stopped.signum
     finally:
         signals.restore()
-        print("DEBUG demo returns", time.monotonic(), os.getpid(), file=sys.stderr, flush=True)
 
 
 def _run(duration: float, port: int, workload: str, out: Any, signals: _StopSignals) -> int:
