@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "devices/cuda_device.h"
+#include "devices/cuda_driver.h"
 #include "cost_fit.h"
 
 namespace {
@@ -38,6 +39,13 @@ namespace {
 using allocwatch::CudaDevice;
 using allocwatch::DeviceError;
 using allocwatch::PhysicalHandle;
+using allocwatch::cuda::CUDA_ERROR_NOT_READY;
+using allocwatch::cuda::CUDA_SUCCESS;
+using allocwatch::cuda::CudaDriver;
+using allocwatch::cuda::CUevent;
+using allocwatch::cuda::CUresult;
+using allocwatch::cuda::CUstream;
+using allocwatch::cuda::cuda_driver;
 using allocwatch::bench::CostFit;
 using allocwatch::bench::CostPoint;
 using allocwatch::bench::fit_cost;
@@ -380,32 +388,26 @@ constexpr std::size_t kBusyBytes = 1 * GiB;
 constexpr int kBusyPages = 40;
 const std::vector<std::string> kBusyCalls = {"create", "map_only", "set_access", "unmap",
                                              "release"};
-constexpr int kNotReady = 600;  // CUDA_ERROR_NOT_READY
-
 void probe_calls_while_busy(CudaDevice& device, int repeats, Probes* probes) {
-  using MemsetD8Async = int (*)(unsigned long long, unsigned char, std::size_t, void*);
-  using StreamQuery = int (*)(void*);
-  using EventCreate = int (*)(void**, unsigned int);
-  using EventRecord = int (*)(void*, void*);
-  using EventSynchronize = int (*)(void*);
-  using EventElapsed = int (*)(float*, void*, void*);
-  using EventDestroy = int (*)(void*);
+  // The events come from the back end's driver table; what the back end never calls, by name.
+  const CudaDriver& driver = cuda_driver();
+  using MemsetD8Async = CUresult (*)(unsigned long long, unsigned char, std::size_t, CUstream);
+  using StreamQuery = CUresult (*)(CUstream);
+  using EventElapsed = CUresult (*)(float*, CUevent, CUevent);
   auto memset_async = driver_symbol<MemsetD8Async>("cuMemsetD8Async");
   auto stream_query = driver_symbol<StreamQuery>("cuStreamQuery");
-  auto event_create = driver_symbol<EventCreate>("cuEventCreate");
-  auto event_record = driver_symbol<EventRecord>("cuEventRecord");
-  auto event_synchronize = driver_symbol<EventSynchronize>("cuEventSynchronize");
   auto event_elapsed = driver_symbol<EventElapsed>("cuEventElapsedTime");
-  auto event_destroy = driver_symbol<EventDestroy>("cuEventDestroy_v2");
   void* buffer = nullptr;
   require(device.malloc(kBusyBytes, &buffer), "cuMemAlloc of the busy buffer: out of memory");
-  void* start = nullptr;
-  void* end = nullptr;
-  require(event_create(&start, 0) == 0 && event_create(&end, 0) == 0, "cuEventCreate failed");
+  CUevent start = nullptr;
+  CUevent end = nullptr;
+  require(driver.cuEventCreate(&start, 0) == CUDA_SUCCESS &&
+              driver.cuEventCreate(&end, 0) == CUDA_SUCCESS,
+          "cuEventCreate failed");
   const auto work = [&](int memsets) {
     for (int i = 0; i < memsets; ++i)
       require(memset_async(reinterpret_cast<unsigned long long>(buffer),
-                           static_cast<unsigned char>(i), kBusyBytes, nullptr) == 0,
+                           static_cast<unsigned char>(i), kBusyBytes, nullptr) == CUDA_SUCCESS,
               "cuMemsetD8Async failed");
   };
   device.synchronize();
@@ -434,16 +436,16 @@ void probe_calls_while_busy(CudaDevice& device, int repeats, Probes* probes) {
   };
   // The work alone and with pages changing hands meanwhile, on the device's own clock.
   auto timed_work = [&](bool with_calls) {
-    require(event_record(start, nullptr) == 0, "cuEventRecord failed");
+    require(driver.cuEventRecord(start, nullptr) == CUDA_SUCCESS, "cuEventRecord failed");
     work(memsets);
-    require(event_record(end, nullptr) == 0, "cuEventRecord failed");
+    require(driver.cuEventRecord(end, nullptr) == CUDA_SUCCESS, "cuEventRecord failed");
     if (with_calls) {
       for (int i = 0; i < kBusyPages; ++i) cycle(i, i == 0 ? &probes->busy_s : nullptr);
-      if (stream_query(nullptr) == kNotReady) probes->still_running++;
+      if (stream_query(nullptr) == CUDA_ERROR_NOT_READY) probes->still_running++;
     }
-    require(event_synchronize(end) == 0, "cuEventSynchronize failed");
+    require(driver.cuEventSynchronize(end) == CUDA_SUCCESS, "cuEventSynchronize failed");
     float ms = 0;
-    require(event_elapsed(&ms, start, end) == 0, "cuEventElapsedTime failed");
+    require(event_elapsed(&ms, start, end) == CUDA_SUCCESS, "cuEventElapsedTime failed");
     (with_calls ? probes->work_with_calls_s : probes->work_alone_s).push_back(ms * 1e-3);
   };
   for (int r = 0; r < repeats; ++r) {  // alternated, so that drift spreads over both
@@ -454,8 +456,8 @@ void probe_calls_while_busy(CudaDevice& device, int repeats, Probes* probes) {
     probes->busy_rounds++;
   }
   device.synchronize();
-  event_destroy(start);
-  event_destroy(end);
+  driver.cuEventDestroy(start);
+  driver.cuEventDestroy(end);
   device.free_address(base, kBusyPages * page);
   device.free(buffer, kBusyBytes);
 }
@@ -484,7 +486,8 @@ Probes run_probes(CudaDevice& device, int repeats) {
     std::printf("probe: one page's calls first after a synchronisation -> while the device works "
                 "(median us):");
     for (const std::string& call : kBusyCalls)
-      std::printf(" %s %.1f -> %.1f", call.c_str(), quantile(probes.after_synchronize_s.at(call), 0.5) * 1e6,
+      std::printf(" %s %.1f -> %.1f", call.c_str(),
+                  quantile(probes.after_synchronize_s.at(call), 0.5) * 1e6,
                   quantile(probes.busy_s.at(call), 0.5) * 1e6);
     std::printf("; the work still ran after %d pages' calls in %d of %d; the work %.2f ms alone, "
                 "%.2f ms with them\n",
