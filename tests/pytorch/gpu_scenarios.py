@@ -291,6 +291,11 @@ def expandable_and_empty_cache() -> str:
     assert s["reserved_bytes.all.current"] == 0, s["reserved_bytes.all.current"]
     assert free2 - free1 >= 8 * 300 * MiB, (free1, free2)
     assert s["num_device_free"] > 0
+    # The driver calls behind it, counted where the allocator makes them: every physical page
+    # created was mapped, and all of them went back to the device.
+    calls = {k.split(".", 1)[1]: v for k, v in s.items() if k.startswith("num_device_calls.")}
+    assert calls["create"] > 0 and calls["map"] > 0 and calls["set_access"] > 0, calls
+    assert calls["release"] == calls["create"] and calls["unmap"] > 0, calls
     return (f"mapped {(free0 - free1) >> 20} MiB, returned {(free2 - free1) >> 20} MiB, "
             f"expandable={_core.torch_allocator(0).config()['expandable_segments']}")
 
@@ -759,6 +764,10 @@ def page_moves() -> str:
     torch.empty(512, device="cuda")                      # polls: the old mappings go
     after = core_stats()
     assert after["pending_unmap_bytes"] == 0, after["pending_unmap_bytes"]
+    # Each move recorded an event on the donor and the receiver waited on it; the polls that
+    # found them done unmapped the old addresses.
+    assert after["num_device_calls.event_record"] >= checked, after
+    assert after["num_device_calls.event_query"] > 0 and after["num_device_calls.unmap"] > 0, after
     return (f"{checked} moves checked; stream waits {after['num_stream_waits']}, host waits "
             f"{after['num_host_waits.device']}/{after['num_host_waits.stream']}/"
             f"{after['num_host_waits.event']}")
