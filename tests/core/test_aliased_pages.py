@@ -80,6 +80,37 @@ def test_a_repeated_step_keeps_its_first_pass_memory_and_stops_calling_the_devic
             assert [page_calls for _, page_calls in aliased[1:]] == [0] * 5
 
 
+def test_the_free_pages_of_a_chunk_partly_in_use_serve_a_growth_elsewhere() -> None:
+    # One 10 MiB chunk (five pages): x holds its first two pages, y the other three. Freed, x
+    # leaves two pages in use nowhere inside a chunk in use; an 8 MiB request must grow. Its
+    # last two pages are that chunk mapped once more at the end of the growth (its other three
+    # lie past the request, usable there only once y is freed): two pages created, not four,
+    # as where every page is a handle of its own.
+    for config in (ALIASED, ALIASED_PAGES):
+        dev = ae.SimDevice(capacity=GiB)
+        a = ae.Allocator(dev, config)
+        a.free(a.malloc(10 * MiB))
+        x, y = a.malloc(4 * MiB), a.malloc(6 * MiB)
+        a.free(x)
+        z = a.malloc(8 * MiB)
+        assert a.check_invariants() == ""
+        assert a.stats()["reserved_bytes.all.current"] == 14 * MiB == dev.used
+        assert dev.counters()["create"]["bytes"] == 14 * MiB
+        # x's old address is free address space, but its pages are in use under z: a request
+        # that fits it exactly is served by new memory until z is freed.
+        w = a.malloc(4 * MiB)
+        assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
+        a.free(z)
+        v = a.malloc(4 * MiB)
+        assert a.stats()["reserved_bytes.all.current"] == 18 * MiB
+        assert a.check_invariants() == ""
+        for p in (w, v, y):
+            a.free(p)
+        a.empty_cache()
+        assert a.check_invariants() == ""
+        assert a.stats()["reserved_bytes.all.current"] == 0 == dev.used
+
+
 def test_empty_cache_releases_each_physical_page_once_with_its_last_address() -> None:
     dev, a, held = _grow_beside_a_distant_hole(ALIASED_PAGES)
     for p in held.values():

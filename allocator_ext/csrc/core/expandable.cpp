@@ -126,13 +126,20 @@
 //   in use through none: each address is carved from an end of its free block and unmapped
 //   once the events of the move complete (move_idle_physical, Note [moving pages]);
 // - an unmap releases physical memory with its last address (empty_cache, garbage
-//   collection), and reserved memory counts physical memory once.
+//   collection), and reserved memory counts physical memory once;
+// - use is counted page by page, so a page of a chunk is usable at one address while another
+//   page of it is in use at another. The driver maps a handle only whole, so a chunk partly in
+//   use serves a growth only where its other pages keep out of the request's way: after the
+//   handles in use nowhere, growth maps the chunk whose free front covers the most of what is
+//   left at the end of the range, its other pages past the request (usable there once free
+//   everywhere).
 // Once each physical allocation has the addresses the step's requests land on, the step makes
-// no device call and holds what it uses at its peak, in whole handles: handles of one page
-// (expandable_chunk_mb:2) are where it pays, since a chunk partly in use cannot serve
-// elsewhere. Measured by replay (docs/benchmarks.md, "Aliased pages"). Its cost is address
-// space, mapped again for each address (a GraphSAGE recording: 24 x its physical memory after
-// ten passes), and a snapshot lists addresses, so a page mapped at several shows at each.
+// no device call and holds what it uses at its peak, in whole handles. Small handles
+// (expandable_chunk_mb:2 or 4) are where it pays, since a chunk's pages in use elsewhere break
+// up the address range of the rest; measured by replay (docs/benchmarks.md, "Aliased pages").
+// Its cost is address space, mapped again for each address (a GraphSAGE recording: 24 x its
+// physical memory after ten passes), and a snapshot lists addresses, so a page mapped at
+// several shows at each.
 // Private pools and the small pool keep one address per page.
 //
 // alias_pages_under_limit, off by default, turns the same on for the general large pool's
@@ -355,10 +362,19 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   // Pages in use nowhere come first, mapped here too (Note [aliased pages]); what they leave
   // follows the rules above.
   std::size_t aliased = 0;
+  SparePhysical last{0, 0, true};  // a chunk partly in use, for the range's last pages
+  std::size_t last_free = 0;
   if (aliasing() && es->tracks_aliases() && !captures_underway()) {
     for (const SparePhysical& s : es->idle_handles(growing_, rounded / page)) {
       spare_pages_.push_back(s);
       aliased += s.pages * page;
+    }
+    // Its other pages lie past the range: only where the unmapped space leaves them room.
+    const std::size_t room = to_map->size / page;
+    if (rounded > aliased && room > rounded / page) {
+      last = es->partly_idle_chunk(growing_, (rounded - aliased) / page, room - rounded / page + 1,
+                                   spare_pages_, &last_free);
+      if (last.pages > 0) aliased += std::min(last_free * page, rounded - aliased);
     }
   }
   const std::size_t rest = rounded - aliased;
@@ -378,7 +394,8 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
       config_.expandable_grow > 0 && chunk_pages > 1 ? 0 : rounded / page;
   release_spares_beyond(spare_room, page);
   std::size_t alias_bytes = 0;  // of the range mapped: addresses added, no new memory
-  Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_, &alias_bytes);
+  Range mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_, &alias_bytes,
+                         &last, last_free);
   if (mapped.size == 0) {
     // The device refused: what it had left marks the ceiling, and from here growth nears it.
     std::size_t device_free = 0;  // unknown: the ceiling is what is reserved
@@ -393,7 +410,8 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
   if (mapped.size == 0 && !took_back && config_.reuse_free_pages && !captures_underway() &&
       take_back_free_pages(to_map->pool, to_map, rest) > 0) {
     release_spares_beyond(spare_room, page);
-    mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_, &alias_bytes);
+    mapped = es->map(Range{to_map->ptr, size}, chunk_pages, &spare_pages_, &alias_bytes, &last,
+                     last_free);
   }
   // Pages taken back but not mapped (a chunk was mapped instead, or the map failed) are
   // returned to the device.

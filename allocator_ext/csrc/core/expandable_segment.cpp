@@ -34,7 +34,8 @@ ExpandableSegment::~ExpandableSegment() {
 }
 
 Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<SparePhysical>* spare,
-                             std::size_t* aliased) {
+                             std::size_t* aliased, const SparePhysical* last,
+                             std::size_t last_free) {
   if (aliased != nullptr) *aliased = 0;
   const std::size_t begin = page_floor(r.ptr);
   const std::size_t end = page_ceil(r.ptr + r.size);
@@ -66,7 +67,11 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
     if (aliased != nullptr) *aliased = 0;
   };
   std::size_t first = begin;
-  while (spare != nullptr && !spare->empty() && spare->back().pages <= end - first) {
+  // The partly idle chunk serves the range's last pages; what comes before maps as usual.
+  const std::size_t last_serves =
+      last != nullptr && last->pages > 0 ? std::min(last_free, end - begin) : 0;
+  const std::size_t last_at = end - last_serves;
+  while (spare != nullptr && !spare->empty() && spare->back().pages <= last_at - first) {
     const SparePhysical& s = spare->back();
     put_chunk(first, Chunk{s.handle, s.pages, physical_->add_address(s.handle, s.pages, address(first))});
     if (aliased != nullptr && s.alias) *aliased += s.pages * page_size_;
@@ -78,11 +83,11 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
   // borders another block, and once that block is freed only whole free handles can be
   // given back: fine pages there leave little free memory pinned inside a chunk that is
   // partly in use (Note [page policy] in expandable.cpp, page size and chunks).
-  const std::size_t chunks = chunk > 1 ? (end - first) / chunk : 0;
-  const std::size_t singles = (end - first) - chunks * chunk;
+  const std::size_t chunks = chunk > 1 ? (last_at - first) / chunk : 0;
+  const std::size_t singles = (last_at - first) - chunks * chunk;
   const std::size_t chunks_begin = first + (chunks > 0 ? singles / 2 : singles);
   const std::size_t chunks_end = chunks_begin + chunks * chunk;
-  for (std::size_t n = 0; first < end; first += n) {
+  for (std::size_t n = 0; first < last_at; first += n) {
     n = first >= chunks_begin && first < chunks_end ? chunk : 1;
     PhysicalHandle handle = 0;
     if (!device_.create_physical(n * page_size_, &handle)) {
@@ -92,11 +97,19 @@ Range ExpandableSegment::map(Range r, std::size_t chunk_pages, std::vector<Spare
     put_chunk(first, Chunk{handle, n, physical_->add_address(handle, n, address(first))});
     made.push_back(first);
   }
+  std::size_t mapped_end = end;
+  if (last_serves > 0) {
+    put_chunk(last_at,
+              Chunk{last->handle, last->pages,
+                    physical_->add_address(last->handle, last->pages, address(last_at))});
+    if (aliased != nullptr) *aliased += last->pages * page_size_;
+    mapped_end = last_at + last->pages;
+  }
   std::vector<Device::Mapping> mappings;
-  for (auto it = chunks_.lower_bound(begin); it != chunks_.end() && it->first < end; ++it)
+  for (auto it = chunks_.lower_bound(begin); it != chunks_.end() && it->first < mapped_end; ++it)
     mappings.push_back({it->second.pages * page_size_, it->second.handle});
   device_.map_range(base_ + begin * page_size_, mappings);
-  return pages(begin, end);
+  return pages(begin, mapped_end);
 }
 
 std::vector<std::map<std::size_t, ExpandableSegment::Chunk>::iterator>
@@ -193,31 +206,36 @@ std::size_t ExpandableSegment::mapped_bytes() const {
 
 void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
   // By the page array, not the chunk map: a block of many one-page chunks is walked often.
+  const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
   for_each_page_chunk(r, [&](const PageChunk& c) {
-    const std::size_t first = c.first;
     Physical& p = *c.physical;
-    if (delta > 0 && p.in_use == 0) {
-      if (p.handed_out && p.last_stream != stream_) {
-        p.streams_changed = true;
-        auto& w = hand_off.wait_for;
-        auto it = std::find_if(w.begin(), w.end(),
-                               [&](const auto& x) { return x.first == p.last_stream; });
-        // One wait a stream: on its latest event, or on all it queued if a page has none.
-        if (it == w.end()) {
-          w.emplace_back(p.last_stream, p.free_seq);
-        } else if (it->second != 0) {
-          it->second = p.free_seq == 0 ? 0 : std::max(it->second, p.free_seq);
+    const std::size_t from = std::max<std::size_t>(begin, c.first);
+    const std::size_t to = std::min<std::size_t>(end, c.first + c.pages);
+    for (std::size_t i = from - c.first; i < to - c.first; ++i) {
+      PhysicalPages::Page& page = p.page[i];
+      if (delta > 0 && page.in_use == 0) {
+        if (page.handed_out && page.last_stream != stream_) {
+          page.streams_changed = true;
+          auto& w = hand_off.wait_for;
+          auto it = std::find_if(w.begin(), w.end(),
+                                 [&](const auto& x) { return x.first == page.last_stream; });
+          // One wait a stream: on its latest event, or on all it queued if a page has none.
+          if (it == w.end()) {
+            w.emplace_back(page.last_stream, page.free_seq);
+          } else if (it->second != 0) {
+            it->second = page.free_seq == 0 ? 0 : std::max(it->second, page.free_seq);
+          }
         }
+        page.last_stream = stream_;
+        page.handed_out = true;
       }
-      p.last_stream = stream_;
-      p.handed_out = true;
-    }
-    physical_->use(p, address(first), delta);
-    if (delta < 0 && p.in_use == 0) {
-      // Only pages that change stream are worth an event at their free.
-      const bool record = p.streams_changed && hand_off.free_seq != 0;
-      p.free_seq = record ? hand_off.free_seq : 0;
-      if (record) hand_off.record = true;
+      physical_->use(p, i, address(c.first), delta);
+      if (delta < 0 && page.in_use == 0) {
+        // Only pages that change stream are worth an event at their free.
+        const bool record = page.streams_changed && hand_off.free_seq != 0;
+        page.free_seq = record ? hand_off.free_seq : 0;
+        if (record) hand_off.record = true;
+      }
     }
     return true;
   });
@@ -226,11 +244,17 @@ void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
 bool ExpandableSegment::usable(Range r) const {
   // An allocation mapped elsewhere too may appear once in r: each seen is stamped.
   const std::uint64_t stamp = physical_->next_stamp();
+  const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
   bool ok = true;
   for_each_page_chunk(r, [&](const PageChunk& c) {
-    if (c.physical->addresses.size() > 1) {
-      if (!c.physical->free_at(address(c.first)) || c.physical->seen == stamp) return ok = false;
-      c.physical->seen = stamp;
+    const Physical& p = *c.physical;
+    if (p.addresses.size() > 1) {
+      if (p.seen == stamp) return ok = false;
+      p.seen = stamp;
+      const std::size_t from = std::max<std::size_t>(begin, c.first);
+      const std::size_t to = std::min<std::size_t>(end, c.first + c.pages);
+      for (std::size_t i = from - c.first; i < to - c.first; ++i)
+        if (!p.free_at(i, address(c.first))) return ok = false;
     }
     return true;
   });
@@ -238,26 +262,21 @@ bool ExpandableSegment::usable(Range r) const {
 }
 
 std::uintptr_t ExpandableSegment::first_usable(Range r, std::size_t size) const {
-  // One pass over the pages, restarting after any chunk in use elsewhere (a window that maps
-  // one allocation twice restarts after the chunk where it was found), until no window fits.
+  // One pass over the pages, restarting after any page in use elsewhere (a window that maps
+  // one allocation twice restarts after the page where it was found), until no window fits.
   if (r.size < size) return 0;
   const std::uintptr_t last_start = r.ptr + r.size - size;
   std::uintptr_t start = r.ptr;
   const std::size_t end = page_ceil(r.ptr + r.size);
-  for (std::size_t p = page_floor(r.ptr); p < end && start <= last_start;) {
+  for (std::size_t p = page_floor(r.ptr); p < end && start <= last_start; ++p) {
     const PageChunk& c = page_chunks_[p];
-    if (c.physical == nullptr) {  // not in a free block's range: nothing to hand out here
-      start = base_ + (++p) * page_size_;
-      continue;
-    }
-    const std::uintptr_t chunk_end = base_ + (c.first + c.pages) * page_size_;
-    if (!c.physical->free_at(address(c.first))) {
-      start = chunk_end;
-    } else if (start + size <= chunk_end) {
+    const std::uintptr_t page_end = base_ + (p + 1) * page_size_;
+    if (c.physical == nullptr || !c.physical->free_at(p - c.first, address(c.first))) {
+      start = page_end;  // unmapped (nothing to hand out here) or in use elsewhere
+    } else if (start + size <= page_end) {
       if (usable(Range{start, size})) return start;
-      start = chunk_end;
+      start = page_end;
     }
-    p = c.first + c.pages;
   }
   return 0;
 }
@@ -312,6 +331,34 @@ std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
   return chosen;
 }
 
+SparePhysical ExpandableSegment::partly_idle_chunk(Range exclude, std::size_t max_pages,
+                                                  std::size_t max_total,
+                                                  const std::vector<SparePhysical>& taken,
+                                                  std::size_t* free_pages) const {
+  SparePhysical best{0, 0, true};
+  std::size_t best_serves = 0;
+  *free_pages = 0;
+  if (max_pages == 0) return best;
+  physical_->for_each([&](const Physical& p) {
+    if (p.pages < 2 || p.pages > max_total || p.page[0].in_use > 0) return;
+    std::size_t head = 0;
+    while (head < p.pages && p.page[head].in_use == 0) ++head;
+    const std::size_t serves = std::min(head, max_pages);
+    if (serves < best_serves || (serves == best_serves && p.pages >= best.pages)) return;
+    for (const PhysicalPages::Address& a : p.addresses) {
+      if (a.segment != this) continue;
+      const std::uintptr_t b = base_ + a.first * page_size_, e = b + p.pages * page_size_;
+      if (b < exclude.ptr + exclude.size && exclude.ptr < e) return;
+    }
+    for (const SparePhysical& t : taken)
+      if (t.handle == p.handle) return;
+    best = SparePhysical{p.handle, p.pages, true};
+    best_serves = serves;
+    *free_pages = head;
+  });
+  return best;
+}
+
 ExpandableSegment::IdlePhysical ExpandableSegment::idle_chunk(Range r, bool front) const {
   const std::size_t lo = page_ceil(r.ptr), hi = page_floor(r.ptr + r.size);
   if (lo >= hi) return {};
@@ -326,7 +373,7 @@ ExpandableSegment::IdlePhysical ExpandableSegment::idle_chunk(Range r, bool fron
   }
   if (it == chunks_.end() || it->first + it->second.pages > hi) return {};
   const Physical& p = *it->second.physical;
-  if (p.in_use > 0) return {};
+  if (!p.idle()) return {};
   IdlePhysical idle{it->second.handle, p.pages, {}};
   for (const PhysicalPages::Address& a : p.addresses) {
     auto* segment = const_cast<ExpandableSegment*>(a.segment);  // segments are never const
@@ -346,8 +393,15 @@ void ExpandableSegment::detach_physical(const IdlePhysical& p, std::vector<Spare
 
 void ExpandableSegment::count_in_use(const std::vector<Range>& in_use,
                                      PhysicalPages::InUseCounts* counts) const {
-  for (const Range& r : in_use)
-    for (const MappedChunk& c : chunks_in(r)) (*counts)[{this, page_floor(c.ptr)}] += 1;
+  for (const Range& r : in_use) {
+    const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
+    for (const MappedChunk& c : chunks_in(r)) {
+      const std::size_t first = page_floor(c.ptr);
+      const std::size_t from = std::max(begin, first);
+      const std::size_t to = std::min(end, first + c.size / page_size_);
+      for (std::size_t page = from; page < to; ++page) (*counts)[{this, page}] += 1;
+    }
+  }
 }
 
 }  // namespace allocwatch

@@ -48,8 +48,13 @@ class ExpandableSegment {
   // a chunk can only be unmapped whole. Returns the range mapped, or an empty range when the
   // device is out of memory (nothing stays mapped; spares used are handed back to `spare`).
   // `aliased`: the bytes of r that spares marked `alias` serve (no new physical memory).
+  // `last`: a physical allocation mapped elsewhere whose first `last_free` pages are in use
+  // nowhere (partly_idle_chunk): mapped at the end of r, it serves r's last pages (at most
+  // last_free), and its other pages lie past r, mapped but usable only once free elsewhere
+  // too; the range returned then ends with it.
   Range map(Range r, std::size_t chunk_pages = 1, std::vector<SparePhysical>* spare = nullptr,
-            std::size_t* aliased = nullptr);
+            std::size_t* aliased = nullptr, const SparePhysical* last = nullptr,
+            std::size_t last_free = 0);
   // Unmaps every chunk lying entirely inside r (a chunk cannot be unmapped in part) and
   // releases its physical memory. With limit > 0, chunks from the front until at least `limit`
   // bytes (a chunk goes whole: up to one chunk more). Returns the contiguous range unmapped
@@ -116,6 +121,14 @@ class ExpandableSegment {
   // here, at most `max_pages` pages in all, largest first (then in address order): spares that
   // map them at one more address.
   std::vector<SparePhysical> idle_handles(Range exclude, std::size_t max_pages) const;
+  // A physical allocation of several pages whose first pages are in use through none of its
+  // addresses, none mapped over `exclude` here and none among `taken`: the one whose free
+  // front serves the most of `max_pages` (then the smallest), mapped at the end of a growth
+  // with its other pages past it (Note [aliased pages], pages of a chunk); pages 0: none.
+  // `*free_pages`: its pages in use nowhere from the front.
+  SparePhysical partly_idle_chunk(Range exclude, std::size_t max_pages, std::size_t max_total,
+                                  const std::vector<SparePhysical>& taken,
+                                  std::size_t* free_pages) const;
   // Physical bytes in use through none of their addresses.
   std::size_t idle_bytes() const { return physical_->idle_bytes(); }
   // A physical allocation in use through none of its addresses, with every range it is mapped

@@ -3,8 +3,8 @@
 // A segment owns the registry of its own pages; with aliased pages the segments of the general
 // large pool, one per stream, share one, so that a physical allocation in use through none of
 // its addresses can be mapped at one more address of any of them (expandable.cpp, Note
-// [aliased pages]). Whatever the number of addresses, an allocation is in use through one of
-// them at a time, and its memory is counted and released once.
+// [aliased pages]). Whatever the number of addresses, each page is in use through one of them
+// at a time, and an allocation's memory is counted and released once.
 #pragma once
 
 #include <cstddef>
@@ -30,12 +30,13 @@ class PhysicalPages {
     std::size_t first = 0;  // first page, in the segment
     bool operator==(const Address& o) const { return segment == o.segment && first == o.first; }
   };
-  struct Physical {
-    PhysicalHandle handle = 0;
-    std::size_t pages = 0;
-    std::vector<Address> addresses;
-    int in_use = 0;      // blocks in use over any of its addresses
-    Address in_use_at;   // the address they use (one at a time)
+  // One page of a physical allocation: the blocks in use over it, all through one address,
+  // and the stream that last used it (a page of a chunk may serve a block at one address while
+  // another page of the same chunk serves one at another: Note [aliased pages], pages of a
+  // chunk).
+  struct Page {
+    int in_use = 0;  // blocks in use over it
+    Address at;      // the address they use
     // The stream of the segment it was last handed out through: another stream's use must
     // first wait for that one on the device.
     StreamId last_stream = 0;
@@ -44,11 +45,21 @@ class PhysicalPages {
     // The event recorded on last_stream when it was last freed there (HandOff::free_seq), or
     // 0: none, and another stream orders itself after that stream's work at hand-out.
     std::uint64_t free_seq = 0;
+  };
+  struct Physical {
+    PhysicalHandle handle = 0;
+    std::size_t pages = 0;
+    std::vector<Address> addresses;
+    std::vector<Page> page;        // by page offset
+    std::size_t pages_in_use = 0;  // pages with a block in use over them
     mutable std::uint64_t seen = 0;  // ExpandableSegment::usable()'s stamp
     Physical* idle_prev = nullptr;   // the list of those in use through no address
     Physical* idle_next = nullptr;
-    // Usable through this address: in use through no other.
-    bool free_at(const Address& a) const { return in_use == 0 || in_use_at == a; }
+    bool idle() const { return pages_in_use == 0; }
+    // Page i is usable through this address: in use through no other.
+    bool free_at(std::size_t i, const Address& a) const {
+      return page[i].in_use == 0 || page[i].at == a;
+    }
   };
 
   std::size_t page_size() const { return page_size_; }
@@ -56,8 +67,8 @@ class PhysicalPages {
   Physical* add_address(PhysicalHandle h, std::size_t pages, Address a);
   // True where that was h's last address (its physical memory may go).
   bool drop_address(PhysicalHandle h, Address a);
-  // A block over address a was handed out (+1) or freed (-1).
-  void use(Physical& p, Address a, int delta);
+  // A block over page i of p, through address a, was handed out (+1) or freed (-1).
+  void use(Physical& p, std::size_t i, Address a, int delta);
   // Forgets every address of an idle allocation, and returns them (the caller unmaps each).
   std::vector<Address> forget(PhysicalHandle h);
 
@@ -65,11 +76,17 @@ class PhysicalPages {
   // Physical bytes in use through none of their addresses.
   std::size_t idle_bytes() const { return idle_bytes_; }
   const Physical* idle_head() const { return idle_head_; }
+  // f(physical allocation) for each, in handle order.
+  template <class F>
+  void for_each(F&& f) const {
+    for (const auto& [handle, p] : physical_) f(p);
+  }
   std::uint64_t next_stamp() const { return ++stamp_; }
-  // Blocks in use over each address (segment, first page).
+  // Blocks in use over each page of a segment (segment, page).
   using InUseCounts = std::map<std::pair<const ExpandableSegment*, std::size_t>, int>;
-  // The invariant against the blocks in use, given per address as a count: each address's
-  // count is its own (through one address at a time) and the idle list and bytes are right.
+  // The invariant against the blocks in use, given per page of each segment as a count: each
+  // physical page's count is that of one of its addresses (through one at a time), and the idle
+  // list and bytes are right.
   // Empty where it holds, else what is wrong.
   std::string check(const InUseCounts& in_use_by_address) const;
 
