@@ -338,7 +338,8 @@ SparePhysical ExpandableSegment::partly_idle_chunk(Range exclude, std::size_t ma
   SparePhysical best{0, 0, true};
   std::size_t best_serves = 0;
   *free_pages = 0;
-  if (max_pages == 0) return best;
+  // Handles of one page are all idle_handles' to offer: no scan where there are only those.
+  if (max_pages == 0 || physical_->chunks() == 0) return best;
   physical_->for_each([&](const Physical& p) {
     if (p.pages < 2 || p.pages > max_total || p.page[0].in_use > 0) return;
     std::size_t head = 0;

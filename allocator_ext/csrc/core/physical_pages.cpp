@@ -14,6 +14,7 @@ PhysicalPages::Physical* PhysicalPages::add_address(PhysicalHandle h, std::size_
     it->second.pages = pages;
     it->second.page.resize(pages);
     physical_bytes_ += pages * page_size_;
+    if (pages > 1) ++chunks_;
     idle_bytes_ += pages * page_size_;
     link_idle(&it->second);
   }
@@ -28,6 +29,7 @@ bool PhysicalPages::drop_address(PhysicalHandle h, Address a) {
   if (!addresses.empty()) return false;
   // Only free addresses are unmapped: an allocation without addresses is idle.
   physical_bytes_ -= it->second.pages * page_size_;
+  if (it->second.pages > 1) --chunks_;
   idle_bytes_ -= it->second.pages * page_size_;
   unlink_idle(&it->second);
   physical_.erase(it);
@@ -57,6 +59,7 @@ std::vector<PhysicalPages::Address> PhysicalPages::forget(PhysicalHandle h) {
   assert(it != physical_.end() && it->second.idle());
   std::vector<Address> addresses = std::move(it->second.addresses);
   physical_bytes_ -= it->second.pages * page_size_;
+  if (it->second.pages > 1) --chunks_;
   idle_bytes_ -= it->second.pages * page_size_;
   unlink_idle(&it->second);
   physical_.erase(it);

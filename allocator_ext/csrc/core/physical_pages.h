@@ -73,6 +73,8 @@ class PhysicalPages {
   std::vector<Address> forget(PhysicalHandle h);
 
   std::size_t physical_bytes() const { return physical_bytes_; }
+  // Physical allocations of more than one page.
+  std::size_t chunks() const { return chunks_; }
   // Physical bytes in use through none of their addresses.
   std::size_t idle_bytes() const { return idle_bytes_; }
   const Physical* idle_head() const { return idle_head_; }
@@ -99,6 +101,7 @@ class PhysicalPages {
   Physical* idle_head_ = nullptr;
   std::size_t idle_bytes_ = 0;
   std::size_t physical_bytes_ = 0;
+  std::size_t chunks_ = 0;
   mutable std::uint64_t stamp_ = 0;
 };
 
