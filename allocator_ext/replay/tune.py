@@ -46,6 +46,8 @@ CANDIDATES: list[tuple[str, str | None, bool]] = [
     ("allocwatch, 2 MiB pages in 8 MiB chunks", "expandable_chunk_mb:8", False),
     ("allocwatch, 2 MiB pages in 20 MiB chunks", "expandable_chunk_mb:20", False),
     ("allocwatch, aliased 2 MiB pages", "alias_pages:True,expandable_chunk_mb:2", False),
+    ("allocwatch, aliased 2 MiB pages in 4 MiB handles", "alias_pages:True,expandable_chunk_mb:4",
+     False),
 ]
 
 
