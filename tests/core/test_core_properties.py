@@ -29,6 +29,7 @@ CONFIGS = st.sampled_from([
     "expandable_large_page_mb:2,expandable_chunk_mb:10",
     "alias_pages:True",
     "alias_pages:True,expandable_chunk_mb:2",
+    "alias_pages:True,expandable_chunk_mb:4",
 ])
 SIZES = st.one_of(
     st.integers(1, 64 * KiB),
