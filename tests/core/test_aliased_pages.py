@@ -191,6 +191,31 @@ def test_another_stream_maps_memory_in_use_nowhere_and_waits_for_its_last_user_o
     assert dev.counters()["release"]["bytes"] == dev.counters()["create"]["bytes"]
 
 
+def test_a_hand_out_waits_on_the_first_event_after_the_free_not_on_one_recorded_then() -> None:
+    # Stream 1 frees x and z (pages that never changed stream: no event at their frees, each
+    # free takes a number). Stream 2 maps x's pages and, no event on stream 1 being recorded
+    # since, records one there and waits on it. That event came after z's free too: stream 2
+    # taking z's pages waits on it again rather than recording another, and not at all once
+    # stream 1's work is done.
+    for done_between in (False, True):
+        dev = ae.SimDevice(capacity=GiB)
+        a = ae.Allocator(dev, ALIASED_PAGES)
+        x, z = a.malloc(20 * MiB, stream=1), a.malloc(20 * MiB, stream=1)
+        a.free(x)
+        a.free(z)
+        w = a.malloc(20 * MiB, stream=2)
+        assert (calls(dev, "event_record"), a.stats()["num_stream_waits"]) == (1, 1)
+        if done_between:
+            dev.complete_stream(1)
+        v = a.malloc(20 * MiB, stream=2)
+        assert a.stats()["reserved_bytes.all.current"] == 40 * MiB == dev.used
+        assert calls(dev, "event_record") == 1 and host_waits(dev) == 0
+        assert a.stats()["num_stream_waits"] == (1 if done_between else 2)
+        assert a.check_invariants() == ""
+        for p in (w, v):
+            a.free(p)
+
+
 def test_pages_taking_turns_between_streams_cost_an_event_a_free_and_a_query_a_hand_out(
         ) -> None:
     # Streams 1 and 2 take turns with the same 20 MiB while both keep running: each free

@@ -576,7 +576,7 @@ void CachingAllocator::record_free_event(StreamId stream) {
   // Only a hand-out's query looks at an event (wait_on_device); the list is trimmed every
   // kFreeEventsBeforeTrim events, by bisection: a few queries however long it is.
   FreeEvents& events = free_events_[stream];
-  if (!events.empty() && events.size() % kFreeEventsBeforeTrim == 0) trim_free_events(events);
+  if (!events.empty() && events.size() % kFreeEventsBeforeTrim == 0) trim_free_events(stream);
   events.emplace_back(next_free_seq_++, device_->record_event(stream));
 }
 

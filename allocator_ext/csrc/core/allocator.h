@@ -329,16 +329,19 @@ class CachingAllocator {
                       const std::vector<std::pair<StreamId, std::uint64_t>>& others);
   // Events recorded when pages that change stream were freed, by stream, oldest first, with
   // their sequence numbers (Note [aliased pages]); a stream's complete in order.
+  // A free of aliased pages takes the next sequence number (without an event where its pages
+  // never changed stream): an event of that number or later on the stream orders after it.
   using FreeEvents = std::deque<std::pair<std::uint64_t, EventId>>;
   static constexpr std::size_t kFreeEventsBeforeTrim = 64;
   std::map<StreamId, FreeEvents> free_events_;
+  std::map<StreamId, std::uint64_t> free_events_done_;  // the last number dropped as complete
   std::uint64_t next_free_seq_ = 1;
   // Records one on `stream`, after all it has queued.
   void record_free_event(StreamId stream);
-  // Releases the events up to and including `last`.
-  void drop_free_events_through(FreeEvents& events, FreeEvents::iterator last);
-  // Drops the complete ones (a prefix), found by bisection.
-  void trim_free_events(FreeEvents& events);
+  // Releases `stream`'s events up to and including `last`, complete.
+  void drop_free_events_through(StreamId stream, FreeEvents::iterator last);
+  // Drops `stream`'s complete ones (a prefix), found by bisection.
+  void trim_free_events(StreamId stream);
   // A block of a segment with aliased pages handed out or freed: out of the hot path's line.
   [[gnu::noinline]] void aliased_pages_handed_out(Block* block);
   [[gnu::noinline]] void aliased_pages_freed(Block* block);

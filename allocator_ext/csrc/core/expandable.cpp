@@ -115,12 +115,14 @@
 //   request is usable;
 // - a block over memory last handed out on another stream makes its stream wait on the device
 //   (cudaStreamWaitEvent) for that stream's work up to the memory's free, as cudaMallocAsync
-//   orders cross-stream reuse: memory that has changed stream once gets an event at each free
-//   (one a free), and a hand-out after it waits only where that event has not completed (one
-//   query); the first change waits on an event recorded then. Frees query nothing: a stream's
-//   events complete in order, and its list is trimmed every 64 by bisection (host time, in a
-//   stream pipeline, is what these calls cost). The host never waits, and no page moves
-//   between streams;
+//   orders cross-stream reuse. Each free takes a number, and memory that has changed stream
+//   once gets an event at each free (one a free); a hand-out waits on the first event recorded
+//   on the other stream at or after the free, only where it has not completed (one query), and
+//   records one only where none has been recorded since: an event recorded at the hand-out
+//   covers all that stream has queued by then (in FSDP2, the next collectives too). Frees query
+//   nothing: a stream's events complete in order, and its list is trimmed every 64 by
+//   bisection (host time, in a stream pipeline, is what these calls cost). The host never
+//   waits, and no page moves between streams;
 // - memory of other segments moves here as usual; the shared memory leaves for another pool
 //   (a take-back of the small pool, say) only whole, with every address, and only where it is
 //   in use through none: each address is carved from an end of its free block and unmapped
@@ -621,18 +623,21 @@ void CachingAllocator::wait_on_device(
       continue;
     }
     FreeEvents& events = free_events_[other];
+    // An event of the free's number or later that completed: that work is done.
+    if (seq != 0 && free_events_done_[other] >= seq) continue;
+    auto it = seq == 0 ? events.end()
+                       : std::lower_bound(events.begin(), events.end(),
+                                          std::make_pair(seq, EventId{0}));
     EventId event = 0;
-    if (seq == 0) {  // no event at the free: all the other stream has queued comes first
+    if (it == events.end()) {
+      // None recorded since the free (or no free known): all the other stream has queued
+      // comes first.
       record_free_event(other);
       event = events.back().second;
+    } else if (device_->query_event(it->second)) {
+      drop_free_events_through(other, it);
+      continue;
     } else {
-      // Dropped, or complete: that work is done and nothing need wait.
-      if (events.empty() || events.front().first > seq) continue;
-      auto it = std::lower_bound(events.begin(), events.end(), std::make_pair(seq, EventId{0}));
-      if (device_->query_event(it->second)) {
-        drop_free_events_through(events, it);
-        continue;
-      }
       event = it->second;
     }
     device_->stream_wait_event(stream, event);
@@ -640,13 +645,16 @@ void CachingAllocator::wait_on_device(
   }
 }
 
-void CachingAllocator::drop_free_events_through(FreeEvents& events, FreeEvents::iterator last) {
+void CachingAllocator::drop_free_events_through(StreamId stream, FreeEvents::iterator last) {
+  FreeEvents& events = free_events_[stream];
+  free_events_done_[stream] = std::max(free_events_done_[stream], last->first);
   const auto end = std::next(last);
   for (auto it = events.begin(); it != end; ++it) device_->release_event(it->second);
   events.erase(events.begin(), end);
 }
 
-void CachingAllocator::trim_free_events(FreeEvents& events) {
+void CachingAllocator::trim_free_events(StreamId stream) {
+  FreeEvents& events = free_events_[stream];
   // Complete ones form a prefix: bisect for its end.
   std::size_t lo = 0, hi = events.size();  // [0, lo) complete; [hi, size) not
   while (lo < hi) {
@@ -658,7 +666,7 @@ void CachingAllocator::trim_free_events(FreeEvents& events) {
     }
   }
   if (lo > 0)
-    drop_free_events_through(events, events.begin() + static_cast<std::ptrdiff_t>(lo - 1));
+    drop_free_events_through(stream, events.begin() + static_cast<std::ptrdiff_t>(lo - 1));
 }
 
 void CachingAllocator::finish_page_moves(bool wait) {

@@ -231,10 +231,10 @@ void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
       }
       physical_->use(p, i, address(c.first), delta);
       if (delta < 0 && page.in_use == 0) {
-        // Only pages that change stream are worth an event at their free.
-        const bool record = page.streams_changed && hand_off.free_seq != 0;
-        page.free_seq = record ? hand_off.free_seq : 0;
-        if (record) hand_off.record = true;
+        // Every free takes its number; only pages that change stream are worth an event at
+        // it (another stream's hand-out waits on that one, or the first recorded after it).
+        page.free_seq = hand_off.free_seq;
+        if (page.streams_changed && hand_off.free_seq != 0) hand_off.record = true;
       }
     }
     return true;

@@ -99,11 +99,11 @@ class ExpandableSegment {
   // What a hand-out or a free over aliased pages needs of the device (Note [aliased pages]).
   struct HandOff {
     // Handed out: each other stream whose work on a page under the block must come first,
-    // with the event recorded when the page was freed there (its free_seq; 0: none, so
-    // whatever that stream has queued).
+    // with the number the page's free there took (its free_seq: an event of that number or
+    // later orders after it; 0: none known, so whatever that stream has queued).
     std::vector<std::pair<StreamId, std::uint64_t>> wait_for;
-    // Freed: the sequence number of the event the caller records on the block's stream if
-    // `record` comes back true (a page that changes stream went idle).
+    // Freed: the number this free takes; the caller records an event of it on the block's
+    // stream if `record` comes back true (a page that changes stream went idle).
     std::uint64_t free_seq = 0;
     bool record = false;
   };

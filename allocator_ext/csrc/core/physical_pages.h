@@ -42,8 +42,8 @@ class PhysicalPages {
     StreamId last_stream = 0;
     bool handed_out = false;
     bool streams_changed = false;  // it was handed out on two streams once
-    // The event recorded on last_stream when it was last freed there (HandOff::free_seq), or
-    // 0: none, and another stream orders itself after that stream's work at hand-out.
+    // The number its last free there took (HandOff::free_seq): an event of that number or
+    // later on last_stream orders after it; 0: none known (a free during a capture).
     std::uint64_t free_seq = 0;
   };
   struct Physical {
