@@ -206,12 +206,9 @@ std::size_t ExpandableSegment::mapped_bytes() const {
 
 void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
   // By the page array, not the chunk map: a block of many one-page chunks is walked often.
-  const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
-  for_each_page_chunk(r, [&](const PageChunk& c) {
+  for_each_page_chunk(r, [&](const PageChunk& c, std::size_t lo, std::size_t hi) {
     Physical& p = *c.physical;
-    const std::size_t from = std::max<std::size_t>(begin, c.first);
-    const std::size_t to = std::min<std::size_t>(end, c.first + c.pages);
-    for (std::size_t i = from - c.first; i < to - c.first; ++i) {
+    for (std::size_t i = lo; i < hi; ++i) {
       PhysicalPages::Page& page = p.page[i];
       if (delta > 0 && page.in_use == 0) {
         if (page.handed_out && page.last_stream != stream_) {
@@ -219,7 +216,8 @@ void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
           auto& w = hand_off.wait_for;
           auto it = std::find_if(w.begin(), w.end(),
                                  [&](const auto& x) { return x.first == page.last_stream; });
-          // One wait a stream: on its latest event, or on all it queued if a page has none.
+          // One wait a stream: after the latest of its pages' frees, or on all it queued
+          // where a page's is unknown.
           if (it == w.end()) {
             w.emplace_back(page.last_stream, page.free_seq);
           } else if (it->second != 0) {
@@ -244,16 +242,13 @@ void ExpandableSegment::use(Range r, int delta, HandOff& hand_off) {
 bool ExpandableSegment::usable(Range r) const {
   // An allocation mapped elsewhere too may appear once in r: each seen is stamped.
   const std::uint64_t stamp = physical_->next_stamp();
-  const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
   bool ok = true;
-  for_each_page_chunk(r, [&](const PageChunk& c) {
+  for_each_page_chunk(r, [&](const PageChunk& c, std::size_t lo, std::size_t hi) {
     const Physical& p = *c.physical;
     if (p.addresses.size() > 1) {
       if (p.seen == stamp) return ok = false;
       p.seen = stamp;
-      const std::size_t from = std::max<std::size_t>(begin, c.first);
-      const std::size_t to = std::min<std::size_t>(end, c.first + c.pages);
-      for (std::size_t i = from - c.first; i < to - c.first; ++i)
+      for (std::size_t i = lo; i < hi; ++i)
         if (!p.free_at(i, address(c.first))) return ok = false;
     }
     return true;

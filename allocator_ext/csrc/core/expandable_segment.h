@@ -186,19 +186,23 @@ class ExpandableSegment {
   std::unique_ptr<PhysicalPages> own_physical_;
   PhysicalPages* physical_;  // own_physical_, or one shared with other segments
   PhysicalPages::Address address(std::size_t first) const { return {this, first}; }
-  // f(page chunk) for each chunk mapped over any part of r, by the page array (aliases
-  // tracked), while f returns true.
+  // f(page chunk, lo, hi) for each chunk mapped over any part of r, with [lo, hi) the pages of
+  // the chunk (offsets in it) that r covers, by the page array (aliases tracked), while f
+  // returns true.
   template <class F>
   void for_each_page_chunk(Range r, F&& f) const {
-    const std::size_t end = page_ceil(r.ptr + r.size);
-    for (std::size_t page = page_floor(r.ptr); page < end;) {
+    const std::size_t begin = page_floor(r.ptr), end = page_ceil(r.ptr + r.size);
+    for (std::size_t page = begin; page < end;) {
       const PageChunk& c = page_chunks_[page];
       if (c.physical == nullptr) {  // unmapped
         ++page;
         continue;
       }
-      if (!f(c)) return;
-      page = c.first + c.pages;
+      const std::size_t chunk_end = c.first + c.pages;
+      if (!f(c, std::max<std::size_t>(begin, c.first) - c.first,
+             std::min<std::size_t>(end, chunk_end) - c.first))
+        return;
+      page = chunk_end;
     }
   }
   // f(first page, chunk) for each chunk mapped over any part of r, in address order, while f
