@@ -33,7 +33,8 @@ split the patterns among them) and writes one row per pattern and cap:
   device-side stream waits), n/a for PyTorch's allocators, which count none;
 - device calls a step (num_device_alloc + num_device_free + num_sync_all_streams: mappings,
   not calls) of each allocator, and allocwatch's driver calls a step behind them
-  (num_device_calls.*: one a page mapped or unmapped, creates, releases, access grants), and
+  (num_device_calls.*: one a page mapped or unmapped, creates, releases, access grants, events
+  recorded and queried), and
   allocation retries of each allocator; an allocator whose process ran out of memory under the
   cap is marked OOM, and the faster of the others is the one compared (none where both ran
   out: then allocwatch's memory and retries stand alone).

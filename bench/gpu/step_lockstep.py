@@ -45,7 +45,7 @@ Per step, each allocator's device calls (its num_device_alloc / num_device_free 
 num_sync_all_streams: for allocwatch its core's counts, maps and unmaps with expandable
 segments; for PyTorch torch.cuda.memory_stats()'s) and, for allocwatch, the driver calls behind
 them (num_device_calls.*: one a page mapped or unmapped, and the creates, releases and access
-grants), and the median step ratio over the steps
+grants, events recorded and queried), and the median step ratio over the steps
 where allocwatch made device calls against those where it made none: where page moves cost
 step time, these say so. Per step also the time until the host had queued the whole step:
 its median share of the step shows whether the workload is bound by the host (where the
@@ -109,8 +109,10 @@ CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 WAITS = ("num_host_waits.device", "num_host_waits.stream", "num_host_waits.event",
          "num_stream_waits")
 # The driver calls behind those device calls, where the allocator counts them (allocwatch's
-# num_device_calls.*): a mapping makes one a page, so a page move of 16 MiB is some 17 calls.
-DRIVER_CALLS = tuple(f"num_device_calls.{call}" for call in DEVICE_CALLS)
+# num_device_calls.*): a mapping makes one a page, so a page move of 16 MiB is some 17 calls;
+# with them the events it records and queries (cross-stream orderings), which cost the host too.
+DRIVER_CALLS = tuple(f"num_device_calls.{call}"
+                     for call in (*DEVICE_CALLS, "event_record", "event_query"))
 # What the process's threads took from the host during a step (getrusage, all threads): CPU
 # time in user space and in the kernel (the driver's ioctls, page faults), page faults, and
 # how often a thread was switched out, of its own accord or preempted. Their sum of CPU time is
