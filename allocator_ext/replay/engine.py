@@ -175,6 +175,7 @@ def _pass_row(number: int, replayer: Replayer, before: dict[str, int], result: P
         "reserved_ratio": (result.peak_reserved_bytes / replayer.peak_requested
                            if replayer.peak_requested else 0.0),
         "reserved_bytes_at_end": result.reserved_bytes,
+        "mapped_bytes_at_end": mapped_bytes(replayer.device),
         "device_calls": calls,
         "device_call_seconds_estimate": seconds,
         "device_call_share": seconds / trace_s if trace_s else 0.0,
@@ -184,6 +185,18 @@ def _pass_row(number: int, replayer: Replayer, before: dict[str, int], result: P
         "num_ooms": after["num_ooms"] - before["num_ooms"],
         "recorded_ooms_recurred": sum(1 for o in reached if o.recurred),
     }
+
+
+def mapped_bytes(device: Any) -> int:
+    """The address space the simulated device has mapped: each address a page is mapped at
+    counts, so aliased pages (alias_pages) count once per address, while reserved memory
+    counts them once; without aliases the two differ only by pages moved and not yet unmapped."""
+    c = device.counters()
+
+    def made(call: str) -> int:
+        return int(c.get(call, {}).get("bytes", 0))
+
+    return made("map_only") - made("unmap") + made("malloc") - made("free")
 
 
 def _long_run(rows: list[dict[str, Any]], first: dict[str, Any]) -> dict[str, Any]:
@@ -200,4 +213,9 @@ def _long_run(rows: list[dict[str, Any]], first: dict[str, Any]) -> dict[str, An
         "device_call_share_worst_later_pass": max(r["device_call_share"] for r in later),
         "num_alloc_retries_later_passes": sum(r["num_alloc_retries"] for r in later),
         "num_ooms_later_passes": sum(r["num_ooms"] for r in later),
+        # Aliased pages' addresses beyond reserved memory: flat once the layout has settled.
+        "mapped_beyond_reserved_first_pass": (rows[0]["mapped_bytes_at_end"]
+                                              - rows[0]["reserved_bytes_at_end"]),
+        "mapped_beyond_reserved_last_pass": (last["mapped_bytes_at_end"]
+                                             - last["reserved_bytes_at_end"]),
     }

@@ -13,7 +13,9 @@ that keep PyTorch's allocator.
 With several passes (`allocwatch tune --passes N`) each candidate replays the trace N times on
 one allocator, as a long run repeats its steps, and is judged by what the passes reached: the
 peak reserved after the last pass, and the out-of-memory errors and retries of every pass (a
-setting whose cache creeps into the cap in a later pass is not recommended).
+setting whose cache creeps into the cap in a later pass is not recommended); one that goes on
+mapping its pages at new addresses (keeps_mapping_new_addresses) ranks after those that
+settle.
 """
 
 from __future__ import annotations
@@ -76,6 +78,28 @@ def _pytorch_conf(settings: str) -> str:
     return ",".join(keys)
 
 
+# Growth of the address space mapped beyond reserved memory, from pass 2 (pass 1 with two
+# passes) to the last, that counts as a setting that keeps mapping its pages at new addresses:
+# steady_state's bar, as a share of the peak requested bytes.
+MAPPING_GROWTH_MARGIN = 0.002
+
+
+def keeps_mapping_new_addresses(c: Candidate) -> bool:
+    """After several passes, aliased pages (alias_pages) still mapped at ever more addresses:
+    the driver's mappings grow without bound while reserved memory does not. False after one
+    pass, which cannot tell."""
+    passes = c.report.get("passes") or []
+    if len(passes) < 2:
+        return False
+
+    def beyond(p: dict[str, Any]) -> int:
+        return int(p["mapped_bytes_at_end"] - p["reserved_bytes_at_end"])
+
+    base = passes[1] if len(passes) >= 3 else passes[0]
+    grown = beyond(passes[-1]) - beyond(base)
+    return grown > MAPPING_GROWTH_MARGIN * c.report["peak_requested_bytes"]
+
+
 def survives(c: Candidate) -> bool:
     """Never ran out of memory, in any pass (so no recorded out-of-memory error recurred
     either)."""
@@ -108,13 +132,21 @@ def later_passes(c: Candidate) -> dict[str, float] | None:
             "device_call_share": max(p["device_call_share"] for p in passes[1:])}
 
 
+def group(c: Candidate) -> int:
+    """Rank's groups, best first: never out of memory; never out of memory but mapping its
+    pages at ever more addresses pass after pass; out of memory."""
+    if not survives(c):
+        return 2
+    return 1 if keeps_mapping_new_addresses(c) else 0
+
+
 def rank(results: list[Candidate]) -> list[Candidate]:
-    """Best first: those that never ran out of memory before the others; in each, by peak
-    reserved, a run of peaks within TIE_MARGIN of the run's lowest ranked among themselves by
-    retries, then by device calls' cost."""
+    """Best first, by group (group()); in each, by peak reserved, a run of peaks within
+    TIE_MARGIN of the run's lowest ranked among themselves by retries, then by device calls'
+    cost."""
     ranked: list[Candidate] = []
-    for alive in (True, False):
-        left = sorted((c for c in results if survives(c) == alive),
+    for g in (0, 1, 2):
+        left = sorted((c for c in results if group(c) == g),
                       key=lambda c: c.figures["peak_reserved_bytes"])
         while left:
             lowest = left[0].figures["peak_reserved_bytes"]
@@ -197,6 +229,19 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
                      f"recommendation; the least bad, '{best.name}', failed {r['num_ooms']} "
                      "time(s).")
         return " ".join(lines)
+    growing = [c for c in survivors if keeps_mapping_new_addresses(c)]
+    which = "that never ran out of memory"
+    if growing and group(best) == 0:
+        lines.append(
+            f"{len(growing)} candidate(s) that never ran out of memory keep mapping their pages "
+            f"at new addresses pass after pass, so the driver's mappings grow without bound, and "
+            "rank after those that do not (" + ", ".join(f"'{c.name}'" for c in growing) + ").")
+        survivors = [c for c in survivors if c not in growing]
+        which = "that never ran out of memory and keep their mappings"
+    elif growing:
+        lines.append(
+            "Every candidate that never ran out of memory keeps mapping its pages at new "
+            "addresses pass after pass (the driver's mappings grow without bound).")
     margin = TIE_MARGIN * r["peak_requested_bytes"]
     lowest = min(c.figures["peak_reserved_bytes"] for c in survivors)
     tied = [c for c in survivors if c is not best
@@ -207,8 +252,7 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
         lines.append(
             f"'{best.name}' reserves the least at its peak{over} "
             f"({format_size(r['peak_reserved_bytes'])}, {r['reserved_ratio']:.3f} x what the "
-            f"program requested) of the {len(survivors)} candidates that never ran out of "
-            f"memory, with {costs}.")
+            f"program requested) of the {len(survivors)} candidates {which}, with {costs}.")
     else:
         runner = tied[0]
         decided = ("fewer retries" if runner.figures["num_alloc_retries"]
@@ -217,8 +261,8 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
                    f"{1e3 * device_call_seconds(runner):.1f} ms"
                    + (f" over {run['passes']} passes" if run else "") + ")")
         lines.append(
-            f"'{best.name}' is one of {len(tied) + 1} candidates, of the {len(survivors)} that "
-            f"never ran out of memory, whose peaks reserved{over} lie within "
+            f"'{best.name}' is one of {len(tied) + 1} candidates, of the {len(survivors)} "
+            f"{which}, whose peaks reserved{over} lie within "
             f"{format_size(margin)} ({100 * TIE_MARGIN:.0f} % of the peak requested bytes) of "
             f"the least, which rank as equal (also "
             + ", ".join(f"'{c.name}'" for c in tied) + f"); it ranks first among them on "

@@ -174,7 +174,20 @@ def _long_run_lines(run: dict) -> list[str]:
         f"{100 * run['device_call_share_worst_later_pass']:.3f} % after the first)",
         f"                   retries / OOMs after the first pass: "
         f"{run['num_alloc_retries_later_passes']} / {run['num_ooms_later_passes']}",
-    ]
+    ] + _aliases_line(run)
+
+
+def _aliases_line(run: dict) -> list[str]:
+    """Aliased pages' address space beyond reserved memory, where there is any: it keeps
+    growing where a step maps its pages at new addresses pass after pass."""
+    from allocator_ext.replay.sizes import format_size
+
+    first = run["mapped_beyond_reserved_first_pass"]
+    last = run["mapped_beyond_reserved_last_pass"]
+    if not first and not last:
+        return []
+    return [f"                   address space mapped beyond reserved (aliased pages): "
+            f"{format_size(first)} after the first pass, {format_size(last)} after the last"]
 
 
 def _active_time(seconds: float) -> str:

@@ -37,8 +37,10 @@ of their own. Where every candidate runs out of memory, there is no recommendati
 With --passes N each candidate replays the trace N times on one allocator, as a long run repeats
 its steps, and is judged by what the passes reached: the peak reserved after the last pass and
 the out-of-memory errors of every pass, so that a setting whose cache creeps into the cap late
-in a long run is not recommended. The table then shows the later passes' device calls too (the
-most of any one pass after the first, and their cost).
+in a long run is not recommended; a setting that goes on mapping its pages at new addresses
+(aliased pages: the driver's mappings grow while reserved memory does not) ranks after those
+that settle, and the output names it. The table then shows the later passes' device calls too
+(the most of any one pass after the first, and their cost).
 
   allocwatch tune my_run.pickle.gz
   allocwatch tune my_run.pickle.gz --device-memory 1.03x --plot tune.png
@@ -152,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         candidates_for,
         device_call_seconds,
         explain,
+        keeps_mapping_new_addresses,
         later_passes,
         recommended,
         tune,
@@ -215,6 +218,14 @@ def run(args: argparse.Namespace) -> int:
     if args.passes > 1:
         print("later calls, later %: the busiest pass after the first, its device calls of every "
               "kind (page maps, unmaps and creates too) and their cost")
+        for c in ranked:
+            run = c.report["long_run"]
+            first, last = (run["mapped_beyond_reserved_first_pass"],
+                           run["mapped_beyond_reserved_last_pass"])
+            if keeps_mapping_new_addresses(c):
+                print(f"{c.name}: maps its pages at ever more addresses, {format_size(first)} "
+                      f"beyond reserved memory after the first pass, {format_size(last)} after "
+                      "the last (the driver's mappings grow while reserved memory does not)")
     print()
     if best is None:
         print("recommended: none")

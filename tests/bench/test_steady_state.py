@@ -40,12 +40,33 @@ def test_a_few_passes_report_growth_after_pass_2_and_the_calls_that_remain(
         rows[-1]["peak_reserved_bytes"] / rows[1]["peak_reserved_bytes"])
     assert s["call_share_after_pass_2_max"] == max(r["call_share"] for r in rows[2:])
     assert s["meets_bar"] == (s["peak_reserved_last_over_pass_2"] <= 1.002
-                              and s["call_share_after_pass_2_max"] <= 0.001)
+                              and s["call_share_after_pass_2_max"] <= 0.001
+                              and s["mapped_beyond_reserved_after_last_pass"]
+                              - s["mapped_beyond_reserved_after_pass_2"]
+                              <= 0.002 * s["peak_reserved_after_pass_2"])
     # The first pass is what `allocwatch replay` reports.
     first = replay(load_trace(SMALL)).report
     assert rows[0]["peak_reserved_bytes"] == first["peak_reserved_bytes"]
     assert rows[0]["call_share"] == pytest.approx(first["device_call_share"])
     assert SMALL.name in result["stdout"] and "runs meet the bar" in result["stdout"]
+
+
+def test_address_space_mapped_beyond_reserved_counts_against_the_bar(tmp_path: Path) -> None:
+    # Aliased pages under a cap keep mapping FSDP2's memory at new addresses: reserved memory
+    # flat, its mappings growing every pass; the bar counts that growth as it counts reserved's.
+    fsdp2 = REPO / "tests/data/traces/fsdp2__default_lockstep.pickle.gz"
+    result = run_bench(tmp_path, "--passes", "4", "--cap", "1.03", "--config",
+                       "alias_pages:True,expandable_chunk_mb:4", "--traces", str(fsdp2))
+    rows, s = result["passes"][fsdp2.name], result["summary"][fsdp2.name]
+    assert s["mapped_beyond_reserved_after_pass_2"] == rows[1]["mapped_beyond_reserved_bytes"]
+    assert s["mapped_beyond_reserved_after_last_pass"] == rows[-1]["mapped_beyond_reserved_bytes"]
+    grown = s["mapped_beyond_reserved_after_last_pass"] - s["mapped_beyond_reserved_after_pass_2"]
+    assert s["peak_reserved_last_over_pass_2"] <= 1.002
+    assert grown > 0.002 * s["peak_reserved_after_pass_2"] and not s["meets_bar"]
+    # Without aliases nothing is mapped beyond reserved memory.
+    plain = run_bench(tmp_path, "--passes", "3", "--traces", str(SMALL))["summary"][SMALL.name]
+    assert plain["mapped_beyond_reserved_after_pass_2"] == 0
+    assert plain["mapped_beyond_reserved_after_last_pass"] == 0
 
 
 def test_pytorchs_settings_settle_after_the_first_pass(tmp_path: Path) -> None:

@@ -13,7 +13,15 @@ from support.paths import REPO
 
 from allocator_ext.replay import load_trace
 from allocator_ext.replay.trace import peak_requested_bytes
-from allocator_ext.replay.tune import CANDIDATES, TIE_MARGIN, Candidate, rank, tune
+from allocator_ext.replay.tune import (
+    CANDIDATES,
+    TIE_MARGIN,
+    Candidate,
+    explain,
+    keeps_mapping_new_addresses,
+    rank,
+    tune,
+)
 
 EXAMPLE = REPO / "allocator_ext" / "data" / "example_trace.pickle.gz"
 
@@ -53,7 +61,8 @@ def test_after_several_passes_the_table_shows_the_later_passes_device_calls() ->
     def passes(*calls: int) -> list[dict]:
         return [{"device_calls": {"map_only": {"count": n}, "unmap": {"count": n}},
                  "device_call_share": n / 1000, "device_call_seconds_estimate": n / 1e4,
-                 "num_device_alloc": 1, "num_device_free": 0} for n in calls]
+                 "num_device_alloc": 1, "num_device_free": 0, "reserved_bytes_at_end": 0,
+                 "mapped_bytes_at_end": 0} for n in calls]
 
     ranked = []
     for name, later in (("settled", 0), ("moving pages", 40)):
@@ -66,6 +75,45 @@ def test_after_several_passes_the_table_shows_the_later_passes_device_calls() ->
     # The busiest later pass: 40 maps and 40 unmaps, 4 % of the trace's active time.
     assert moving.split()[-2:] == ["80", "4.00"] and settled.split()[-2:] == ["0", "0.00"]
     assert rank(ranked)[0].name == "settled"  # a tie on peak: the cheaper device calls win
+
+
+def test_a_setting_that_keeps_mapping_new_addresses_ranks_after_those_that_settle(
+        ) -> None:
+    # Aliased pages can go on mapping at new addresses pass after pass: reserved memory flat,
+    # the driver's mappings growing. Growth from pass 2 to the last beyond 0.2 % of the peak
+    # requested bytes (2 MiB of 1000 MiB) counts; the least reserved then ranks after a settled
+    # setting, though still before one that ran out of memory.
+    def with_addresses(c: Candidate, *beyond_mib: float) -> Candidate:
+        c.report["passes"] = [{"reserved_bytes_at_end": 900 * 2**20,
+                               "mapped_bytes_at_end": int((900 + b) * 2**20),
+                               "device_call_seconds_estimate": 0.0} for b in beyond_mib]
+        return c
+
+    growing = with_addresses(candidate("aliased, growing", 900), 0, 500, 510)
+    settled = with_addresses(candidate("aliased, settled", 950), 0, 500, 501)
+    plain = with_addresses(candidate("plain", 980), 0, 0, 0)
+    failed = with_addresses(candidate("out of memory", 800, ooms=1), 0, 0, 0)
+    assert [keeps_mapping_new_addresses(c) for c in (growing, settled, plain)] == [
+        True, False, False]
+    assert [c.name for c in rank([growing, settled, plain, failed])] == [
+        "aliased, settled", "plain", "aliased, growing", "out of memory"]
+    assert not keeps_mapping_new_addresses(candidate("one pass", 900))
+
+
+def test_tune_names_the_aliased_settings_that_keep_mapping_and_recommends_one_that_settles(
+        ) -> None:
+    # The GraphSAGE recording's aliased candidates reserve the least, but map their pages at
+    # new addresses in every pass.
+    trace = load_trace(REPO / "tests/data/traces/graph__default.pickle.gz")
+    ranked = tune(trace, passes=3)
+    aliased = [c for c in ranked if "alias_pages:True" in c.settings]
+    assert aliased and all(keeps_mapping_new_addresses(c) for c in aliased)
+    assert not keeps_mapping_new_addresses(ranked[0]) and ranked[0] not in aliased
+    assert min(c.figures["peak_reserved_bytes"] for c in aliased) < ranked[0].figures[
+        "peak_reserved_bytes"]
+    why = explain(ranked[0], ranked)
+    assert "keep mapping their pages at new addresses" in why
+    assert all(f"'{c.name}'" in why for c in aliased)
 
 
 def test_under_a_tight_cap_candidates_that_run_out_of_memory_rank_last() -> None:

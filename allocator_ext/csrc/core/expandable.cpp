@@ -139,8 +139,12 @@
 // no device call and holds what it uses at its peak, in whole handles. Small handles
 // (expandable_chunk_mb:2 or 4) are where it pays, since a chunk's pages in use elsewhere break
 // up the address range of the rest; measured by replay (docs/benchmarks.md, "Aliased pages").
-// Its cost is address space, mapped again for each address (a GraphSAGE recording: 24 x its
-// physical memory after ten passes), and a snapshot lists addresses, so a page mapped at
+// Its cost is address space, mapped again for each address, and it has no bound: nothing
+// unmaps an address while its memory is in use through another, so a step whose requests
+// land where no address range has every page idle (fresh shapes; FSDP2's 1 GiB buffers under a
+// cap) maps idle pages at new addresses pass after pass, reserved memory flat and the
+// driver's mappings growing (replay, 20 passes: the address space beyond reserved grows on 27
+// of 44 runs, a trainer's to 35 x its memory). A snapshot lists addresses, so a page mapped at
 // several shows at each.
 // Private pools and the small pool keep one address per page.
 //
