@@ -277,6 +277,12 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
                 f"Its device calls are costly, though: '{cheaper.name}' keeps them at "
                 f"{100 * cheaper.report['device_call_share']:.2f} % for "
                 f"{format_size(more)} more reserved memory.")
+    if "alias_pages:True" in (best.settings or "") and not run:
+        lines.append(
+            "It maps pages at several addresses (aliased pages), which on many programs goes on "
+            "mapping them at new ones step after step, the driver's mappings growing while "
+            "reserved memory does not: tune with --passes 3 or more tells whether it settles "
+            "here.")
     pytorch = next((c for c in ranked if c.settings == "native"), None)
     if pytorch is not None and pytorch is not best and not survives(pytorch):
         # What it reserved stopped short of its failed requests: no saving to compare.

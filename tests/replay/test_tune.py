@@ -114,6 +114,16 @@ def test_tune_names_the_aliased_settings_that_keep_mapping_and_recommends_one_th
     why = explain(ranked[0], ranked)
     assert "keep mapping their pages at new addresses" in why
     assert all(f"'{c.name}'" in why for c in aliased)
+    assert "--passes 3 or more" not in why
+
+
+def test_an_aliased_recommendation_from_one_pass_says_how_to_tell_whether_it_settles() -> None:
+    # One pass cannot tell whether aliased pages keep mapping at new addresses; the
+    # record_stream pipeline's recording holds the least with them.
+    trace = load_trace(REPO / "tests/data/traces/stream_pipeline__default_lockstep.pickle.gz")
+    ranked = tune(trace)
+    assert "alias_pages:True" in ranked[0].settings
+    assert "--passes 3 or more" in explain(ranked[0], ranked)
 
 
 def test_under_a_tight_cap_candidates_that_run_out_of_memory_rank_last() -> None:
