@@ -290,14 +290,7 @@ std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
   // Largest first, then by the address each was first mapped at.
   std::vector<const Physical*> idle;
   for (const Physical* p = physical_->idle_head(); p != nullptr; p = p->idle_next) {
-    if (p->pages > max_pages) continue;
-    bool overlaps = false;
-    for (const PhysicalPages::Address& a : p->addresses) {
-      if (a.segment != this) continue;
-      const std::uintptr_t b = base_ + a.first * page_size_, e = b + p->pages * page_size_;
-      if (b < exclude.ptr + exclude.size && exclude.ptr < e) overlaps = true;
-    }
-    if (!overlaps) idle.push_back(p);
+    if (p->pages <= max_pages && !mapped_over(*p, exclude)) idle.push_back(p);
   }
   auto where = [&](const Physical* p) {
     const PhysicalPages::Address& a = p->addresses.front();
@@ -326,6 +319,15 @@ std::vector<SparePhysical> ExpandableSegment::idle_handles(Range exclude,
   return chosen;
 }
 
+bool ExpandableSegment::mapped_over(const Physical& p, Range r) const {
+  for (const PhysicalPages::Address& a : p.addresses) {
+    if (a.segment != this) continue;
+    const std::uintptr_t b = base_ + a.first * page_size_, e = b + p.pages * page_size_;
+    if (b < r.ptr + r.size && r.ptr < e) return true;
+  }
+  return false;
+}
+
 SparePhysical ExpandableSegment::partly_idle_chunk(Range exclude, std::size_t max_pages,
                                                   std::size_t max_total,
                                                   const std::vector<SparePhysical>& taken,
@@ -341,11 +343,7 @@ SparePhysical ExpandableSegment::partly_idle_chunk(Range exclude, std::size_t ma
     while (head < p.pages && p.page[head].in_use == 0) ++head;
     const std::size_t serves = std::min(head, max_pages);
     if (serves < best_serves || (serves == best_serves && p.pages >= best.pages)) return;
-    for (const PhysicalPages::Address& a : p.addresses) {
-      if (a.segment != this) continue;
-      const std::uintptr_t b = base_ + a.first * page_size_, e = b + p.pages * page_size_;
-      if (b < exclude.ptr + exclude.size && exclude.ptr < e) return;
-    }
+    if (mapped_over(p, exclude)) return;
     for (const SparePhysical& t : taken)
       if (t.handle == p.handle) return;
     best = SparePhysical{p.handle, p.pages, true};

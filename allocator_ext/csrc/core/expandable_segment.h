@@ -186,6 +186,8 @@ class ExpandableSegment {
   std::unique_ptr<PhysicalPages> own_physical_;
   PhysicalPages* physical_;  // own_physical_, or one shared with other segments
   PhysicalPages::Address address(std::size_t first) const { return {this, first}; }
+  // p is mapped here at an address that overlaps r.
+  bool mapped_over(const Physical& p, Range r) const;
   // f(page chunk, lo, hi) for each chunk mapped over any part of r, with [lo, hi) the pages of
   // the chunk (offsets in it) that r covers, by the page array (aliases tracked), while f
   // returns true.
