@@ -199,6 +199,12 @@ def mapped_bytes(device: Any) -> int:
     return made("map_only") - made("unmap") + made("malloc") - made("free")
 
 
+def mapped_beyond_reserved(row: dict[str, Any]) -> int:
+    """A pass row's address space mapped beyond its reserved memory at the pass's end: aliased
+    pages' extra addresses (0 without aliases)."""
+    return int(row["mapped_bytes_at_end"] - row["reserved_bytes_at_end"])
+
+
 def _long_run(rows: list[dict[str, Any]], first: dict[str, Any]) -> dict[str, Any]:
     """What the passes add up to: the last pass's peak beside the first's, and the worst of
     what the passes after the first cost and ran into."""
@@ -214,8 +220,6 @@ def _long_run(rows: list[dict[str, Any]], first: dict[str, Any]) -> dict[str, An
         "num_alloc_retries_later_passes": sum(r["num_alloc_retries"] for r in later),
         "num_ooms_later_passes": sum(r["num_ooms"] for r in later),
         # Aliased pages' addresses beyond reserved memory: flat once the layout has settled.
-        "mapped_beyond_reserved_first_pass": (rows[0]["mapped_bytes_at_end"]
-                                              - rows[0]["reserved_bytes_at_end"]),
-        "mapped_beyond_reserved_last_pass": (last["mapped_bytes_at_end"]
-                                             - last["reserved_bytes_at_end"]),
+        "mapped_beyond_reserved_first_pass": mapped_beyond_reserved(rows[0]),
+        "mapped_beyond_reserved_last_pass": mapped_beyond_reserved(last),
     }

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import allocator_ext._core as ae
-from allocator_ext.replay.engine import replay
+from allocator_ext.replay.engine import mapped_beyond_reserved, replay
 from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import Trace
 
@@ -91,12 +91,8 @@ def keeps_mapping_new_addresses(c: Candidate) -> bool:
     passes = c.report.get("passes") or []
     if len(passes) < 2:
         return False
-
-    def beyond(p: dict[str, Any]) -> int:
-        return int(p["mapped_bytes_at_end"] - p["reserved_bytes_at_end"])
-
     base = passes[1] if len(passes) >= 3 else passes[0]
-    grown = beyond(passes[-1]) - beyond(base)
+    grown = mapped_beyond_reserved(passes[-1]) - mapped_beyond_reserved(base)
     return grown > MAPPING_GROWTH_MARGIN * c.report["peak_requested_bytes"]
 
 
@@ -277,7 +273,7 @@ def explain(best: Candidate, ranked: list[Candidate]) -> str:
                 f"Its device calls are costly, though: '{cheaper.name}' keeps them at "
                 f"{100 * cheaper.report['device_call_share']:.2f} % for "
                 f"{format_size(more)} more reserved memory.")
-    if "alias_pages:True" in (best.settings or "") and not run:
+    if "alias_pages:True" in best.settings and not run:
         lines.append(
             "It maps pages at several addresses (aliased pages), which on many programs goes on "
             "mapping them at new ones step after step, the driver's mappings growing while "

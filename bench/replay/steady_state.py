@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from allocator_ext.replay import load_trace, replay
+from allocator_ext.replay.engine import mapped_beyond_reserved
 from allocator_ext.replay.progress import progress_bar
 from allocator_ext.replay.trace import peak_requested_bytes
 from bench import REPO
@@ -87,7 +88,7 @@ def replay_passes(run: Run, config: str | None, done: Any = None) -> list[dict[s
              "call_share": p["device_call_share"],
              "peak_reserved_bytes": p["peak_reserved_bytes"],
              "reserved_bytes": p["reserved_bytes_at_end"],
-             "mapped_beyond_reserved_bytes": p["mapped_bytes_at_end"] - p["reserved_bytes_at_end"],
+             "mapped_beyond_reserved_bytes": mapped_beyond_reserved(p),
              "num_alloc_retries": p["num_alloc_retries"], "num_ooms": p["num_ooms"]}
             for p in passes]
 
