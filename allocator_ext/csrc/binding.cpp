@@ -368,6 +368,28 @@ PYBIND11_MODULE(_core, m) {
            "With True, every event completes as soon as it is recorded.")
       .def("set_stream_auto_complete", &SimDevice::set_stream_auto_complete, py::arg("stream"),
            py::arg("on"), "The same for the events of one stream.")
+      .def(
+          "set_unmap_thread",
+          [](SimDevice& d, const std::string& where) {
+            if (where == "caller") {
+              d.set_unmap_thread(Device::UnmapThread::caller);
+            } else if (where == "own") {
+              d.set_unmap_thread(Device::UnmapThread::own);
+            } else if (where == "own_in_lockstep") {
+              d.set_unmap_thread(Device::UnmapThread::own_in_lockstep);
+            } else {
+              throw py::value_error("unmap thread '" + where +
+                                    "': expected caller, own or own_in_lockstep");
+            }
+          },
+          py::arg("where"),
+          "Where the allocator makes moved pages' unmap calls (unmap_off_thread): 'caller' "
+          "(the default), 'own' (its own thread, as on CUDA) or 'own_in_lockstep' (its own "
+          "thread, the allocating thread waiting for each: a replay's calls in one order). "
+          "Those of its own thread count as 'unmap_off_thread'.")
+      .def("hold_unmaps", &SimDevice::hold_unmaps, py::arg("on"),
+           "With True, every unmap blocks until hold_unmaps(False), two seconds at most.",
+           py::call_guard<py::gil_scoped_release>())
       .def("counters", &counters_dict, "Count and bytes of every kind of device call.")
       .def("reset_counters", &SimDevice::reset_counters, "Set every call counter to 0.");
 

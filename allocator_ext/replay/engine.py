@@ -196,7 +196,8 @@ def mapped_bytes(device: Any) -> int:
     def made(call: str) -> int:
         return int(c.get(call, {}).get("bytes", 0))
 
-    return made("map_only") - made("unmap") + made("malloc") - made("free")
+    unmapped = made("unmap") + made("unmap_off_thread")
+    return made("map_only") - unmapped + made("malloc") - made("free")
 
 
 def mapped_beyond_reserved(row: dict[str, Any]) -> int:

@@ -6,6 +6,8 @@ PyTorch's CUDA caching allocator does (c10/cuda/CUDACachingAllocator.cpp).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from support.page_steps import MOVING, STEP_AMONG_HOLES, calls, host_waits, looped_step_page_calls
 
@@ -547,17 +549,23 @@ def test_moved_pages_are_unmapped_once_events_say_the_device_is_done() -> None:
         assert a.check_invariants() == "", donor_stream
 
 
-def test_address_space_whose_pages_moved_is_not_reused_before_it_is_unmapped() -> None:
-    # Until its old mapping goes, the range still shows the moved pages: growing into it then
-    # would alias memory that another block now holds.
-    dev = ae.SimDevice(capacity=GiB)
-    a = ae.Allocator(dev)
+def move_80_mib_to_stream_2(a: ae.Allocator) -> int:
+    """Stream 0's segment with 80 MiB free between blocks in use at its ends; a 100 MiB request
+    of stream 2 moves those pages to its own segment (still mapped at stream 0's, until the
+    device is done). Returns the request's address."""
     keep = a.malloc(20 * MiB)
     donor = a.malloc(60 * MiB)
     a.malloc(20 * MiB)                            # the segment's end stays in use
     a.free(donor)
     a.free(keep)
-    moved_to = a.malloc(100 * MiB, stream=2)      # moves the free pages to stream 2's segment
+    return a.malloc(100 * MiB, stream=2)
+
+
+def test_address_space_whose_pages_moved_is_not_reused_before_it_is_unmapped() -> None:
+    # Until its old mapping goes, the range still shows the moved pages: growing into it then
+    # would alias memory that another block now holds.
+    a = ae.Allocator(ae.SimDevice(capacity=GiB))
+    moved_to = move_80_mib_to_stream_2(a)
     assert a.stats()["pending_unmap_bytes"] > 0
     again = a.malloc(70 * MiB)                    # stream 0 grows: not into the pending range
     for p, size in ((moved_to, 100 * MiB), (again, 70 * MiB)):
@@ -565,6 +573,69 @@ def test_address_space_whose_pages_moved_is_not_reused_before_it_is_unmapped() -
             if p != q:
                 assert p + size <= q or q + other <= p
     assert a.check_invariants() == ""
+
+
+def test_a_moved_pages_old_place_is_unmapped_by_the_allocators_thread_not_the_allocating_one(
+) -> None:
+    # With a device that takes calls from any thread (CUDA's driver does), unmap_off_thread:True
+    # hands the old place to the allocator's own thread once the events complete: the thread
+    # that allocates never makes the unmap call, and the address space stays out of use until
+    # that thread has made it.
+    dev = ae.SimDevice(capacity=GiB)
+    dev.set_unmap_thread("own")
+    a = ae.Allocator(dev, "unmap_off_thread:True")
+    moved_to = move_80_mib_to_stream_2(a)
+    assert a.stats()["pending_unmap_bytes"] == 80 * MiB
+    dev.hold_unmaps(True)                         # an unmap now blocks whoever makes it
+    for stream in (0, 2):
+        dev.complete_stream(stream)               # the device is done with the old place
+    a.process_events()                            # hands it over; returns at once
+    again = a.malloc(70 * MiB)                    # stream 0 grows, the unmap still held ...
+    assert calls(dev, "unmap") == calls(dev, "unmap_off_thread") == 0
+    assert a.stats()["pending_unmap_bytes"] == 80 * MiB
+    assert moved_to + 100 * MiB <= again or again + 70 * MiB <= moved_to
+    assert a.check_invariants() == ""
+    dev.hold_unmaps(False)                        # ... and made by the other thread
+    deadline = time.monotonic() + 10
+    while a.stats()["pending_unmap_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+        a.process_events()
+    s = a.stats()
+    assert s["pending_unmap_bytes"] == 0 and calls(dev, "unmap") == 0
+    assert s["num_unmaps_off_thread"] == calls(dev, "unmap_off_thread") >= 1
+    assert host_waits(dev) == 0
+    assert a.check_invariants() == ""
+    a.free(again)
+    a.free(moved_to)
+
+
+@pytest.mark.parametrize(("where", "config", "off_thread"), [
+    ("caller", "unmap_off_thread:True", False),   # a device that wants every call from one
+    ("own", None, False),                         # off by default: inline anywhere
+    ("own_in_lockstep", "unmap_off_thread:True", True),  # a replay's: in one order
+])
+def test_where_a_moved_pages_old_place_is_unmapped(where: str, config: str | None,
+                                                   off_thread: bool) -> None:
+    dev = ae.SimDevice(capacity=GiB)
+    dev.set_unmap_thread(where)
+    a = ae.Allocator(dev, config)
+    donor = a.malloc(60 * MiB, stream=1)
+    live = a.malloc(40 * MiB, stream=2)
+    a.free(donor)
+    grown = a.malloc(70 * MiB, stream=2)
+    for stream in (1, 2):
+        dev.complete_stream(stream)
+    a.process_events()                            # unmapped when this returns, either way
+    s = a.stats()
+    made = calls(dev, "unmap_off_thread" if off_thread else "unmap")
+    assert s["pending_unmap_bytes"] == 0 and made >= 1
+    assert s["num_unmaps_off_thread"] == (made if off_thread else 0)
+    assert calls(dev, "unmap" if off_thread else "unmap_off_thread") == 0
+    assert host_waits(dev) == 0
+    a.free(grown)
+    a.free(live)
+    with pytest.raises(ValueError, match="unmap thread 'elsewhere'"):
+        dev.set_unmap_thread("elsewhere")
 
 
 def test_empty_cache_finishes_pending_page_moves_by_waiting_and_counts_the_waits() -> None:

@@ -16,5 +16,6 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 
 def test_released_physical_memory_stays_until_its_last_mapping_goes(tmp_path: Path) -> None:
-    out = run_native_checks(tmp_path, "sim_device_test", "devices/sim_device.cpp")
+    out = run_native_checks(tmp_path, "sim_device_test", "devices/sim_device.cpp",
+                            "core/unmapper.cpp")
     assert out.count("ok  ") == 9

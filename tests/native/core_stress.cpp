@@ -123,9 +123,11 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--seconds")) seconds = std::atof(argv[i + 1]);
     if (!std::strcmp(argv[i], "--seed")) seed = std::strtoull(argv[i + 1], nullptr, 10);
   }
-  for (const char* config : {"native", "", "native,expandable_segments:True,max_split_size_mb:64",
-                             "expandable_large_page_mb:2,expandable_chunk_mb:10"}) {
+  for (const char* config :
+       {"native", "unmap_off_thread:True", "native,expandable_segments:True,max_split_size_mb:64",
+        "expandable_large_page_mb:2,expandable_chunk_mb:10,unmap_off_thread:True"}) {
     auto device = std::make_shared<SimDevice>(std::size_t{3} << 30);
+    device->set_unmap_thread(Device::UnmapThread::own);  // the allocator's unmapping thread runs too
     CachingAllocator alloc(device, apply_config(AllocatorConfig::allocwatch(), config));
     alloc.set_memory_fraction(0.9);
     auto until = std::chrono::steady_clock::now() +
@@ -153,8 +155,10 @@ int main(int argc, char** argv) {
     if (stats["reserved_bytes.all.current"] != 0 || device->used() != 0)
       fail(std::string(config) + ": memory left reserved after freeing everything");
     if (stats["allocation.all.current"] != 0) fail("allocations left after freeing everything");
-    std::printf("config '%s': %ld operations on %d threads, %ld invariant checks, ok=%d\n",
-                config, ops.load(), threads, checks.load(), failed ? 0 : 1);
+    std::printf("config '%s': %ld operations on %d threads, %ld invariant checks, %lld unmaps "
+                "off the allocating threads, ok=%d\n",
+                config, ops.load(), threads, checks.load(),
+                static_cast<long long>(stats["num_unmaps_off_thread"]), failed ? 0 : 1);
   }
   return failed ? 1 : 0;
 }

@@ -19,6 +19,7 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -730,6 +731,12 @@ def trace_trackers() -> str:
             f"a {z_size >> 20} MiB segment")
 
 
+def page_moves_off_thread() -> str:
+    """page_moves with unmap_off_thread:True (ENVIRONMENT below): the old places are unmapped
+    by the allocator's own thread."""
+    return page_moves()
+
+
 def page_moves() -> str:
     """Free pages of a side stream's block move to the main stream's growth while the side
     stream still writes them: the main stream waits on the device (its result is never
@@ -761,14 +768,25 @@ def page_moves() -> str:
             f"pass {i}: the side stream's writes reached y")
         del y
         checked += 1
-    torch.empty(512, device="cuda")                      # polls: the old mappings go
-    after = core_stats()
+    # Allocations poll: the one that finds a move's events complete unmaps its old place, or,
+    # with unmap_off_thread, hands it to the allocator's own thread, and a later one finds it
+    # gone.
+    deadline = time.monotonic() + 10
+    while True:
+        torch.empty(512, device="cuda")
+        after = core_stats()
+        if after["pending_unmap_bytes"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
     assert after["pending_unmap_bytes"] == 0, after["pending_unmap_bytes"]
     # Each move recorded an event on the donor and the receiver waited on it; the polls that
-    # found them done unmapped the old addresses.
+    # found them done had the old addresses unmapped.
     assert after["num_device_calls.event_record"] >= checked, after
     assert after["num_device_calls.event_query"] > 0 and after["num_device_calls.unmap"] > 0, after
-    return (f"{checked} moves checked; stream waits {after['num_stream_waits']}, host waits "
+    off_thread = _core.torch_allocator(0).config()["unmap_off_thread"]
+    assert (after["num_unmaps_off_thread"] > 0) == off_thread, after
+    return (f"{checked} moves checked; stream waits {after['num_stream_waits']}, unmaps off the "
+            f"thread {after['num_unmaps_off_thread']}, host waits "
             f"{after['num_host_waits.device']}/{after['num_host_waits.stream']}/"
             f"{after['num_host_waits.event']}")
 
@@ -776,6 +794,7 @@ def page_moves() -> str:
 # Set before install(), which reads them (a scenario's own settings).
 ENVIRONMENT = {
     "waiting_frees_off": {"ALLOCWATCH_ALLOC_CONF": "reuse_waiting_frees:False"},
+    "page_moves_off_thread": {"ALLOCWATCH_ALLOC_CONF": "unmap_off_thread:True"},
     "trace_trackers": {"ALLOCWATCH_ALLOC_CONF": "expandable_segments:False",
                        "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"},
 }

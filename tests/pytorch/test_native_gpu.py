@@ -20,8 +20,8 @@ SEEDED = Path(__file__).resolve().parent / "seeded_snapshot.py"
 NAMES = ["installed", "statistics", "history_and_snapshot", "out_of_memory", "record_stream",
          "graph_capture", "expandable_and_empty_cache", "mempool", "graph_trees",
          "checkpoint_state", "cudnn_benchmark", "fraction_and_settings", "every_setting",
-         "raw_alloc_statistics", "ipc", "trace_trackers", "page_moves", "waiting_frees",
-         "waiting_frees_across_streams", "waiting_frees_off", "nccl_mempool"]
+         "raw_alloc_statistics", "ipc", "trace_trackers", "page_moves", "page_moves_off_thread",
+         "waiting_frees", "waiting_frees_across_streams", "waiting_frees_off", "nccl_mempool"]
 
 
 @pytest.mark.gpu

@@ -86,7 +86,9 @@ def test_the_report_has_every_field_design_md_lists() -> None:
     assert 0 < r["trace_seconds"] < 60
     ratio = r["peak_reserved_bytes"] / r["peak_requested_bytes"]
     assert r["reserved_ratio"] == pytest.approx(ratio)
-    priced = sum(c["seconds"] for c in r["device_calls"].values())
+    # The estimate is the allocating thread's: the unmaps of moved pages' old places, made by
+    # the allocator's own thread, are priced apart.
+    priced = sum(c["seconds"] for k, c in r["device_calls"].items() if k != "unmap_off_thread")
     assert r["device_call_seconds_estimate"] == pytest.approx(priced)
 
 

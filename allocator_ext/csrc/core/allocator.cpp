@@ -56,6 +56,7 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, AllocatorConf
                               ? -1
                               : static_cast<std::int64_t>(config_.max_split_size);
   device_total_ = device_->memory_info().total;
+  unmapper_ = std::make_unique<Unmapper>(*device_);
 }
 
 CachingAllocator::~CachingAllocator() {

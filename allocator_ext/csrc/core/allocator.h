@@ -27,6 +27,7 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "counted_device.h"
+#include "unmapper.h"
 #include "device.h"
 #include "expandable_segment.h"
 #include "page_policy.h"
@@ -404,6 +405,9 @@ class CachingAllocator {
   std::vector<OutsideWork> outside_;  // Note [pool allocators outside the lock]; under mutex_
   std::shared_ptr<Device> device_;  // the back end, through counted_
   CountedDevice* counted_ = nullptr;  // num_device_calls.* (counted_device.h)
+  // Unmaps moved pages' old places off the allocating thread where unmap_off_thread and the
+  // device allow it (core/unmapper.h). Declared after device_, so destroyed (joined) before it.
+  std::unique_ptr<Unmapper> unmapper_;
   AllocatorConfig config_;
   DeviceStats stats_;
   BlockPool large_blocks_{false};
@@ -460,6 +464,7 @@ class CachingAllocator {
     std::vector<Block*> blocks;       // the old places (unmap_pending)
     std::vector<Range> still_mapped;  // what to unmap there
     std::vector<EventId> events;      // not yet seen complete
+    std::uint64_t unmap_ticket = 0;   // handed to unmapper_ (0: not yet)
   };
   std::deque<PageMove> page_moves_;
   TraceRing trace_;

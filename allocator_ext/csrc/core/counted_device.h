@@ -55,6 +55,7 @@ class CountedDevice final : public Device {
     inner_->free(ptr, size);
   }
   bool supports_virtual_memory() const override { return inner_->supports_virtual_memory(); }
+  UnmapThread unmap_thread() const override { return inner_->unmap_thread(); }
   std::uintptr_t reserve_address(std::size_t size, std::size_t alignment) override {
     count(kReserve);
     return inner_->reserve_address(size, alignment);

@@ -48,6 +48,13 @@ class Device {
   // Virtual memory, for expandable segments (cuMemAddressReserve, cuMemCreate, cuMemMap +
   // cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree).
   virtual bool supports_virtual_memory() const = 0;
+  // Where the core makes the unmap calls of moved pages (unmap_off_thread, core/unmapper.h):
+  // on the allocating thread; on a thread of its own (CUDA's driver takes calls from any
+  // thread); or on that thread with the allocating thread waiting for each hand-over, which
+  // keeps the calls in one order from run to run (the simulated device of a replay, which
+  // then prices them as the other thread's).
+  enum class UnmapThread { caller, own, own_in_lockstep };
+  virtual UnmapThread unmap_thread() const { return UnmapThread::caller; }
   virtual std::uintptr_t reserve_address(std::size_t size, std::size_t alignment) = 0;
   virtual void free_address(std::uintptr_t base, std::size_t size) = 0;
   virtual bool create_physical(std::size_t size, PhysicalHandle* handle) = 0;

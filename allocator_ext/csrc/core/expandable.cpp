@@ -177,7 +177,13 @@
 //   without record_stream (PyTorch's allocator tolerates that: it never unmaps a block it
 //   caches), hence more than the donor's stream. Uses that record_stream named were over before
 //   the block was free. Such an unrecorded read races with the new owner's writes exactly as
-//   it would race with PyTorch's reuse of the block on its own stream.
+//   it would race with PyTorch's reuse of the block on its own stream;
+// - with unmap_off_thread (off by default until measured on a GPU), the unmap call itself
+//   (20-40 us a mapping on an H100, most of what a move costs the host) is made by the
+//   allocator's own thread where the device allows it (core/unmapper.h): the allocation that
+//   finds the events complete hands the ranges over and goes on, and a later one finds them
+//   unmapped. An explicit reclaim, which waits on the host anyway, waits for that thread too.
+//   A replay's device has that thread make them in lockstep and prices them apart.
 // Pages released rather than moved (the large pool taking small pages of another page size)
 // must be free before the growth creates its own, so that path still waits on the host, once;
 // allocwatch's defaults never take it (both page sizes are 2 MiB). Every host wait is counted
@@ -677,21 +683,38 @@ void CachingAllocator::finish_page_moves(bool wait) {
   // Oldest first; a move whose events have not all completed holds up none after it, as one
   // slow stream must not hold up the others.
   for (auto it = page_moves_.begin(); it != page_moves_.end();) {
-    auto& events = it->events;
-    events.erase(std::remove_if(events.begin(), events.end(),
-                                [&](EventId e) {
-                                  if (wait) {
-                                    host_wait_event(e);
-                                  } else if (!device_->query_event(e)) {
-                                    return false;
-                                  }
-                                  device_->release_event(e);
-                                  return true;
-                                }),
-                 events.end());
-    if (!events.empty()) {
-      ++it;
-      continue;
+    if (it->unmap_ticket == 0) {
+      auto& events = it->events;
+      events.erase(std::remove_if(events.begin(), events.end(),
+                                  [&](EventId e) {
+                                    if (wait) {
+                                      host_wait_event(e);
+                                    } else if (!device_->query_event(e)) {
+                                      return false;
+                                    }
+                                    device_->release_event(e);
+                                    return true;
+                                  }),
+                   events.end());
+      if (!events.empty()) {
+        ++it;
+        continue;
+      }
+      const Device::UnmapThread where = device_->unmap_thread();
+      if (config_.unmap_off_thread && where != Device::UnmapThread::caller) {
+        it->unmap_ticket = unmapper_->submit(it->still_mapped);
+        // A replay's device: the same calls, in one order (not a wait a GPU run makes).
+        if (where == Device::UnmapThread::own_in_lockstep) unmapper_->wait(it->unmap_ticket);
+      } else {
+        for (const Range& r : it->still_mapped) device_->unmap(r.ptr, r.size);
+      }
+    }
+    if (it->unmap_ticket != 0 && !unmapper_->done(it->unmap_ticket)) {
+      if (!wait) {
+        ++it;
+        continue;
+      }
+      unmapper_->wait(it->unmap_ticket);
     }
     finish_page_move(*it);
     it = page_moves_.erase(it);
@@ -699,7 +722,7 @@ void CachingAllocator::finish_page_moves(bool wait) {
 }
 
 void CachingAllocator::finish_page_move(const PageMove& move) {
-  for (const Range& r : move.still_mapped) device_->unmap(r.ptr, r.size);
+  // Unmapped: the address space joins the unmapped space around it.
   for (Block* block : move.blocks) {
     block->unmap_pending = false;
     become_unmapped_space(block);

@@ -68,6 +68,7 @@ std::map<std::string, std::int64_t> CachingAllocator::stats() const {
   out["pending_unmap_bytes"] = pending_unmap_bytes;
   out["memory_limit_bytes"] = set_fraction_ ? static_cast<std::int64_t>(allowed_memory_maximum_) : 0;
   for (const auto& [key, count] : counted_->counts()) out[key] = count;
+  out["num_unmaps_off_thread"] = unmapper_->unmaps();
   return out;
 }
 

@@ -132,6 +132,10 @@ enum class OnPytorchCall { resets, keeps };
     any_value(), false, true, allocwatch, keeps,                                                  \
     "with reuse_free_pages: a take-back that repeats one already made creates pages "             \
     "instead, once, so that a repeating workload stops moving pages")                             \
+  X(bool, unmap_off_thread, "unmap_off_thread",                                                   \
+    any_value(), false, false, allocwatch, keeps,                                                 \
+    "a moved page's old place is unmapped by a thread of the allocator's own once the device "    \
+    "is done with it, not by the allocating thread (where the device allows: CUDA)")              \
   X(bool, reuse_waiting_frees, "reuse_waiting_frees",                                           \
     any_value(), false, true, allocwatch, keeps,                                                  \
     "where reserved memory cannot grow, blocks still waiting for other streams' uses "            \

@@ -299,6 +299,9 @@ void CudaDevice::unmap(std::uintptr_t addr, std::size_t size) {
   require_granular(addr, "address", "cuMemUnmap");
   require_granular(size, "size", "cuMemUnmap");
   ContextGuard guard(driver_, context_);
+  // The allocator's unmapping thread (core/unmapper.h) may call while another thread captures
+  // a CUDA graph in global mode; the pages are no graph's.
+  RelaxedCaptureMode relaxed(driver_);
   check_release_result(driver_.cuMemUnmap(as_device_pointer(addr), size), "cuMemUnmap");
 }
 

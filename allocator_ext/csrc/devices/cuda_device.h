@@ -39,6 +39,8 @@ class CudaDevice final : public Device {
   void free(void* ptr, std::size_t size) override;
 
   bool supports_virtual_memory() const override { return supports_virtual_memory_; }
+  // Each call makes the device's context current on the calling thread (ContextGuard).
+  UnmapThread unmap_thread() const override { return UnmapThread::own; }
   std::uintptr_t reserve_address(std::size_t size, std::size_t alignment) override;
   void free_address(std::uintptr_t base, std::size_t size) override;
   bool create_physical(std::size_t size, PhysicalHandle* handle) override;

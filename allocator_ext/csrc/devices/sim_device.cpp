@@ -1,7 +1,9 @@
 #include "sim_device.h"
 
 #include <algorithm>
+#include <chrono>
 
+#include "core/unmapper.h"
 
 namespace allocwatch {
 
@@ -156,11 +158,24 @@ void SimDevice::map_range(std::uintptr_t addr, const std::vector<Mapping>& mappi
   count("set_access", at - addr);
 }
 
+void SimDevice::hold_unmaps(bool on) {
+  {
+    std::lock_guard<std::mutex> lock(hold_mutex_);
+    held_ = on;
+  }
+  if (!on) hold_released_.notify_all();
+}
+
 void SimDevice::unmap(std::uintptr_t addr, std::size_t size) {
+  {
+    std::unique_lock<std::mutex> hold(hold_mutex_);
+    // At most a few seconds: a test that held an unmap its own thread makes fails, not hangs.
+    hold_released_.wait_for(hold, std::chrono::seconds(2), [&] { return !held_; });
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   auto mapping = mappings_.find(addr);
   if (mapping == mappings_.end()) misuse("unmap of an address that is not mapped");
-  count("unmap", size);
+  count(Unmapper::on_this_thread() ? "unmap_off_thread" : "unmap", size);
   auto it = physical_.find(mapping->second);
   mappings_.erase(mapping);
   if (it != physical_.end() && --it->second.mappings == 0 && it->second.released) {

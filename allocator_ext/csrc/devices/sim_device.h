@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -33,6 +34,7 @@ class SimDevice : public Device {
   bool malloc(std::size_t size, void** ptr) override;
   void free(void* ptr, std::size_t size) override;
   bool supports_virtual_memory() const override { return true; }
+  UnmapThread unmap_thread() const override { return unmap_thread_; }
   std::uintptr_t reserve_address(std::size_t size, std::size_t alignment) override;
   void free_address(std::uintptr_t base, std::size_t size) override;
   bool create_physical(std::size_t size, PhysicalHandle* handle) override;
@@ -54,6 +56,12 @@ class SimDevice : public Device {
   void complete_stream(StreamId stream);
   // Whether `stream` was last completed up to its latest event (false: work is queued).
   bool stream_idle(StreamId stream) const;
+  // Where the core may make moved pages' unmap calls (caller by default). Those made on its
+  // own thread count as "unmap_off_thread", not "unmap". With hold_unmaps, an unmap blocks
+  // until hold_unmaps(false) (for two seconds at most): a test can see that the allocating
+  // thread does not wait for it.
+  void set_unmap_thread(UnmapThread where) { unmap_thread_ = where; }
+  void hold_unmaps(bool on);
   // With auto-completion, every event is complete as soon as it is recorded.
   void set_auto_complete(bool on);
   // The same for one stream: a device that keeps up with it (replay's recorded streams).
@@ -76,6 +84,10 @@ class SimDevice : public Device {
   bool fits(std::size_t size) const { return capacity_ == 0 || used_ + size <= capacity_; }
 
   mutable std::mutex mutex_;
+  UnmapThread unmap_thread_ = UnmapThread::caller;
+  std::mutex hold_mutex_;  // hold_unmaps: unmap waits on hold_released_ while held_
+  std::condition_variable hold_released_;
+  bool held_ = false;
   int index_;
   std::size_t capacity_;
   std::size_t used_ = 0;
