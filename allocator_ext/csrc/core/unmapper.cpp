@@ -25,7 +25,9 @@ std::uint64_t Unmapper::submit(std::vector<Range> ranges) {
     std::lock_guard<std::mutex> lock(mutex_);
     ticket = ++submitted_;
     queue_.emplace_back(ticket, std::move(ranges));
-    if (!thread_) {
+    if (!thread_ || owner_ != getpid()) {
+      // A forked child copied the object, not the thread: it starts its own.
+      if (thread_) (void)thread_.release();
       owner_ = getpid();
       thread_ = std::make_unique<std::thread>([this] { run(); });
     }
