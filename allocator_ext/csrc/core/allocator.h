@@ -27,13 +27,13 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "counted_device.h"
-#include "unmapper.h"
 #include "device.h"
 #include "expandable_segment.h"
 #include "page_policy.h"
 #include "pointer_map.h"
 #include "stats.h"
 #include "trace.h"
+#include "unmapper.h"
 
 namespace allocwatch {
 
