@@ -187,8 +187,8 @@ class Replayer:
         self.device_memory = device_memory
         self.memory_fraction = memory_fraction
         self.device = ae.SimDevice(capacity=device_memory)
-        # As on CUDA, moved pages' old places are unmapped by the allocator's own thread
-        # (unmap_off_thread), here in lockstep with the replay: the same calls every run,
+        # With unmap_off_thread, moved pages' old places are unmapped by the allocator's own
+        # thread, as on CUDA, here in lockstep with the replay: the same calls every run,
         # priced apart from the share of the allocating thread (costs.OFF_THREAD).
         self.device.set_unmap_thread("own_in_lockstep")
         # Best fit breaks ties by address, so the recorded segment addresses are reused.
