@@ -219,13 +219,14 @@ def run(args: argparse.Namespace) -> int:
         print("later calls, later %: the busiest pass after the first, its device calls of every "
               "kind (page maps, unmaps and creates too) and their cost")
         for c in ranked:
+            if not keeps_mapping_new_addresses(c):
+                continue
             run = c.report["long_run"]
             first, last = (run["mapped_beyond_reserved_first_pass"],
                            run["mapped_beyond_reserved_last_pass"])
-            if keeps_mapping_new_addresses(c):
-                print(f"{c.name}: maps its pages at ever more addresses, {format_size(first)} "
-                      f"beyond reserved memory after the first pass, {format_size(last)} after "
-                      "the last (the driver's mappings grow while reserved memory does not)")
+            print(f"{c.name}: maps its pages at ever more addresses, {format_size(first)} "
+                  f"beyond reserved memory after the first pass, {format_size(last)} after "
+                  "the last (the driver's mappings grow while reserved memory does not)")
     print()
     if best is None:
         print("recommended: none")

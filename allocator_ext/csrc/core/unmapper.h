@@ -51,7 +51,7 @@ class Unmapper {
   void wait(std::uint64_t ticket);
   // Whether the calling thread is an Unmapper's (a device that counts calls tells them apart).
   static bool on_this_thread();
-  // Mappings unmapped by the thread so far.
+  // Unmap calls the thread has made so far (one a range; a range may span several mappings).
   std::int64_t unmaps() const { return unmaps_.load(std::memory_order_relaxed); }
 
  private:
