@@ -21,8 +21,10 @@
 #   patterns     bench.gpu.patterns: every pattern of the workload library in lockstep under
 #                PyTorch's default, its expandable segments and allocwatch, uncapped and at 1.03 x,
 #                8 rounds, each pattern a part of its own (PATTERNS="transformer graph ..." picks
-#                some, default all; PATTERN_MODE=quick for fewer steps a round), then one table:
-#                $OUT/patterns/patterns.md and .json (about 8 minutes quick, 16 full, for all)
+#                some, default all; PATTERN_MODE=quick for fewer steps a round; PATTERN_OURS=NAME
+#                judges another entry of bench/lib/allocators.py, PATTERN_ALSO="NAME ..." adds
+#                processes to the lockstep), then one table: $OUT/patterns/patterns.md and .json
+#                (about 8 minutes quick, 16 full, for all)
 #   convnetprofile  bench.gpu.host_profile --fresh --model convnet: where the convnet's host time
 #                goes on fresh shapes, allocwatch against expandable segments and then expandable
 #                against itself (per op, per kernel, and one cudaMemGetInfo's cost; about 4 minutes)
@@ -112,6 +114,9 @@ run_part() {
     patterns)
       local name mode=()
       [ "${PATTERN_MODE:-full}" = quick ] && mode=(--quick)
+      [ -n "${PATTERN_OURS:-}" ] && mode+=(--ours "$PATTERN_OURS")
+      # shellcheck disable=SC2206  # names, split on purpose
+      [ -n "${PATTERN_ALSO:-}" ] && mode+=(--also $PATTERN_ALSO)
       for name in ${PATTERNS:-$("$PYTHON" -m bench.gpu.patterns names)}; do
         part "pattern $name" "$PYTHON" -m bench.gpu.patterns run "$OUT/patterns" --only "$name" \
           "${mode[@]}"

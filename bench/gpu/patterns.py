@@ -3,7 +3,7 @@ allocator, its expandable segments and allocwatch's, uncapped and under a memory
 1.03 x each process's peak requested bytes, in one table.
 
     python -m bench.gpu.patterns run DIR [--only NAME ...] [--quick] [--rounds 8]
-                                         [--steps N]                              (on a GPU)
+                                         [--steps N] [--ours NAME] [--also NAME ...]  (on a GPU)
     python -m bench.gpu.patterns table DIR [DIR ...] [--markdown FILE] [--json FILE]
     python -m bench.gpu.patterns names           # the patterns, one a line (for shell loops)
 
@@ -15,7 +15,11 @@ capped, every pair of processes meeting in both orders. It writes DIR/lockstep_<
 not import is skipped, saying why; a compiling pattern (reduce_overhead) is compiled once
 first in a process of its own, so that the three timed processes find inductor's caches
 filled. --quick runs fewer steps a round (each pattern's QUICK), --steps sets one count for
-all.
+all. --ours picks the allocator judged (an entry of bench.lib.allocators, default allocwatch's)
+and --also adds processes of other allocators to the same lockstep: a setting judged against
+allocwatch's defaults, step by step, beside PyTorch's two (`--ours
+allocwatch-unmap-off-thread --also allocwatch`); the step ratio is then against the fastest of
+all the others, and the table gives each.
 
 `table` reads the lockstep files of one or more such folders (the calls of a GPU session that
 split the patterns among them) and writes one row per pattern and cap:
@@ -55,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import REPO
+from bench.lib.allocators import ALLOCATORS
 
 OURS = "allocwatch"
 BASELINES = ("pytorch", "expandable")
@@ -106,12 +111,12 @@ def prewarm(name: str, steps: int, seed: int, self_check: bool) -> float:
 
 
 def run(out_dir: Path, names: list[str], rounds: int, steps: int | None, quick: bool,
-        self_check: bool) -> int:
+        self_check: bool, ours: str = OURS, also: tuple[str, ...] = ()) -> int:
     from allocator_ext import workloads
     from bench.gpu import step_lockstep
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    ours, against = OURS, list(BASELINES)
+    against = [a for a in dict.fromkeys([*BASELINES, *also]) if a != ours]
     if self_check:  # no allocwatch on the CPU: PyTorch's allocator judged, against itself too
         ours, against = "pytorch", ["expandable", "pytorch"]
     cores = step_lockstep.pin_parent("")
@@ -245,7 +250,10 @@ def _each(row: dict[str, Any], values: dict[str, Any], show: Any) -> str:
 def markdown(rows: list[dict[str, Any]], folders: list[Path]) -> str:
     if not rows:
         return "(no lockstep results)"
-    first = next(r for r in rows if r.get("fraction_of_peak") is not None)
+    # The heading names the processes of the first row that ran (a table of failures only:
+    # allocwatch's and PyTorch's two).
+    first = next((r for r in rows if r.get("fraction_of_peak") is not None),
+                 {"others": list(BASELINES), "ours": OURS})
     order = " / ".join(LABELS.get(n, n) for n in [*first["others"], first["ours"]])
     lines = [
         f"| pattern | cap | peak reserved ÷ peak requested ({order}) | floor | step time, "
@@ -315,6 +323,11 @@ def main() -> int:
     r.add_argument("--rounds", type=int, default=8, help="timed rounds per cap (default 8)")
     r.add_argument("--steps", type=int, help="steps a round for every pattern")
     r.add_argument("--quick", action="store_true", help="each pattern's quick steps a round")
+    r.add_argument("--ours", choices=sorted(ALLOCATORS), default=OURS,
+                   help="the allocator judged (default allocwatch's defaults)")
+    r.add_argument("--also", choices=sorted(ALLOCATORS), nargs="+", default=[], metavar="NAME",
+                   help="more allocators in the same lockstep, beside PyTorch's default and "
+                        "expandable segments (e.g. allocwatch, with --ours a setting's entry)")
     r.add_argument("--self-check", action="store_true",
                    help="the same on the CPU with tiny workloads (PyTorch's allocator judged)")
     t = sub.add_parser("table", help="the table of lockstep files already written")
@@ -334,7 +347,7 @@ def main() -> int:
     if args.rounds < 1 or (args.steps is not None and args.steps < 1):
         p.error("--rounds and --steps must be at least 1")
     return run(args.out, args.only or list(PATTERNS), args.rounds, args.steps, args.quick,
-               args.self_check)
+               args.self_check, args.ours, tuple(args.also))
 
 
 if __name__ == "__main__":

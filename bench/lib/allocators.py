@@ -16,6 +16,10 @@ ALLOCATORS = {
     "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     # install()'s default: the native back end built against this torch (allocator_ext/native/).
     "allocwatch": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1"},
+    # allocwatch with a moved page's old place unmapped by the allocator's own thread
+    # (unmap_off_thread): the A/B of that setting against the defaults.
+    "allocwatch-unmap-off-thread": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
+                                    "ALLOCWATCH_ALLOC_CONF": "unmap_off_thread:True"},
     # The same core through PyTorch's CUDAPluggableAllocator, install()'s fallback.
     "allocwatch-pluggable": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
                              "ALLOCWATCH_NATIVE": "0"},

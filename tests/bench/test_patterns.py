@@ -270,6 +270,31 @@ def test_the_suite_runs_three_processes_in_lockstep_on_the_cpu(tmp_path: Path) -
     assert "| stream_pipeline | 1.03 × |" in out.stdout
 
 
+def test_a_setting_is_judged_against_the_defaults_in_the_same_lockstep(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The processes run_workload would start are what is checked: the judged allocator, and the
+    # defaults beside PyTorch's two (named once, however often given).
+    seen: list[tuple[str, list[str]]] = []
+
+    def fake_run_workload(name: str, ours: str, against: list[str], *rest: Any) -> dict:
+        seen.append((ours, list(against)))
+        result = {"model": name, "ours": ours, "phases": [], "failures": ["not run"]}
+        rest[-1].write_text(json.dumps(result))  # the lockstep file, as the real one writes
+        return result
+
+    monkeypatch.setattr(step_lockstep, "run_workload", fake_run_workload)
+    monkeypatch.setattr(step_lockstep, "pin_parent", lambda cores: "0")
+    failed = patterns.run(tmp_path, ["convnet"], 1, 1, False, False,
+                          "allocwatch-unmap-off-thread", ("allocwatch", "pytorch", "allocwatch"))
+    assert seen == [("allocwatch-unmap-off-thread", ["pytorch", "expandable", "allocwatch"])]
+    assert failed == 1  # and a table of the failure alone is printed, not a crash
+    # Every name given must be an allocator the benchmarks can start.
+    bad = subprocess.run([sys.executable, "-m", "bench.gpu.patterns", "run", str(tmp_path),
+                          "--also", "allocwatch-fastest"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "allocwatch-fastest" in bad.stderr
+
+
 def test_every_pattern_is_a_workload_and_the_gpu_checks_run_them_all() -> None:
     from allocator_ext import workloads
 
