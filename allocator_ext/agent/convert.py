@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from allocator_ext.protocol.metrics import DEVICE_CALLS
+from allocator_ext.protocol.metrics import DEVICE_CALLS, WAIT_SCOPES
 from allocator_ext.protocol.proto.allocwatch.v1 import agent_pb2 as pb
 
 MiB = 1 << 20
@@ -55,9 +55,8 @@ def allocator_stats(stats: Mapping[str, Any]) -> pb.AllocatorStats:
         gc_reclaimed_bytes=_get(stats, "gc_reclaimed_bytes"),
         empty_cache_calls=_get(stats, "num_empty_cache_calls"),
         allocations=allocations,
-        host_waits_device=_get(stats, "num_host_waits.device"),
-        host_waits_stream=_get(stats, "num_host_waits.stream"),
-        host_waits_event=_get(stats, "num_host_waits.event"),
+        **{f"host_waits_{scope}": _get(stats, f"num_host_waits.{scope}")
+           for scope in WAIT_SCOPES},
         stream_waits=_get(stats, "num_stream_waits"),
         **{f"device_calls_{call}": _get(stats, f"num_device_calls.{call}")
            for call in DEVICE_CALLS},

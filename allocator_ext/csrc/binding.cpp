@@ -448,8 +448,11 @@ PYBIND11_MODULE(_core, m) {
           "benchmark mode asks for each convolution it plans): the device's free memory, asked "
           "at most every `fresh_for_s` seconds and adjusted by this allocator's reserved bytes in "
           "between, or the largest cached free block if larger.")
+      // A reclaim may wait on the host (for the device, or the allocator's unmapping thread):
+      // other Python threads, an agent's among them, run meanwhile.
       .def("empty_cache", &CachingAllocator::empty_cache,
-           "Release every cached block that is not split; returns the bytes released.")
+           "Release every cached block that is not split; returns the bytes released.",
+           py::call_guard<py::gil_scoped_release>())
       .def("garbage_collect", &CachingAllocator::garbage_collect,
            "Release aged cached blocks down to the GC threshold; returns the bytes released.")
       .def_property_readonly(

@@ -35,7 +35,7 @@ SERIES_LABELS = ("rank", "local_rank", "cuda_device", "gpu_uuid")
 INFO_LABELS = ("backend", "torch_version", "cuda_version", "pid", "host", "training_job",
                "world_size", "agent_version", "protocol")
 POOLS = ("small", "large")
-WAIT_SCOPES = ("device", "stream", "event")
+WAIT_SCOPES = ("device", "stream", "event", "unmap_thread")
 # The device calls allocwatch's allocator counts (num_device_calls.*, core/counted_device.h).
 DEVICE_CALLS = ("segment_alloc", "segment_free", "create", "release", "map", "set_access",
                 "unmap")
@@ -196,8 +196,9 @@ METRICS: tuple[Metric, ...] = (
     _counter("empty_cache_calls", "num_empty_cache_calls", "empty_cache() calls"),
     _counter("allocations", "allocation.all.allocated", "Allocations served"),
     _device("host_waits_total", "counter",
-            "Times the allocator made the host wait for the GPU, by scope (device: "
-            "cudaDeviceSynchronize, stream: cudaStreamSynchronize, event: cudaEventSynchronize)",
+            "Times the allocator made the host wait, by scope (device: cudaDeviceSynchronize, "
+            "stream: cudaStreamSynchronize, event: cudaEventSynchronize, unmap_thread: its "
+            "own thread's unmaps of moved pages, where the whole cache is released)",
             labels=("scope",), values=(("scope", WAIT_SCOPES),),
             field="allocator.host_waits_{scope}", stats_key="num_host_waits.{scope}"),
     _counter("stream_waits", "num_stream_waits",

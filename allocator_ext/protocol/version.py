@@ -4,4 +4,4 @@ them costs no import (`allocwatch --version`, the HTTP server's banner)."""
 PACKAGE_VERSION = "0.1.0"
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2
+PROTOCOL_MINOR = 3

@@ -258,8 +258,9 @@ def markdown(rows: list[dict[str, Any]], folders: list[Path]) -> str:
     lines = [
         f"| pattern | cap | peak reserved ÷ peak requested ({order}) | floor | step time, "
         f"{first['ours']} ÷ the faster other (95 % interval) | host waits a step, "
-        f"{first['ours']} (device / stream / event; stream waits) | device calls a step "
-        f"({order}; {first['ours']}'s driver calls) | allocation retries ({order}) |",
+        f"{first['ours']} (device / stream / event / unmap thread; stream waits) | device "
+        f"calls a step ({order}; {first['ours']}'s driver calls) | allocation retries "
+        f"({order}) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         if row.get("fraction_of_peak") is None:
@@ -278,7 +279,8 @@ def markdown(rows: list[dict[str, Any]], folders: list[Path]) -> str:
         shown = "n/a" if waits is None else (
             " / ".join(_count(waits.get(k)) for k in ("num_host_waits.device",
                                                        "num_host_waits.stream",
-                                                       "num_host_waits.event"))
+                                                       "num_host_waits.event",
+                                                       "num_host_waits.unmap_thread"))
             + f"; {_count(waits.get('num_stream_waits'))}")
         lines.append(f"| {row['pattern']} | {cap} | "
                      f"{_each(row, row['reserved_over_requested'], _ratio)} | "

@@ -104,10 +104,11 @@ WARMUP_SEED = 1
 ROUND_SEED = 1000  # round r draws from seed ROUND_SEED + r: never the warm-up's
 CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 # The allocator's own waits, where it counts them (allocwatch's core; PyTorch's do not): its
-# thread waiting for the whole device, a stream or an event, and a stream made to wait for
-# another on the device (no host wait).
+# thread waiting for the whole device, a stream, an event or (releasing the whole cache) the
+# allocator's unmapping thread, and a stream made to wait for another on the device (no host
+# wait).
 WAITS = ("num_host_waits.device", "num_host_waits.stream", "num_host_waits.event",
-         "num_stream_waits")
+         "num_host_waits.unmap_thread", "num_stream_waits")
 # The driver calls behind those device calls, where the allocator counts them (allocwatch's
 # num_device_calls.*): a mapping makes one a page, so a page move of 16 MiB is some 17 calls;
 # with them the events it records and queries (cross-stream orderings), which cost the host too.

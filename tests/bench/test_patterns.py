@@ -175,6 +175,7 @@ def timed_phase(fraction: float, ratios: dict[str, list[float]],
         "host_waits_per_step": {"allocwatch": {"num_host_waits.device": 0.0,
                                                "num_host_waits.stream": 0.25,
                                                "num_host_waits.event": 0.0,
+                                               "num_host_waits.unmap_thread": 0.0,
                                                "num_stream_waits": 1.5, "all": 1.75},
                                 "pytorch": None, "expandable": None},
         "device_calls_per_step": {"allocwatch": {"all": 2.5}, "pytorch": {"all": 0.125},
@@ -212,7 +213,7 @@ def test_the_table_compares_with_the_faster_other_and_shows_each_allocators_figu
     # of less total step time), allocwatch's waits, each allocator's calls (allocwatch's
     # driver calls behind them) and retries.
     assert lines[2] == ("| convnet | uncapped | 1.620 / 1.071 / 1.004 | 1.000 | **1.010** "
-                        "(0.900–1.100) vs expandable, 2 rounds | 0 / 0.25 / 0; 1.5 | "
+                        "(0.900–1.100) vs expandable, 2 rounds | 0 / 0.25 / 0 / 0; 1.5 | "
                         "0.12 / 1 / 2.5; 34 | 3 / 0 / 0 |")
     # Capped: the default's process left (OOM), so expandable is the faster one left.
     assert lines[3].startswith("| convnet | 1.03 × | OOM / 1.071 / 1.004 | 1.000 | **0.990** ")

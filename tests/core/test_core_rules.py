@@ -6,6 +6,7 @@ PyTorch's CUDA caching allocator does (c10/cuda/CUDACachingAllocator.cpp).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -607,6 +608,32 @@ def test_a_moved_pages_old_place_is_unmapped_by_the_allocators_thread_not_the_al
     assert a.check_invariants() == ""
     a.free(again)
     a.free(moved_to)
+
+
+def test_an_explicit_reclaim_waits_for_the_unmapping_thread_and_counts_the_wait() -> None:
+    # The memory of a moved page goes back to the device only once its old place is unmapped
+    # too, so empty_cache waits for the allocator's thread where that unmap is still to come:
+    # a host wait of the caller's like any other, counted apart.
+    dev = ae.SimDevice(capacity=GiB)
+    dev.set_unmap_thread("own")
+    a = ae.Allocator(dev, "unmap_off_thread:True")
+    moved_to = move_80_mib_to_stream_2(a)
+    dev.hold_unmaps(True)                         # the thread's unmap blocks (2 s at most)
+    for stream in (0, 2):
+        dev.complete_stream(stream)
+    a.process_events()                            # handed over, not yet made
+    assert a.stats()["num_host_waits.unmap_thread"] == 0
+    a.free(moved_to)
+    release = threading.Timer(0.5, dev.hold_unmaps, args=(False,))
+    release.start()
+    a.empty_cache()                               # waits for the held unmap to be made
+    release.join()
+    s = a.stats()
+    assert s["num_host_waits.unmap_thread"] == 1
+    # Only the block at stream 0's segment end, still in use, stays reserved.
+    assert s["pending_unmap_bytes"] == 0 and s["reserved_bytes.all.current"] == 20 * MiB
+    assert calls(dev, "unmap_off_thread") >= 1
+    assert a.check_invariants() == ""
 
 
 @pytest.mark.parametrize(("where", "config", "off_thread"), [

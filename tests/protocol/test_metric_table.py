@@ -49,7 +49,7 @@ def test_labels_follow_the_design() -> None:
 def test_the_series_bound_counts_every_series_of_a_device_and_an_agent() -> None:
     per_device = [m for m in METRICS if m.per in ("device", "gpu")]
     assert metrics.series_per_device() == sum(
-        len(list(m.expanded())) for m in per_device) == 47
+        len(list(m.expanded())) for m in per_device) == 48
     assert metrics.series_per_agent() == 5
 
 
@@ -78,7 +78,8 @@ def test_keys_a_source_lacks_read_as_zero() -> None:
     stats = allocator_stats({"reserved_bytes.all.current": 5})
     assert stats.all.reserved_bytes == 5
     assert (stats.host_waits_device, stats.host_waits_stream, stats.host_waits_event,
-            stats.stream_waits, stats.pending_unmap_bytes) == (0, 0, 0, 0, 0)
+            stats.host_waits_unmap_thread, stats.stream_waits,
+            stats.pending_unmap_bytes) == (0, 0, 0, 0, 0, 0)
 
 
 def test_allocwatchs_allocator_reports_every_stats_key_of_the_table() -> None:
@@ -92,7 +93,7 @@ def test_allocwatchs_allocator_reports_every_stats_key_of_the_table() -> None:
 def test_a_name_not_in_the_table_is_refused_with_its_name() -> None:
     with pytest.raises(KeyError, match="torch_cuda_allocator_nope is no metric"):
         metrics.metric("torch_cuda_allocator_nope")
-    assert metrics.metric("torch_cuda_allocator_host_waits_total").series_each == 3
+    assert metrics.metric("torch_cuda_allocator_host_waits_total").series_each == 4
 
 
 def test_the_docs_list_every_metric_as_the_table_renders_it() -> None:

@@ -182,7 +182,8 @@
 //   (20-40 us a mapping on an H100, most of what a move costs the host) is made by the
 //   allocator's own thread where the device allows it (core/unmapper.h): the allocation that
 //   finds the events complete hands the ranges over and goes on, and a later one finds them
-//   unmapped. An explicit reclaim, which waits on the host anyway, waits for that thread too.
+//   unmapped. Releasing the whole cache (an explicit reclaim, a last retry), which waits on
+//   the host anyway, waits for that thread too (num_host_waits.unmap_thread).
 //   A replay's device has that thread make them in lockstep and prices them apart.
 // Pages released rather than moved (the large pool taking small pages of another page size)
 // must be free before the growth creates its own, so that path still waits on the host, once;
@@ -704,6 +705,7 @@ void CachingAllocator::finish_page_moves(bool wait) {
       if (config_.unmap_off_thread && where != Device::UnmapThread::caller) {
         it->unmap_ticket = unmapper_->submit(it->still_mapped);
         // A replay's device: the same calls, in one order (not a wait a GPU run makes).
+        // (Not counted as a host wait: a GPU run never makes it.)
         if (where == Device::UnmapThread::own_in_lockstep) unmapper_->wait(it->unmap_ticket);
       } else {
         for (const Range& r : it->still_mapped) device_->unmap(r.ptr, r.size);
@@ -714,6 +716,7 @@ void CachingAllocator::finish_page_moves(bool wait) {
         ++it;
         continue;
       }
+      stats_.num_host_waits_unmap_thread++;
       unmapper_->wait(it->unmap_ticket);
     }
     finish_page_move(*it);

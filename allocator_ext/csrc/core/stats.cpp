@@ -36,7 +36,8 @@ void DeviceStats::reset_accumulated() {
   oversize_segments.reset_accumulated();
   num_alloc_retries = num_ooms = num_sync_all_streams = 0;
   num_device_alloc = num_device_free = 0;
-  num_host_waits_device = num_host_waits_stream = num_host_waits_event = num_stream_waits = 0;
+  num_host_waits_device = num_host_waits_stream = num_host_waits_event = 0;
+  num_host_waits_unmap_thread = num_stream_waits = 0;
 }
 
 std::map<std::string, std::int64_t> DeviceStats::flatten() const {
@@ -64,6 +65,7 @@ std::map<std::string, std::int64_t> DeviceStats::flatten() const {
   out["num_host_waits.device"] = num_host_waits_device;
   out["num_host_waits.stream"] = num_host_waits_stream;
   out["num_host_waits.event"] = num_host_waits_event;
+  out["num_host_waits.unmap_thread"] = num_host_waits_unmap_thread;
   out["num_stream_waits"] = num_stream_waits;
   return out;
 }

@@ -82,11 +82,13 @@ struct DeviceStats {
   std::int64_t num_empty_cache_calls = 0;
   // Every wait the allocator makes on the host, by what it waits for: the whole device
   // (cudaDeviceSynchronize), one stream (cudaStreamSynchronize), one event
-  // (cudaEventSynchronize). The training loop's CPU stalls for each. And the orderings it asks
-  // of the device instead (cudaStreamWaitEvent), which cost the host nothing.
+  // (cudaEventSynchronize), or the allocator's own unmapping thread (core/unmapper.h; waited
+  // for only where the whole cache is released: an explicit reclaim, a last retry). The training loop's CPU stalls for each. And the orderings
+  // it asks of the device instead (cudaStreamWaitEvent), which cost the host nothing.
   std::int64_t num_host_waits_device = 0;
   std::int64_t num_host_waits_stream = 0;
   std::int64_t num_host_waits_event = 0;
+  std::int64_t num_host_waits_unmap_thread = 0;
   std::int64_t num_stream_waits = 0;
   // The highest allocated and reserved bytes (all pools) since the last take_interval_peaks():
   // a window of its own, so that a reader sampling at intervals (the agent) sees each

@@ -10,7 +10,8 @@
 // The allocator hands over the ranges with submit() and keeps them out of use until done()
 // says their ticket is through; tickets finish in the order given. Nothing here takes the
 // allocator's lock, and the allocating thread never waits for the thread, but in wait(), which
-// an explicit reclaim (that waits on the host anyway) uses.
+// a release of the whole cache (an explicit reclaim, a last retry; each waits on the host
+// anyway) uses, counted as num_host_waits.unmap_thread.
 #pragma once
 
 #include <sys/types.h>

@@ -151,7 +151,7 @@ class PoolStats(_message.Message):
     def __init__(self, allocated_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., requested_bytes: _Optional[int] = ..., inactive_split_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., peak_allocated_bytes: _Optional[int] = ..., peak_reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class AllocatorStats(_message.Message):
-    __slots__ = ("all", "small_pool", "large_pool", "pending_free_bytes", "pending_events", "pending_unmap_bytes", "alloc_retries", "ooms", "device_mallocs", "device_frees", "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes", "empty_cache_calls", "allocations", "largest_free_block_bytes", "host_waits_device", "host_waits_stream", "host_waits_event", "stream_waits", "device_calls_segment_alloc", "device_calls_segment_free", "device_calls_create", "device_calls_release", "device_calls_map", "device_calls_set_access", "device_calls_unmap")
+    __slots__ = ("all", "small_pool", "large_pool", "pending_free_bytes", "pending_events", "pending_unmap_bytes", "alloc_retries", "ooms", "device_mallocs", "device_frees", "sync_all_streams", "gc_reclaims", "gc_reclaimed_bytes", "empty_cache_calls", "allocations", "largest_free_block_bytes", "host_waits_device", "host_waits_stream", "host_waits_event", "stream_waits", "device_calls_segment_alloc", "device_calls_segment_free", "device_calls_create", "device_calls_release", "device_calls_map", "device_calls_set_access", "device_calls_unmap", "host_waits_unmap_thread")
     ALL_FIELD_NUMBER: _ClassVar[int]
     SMALL_POOL_FIELD_NUMBER: _ClassVar[int]
     LARGE_POOL_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class AllocatorStats(_message.Message):
     DEVICE_CALLS_MAP_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CALLS_SET_ACCESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CALLS_UNMAP_FIELD_NUMBER: _ClassVar[int]
+    HOST_WAITS_UNMAP_THREAD_FIELD_NUMBER: _ClassVar[int]
     all: PoolStats
     small_pool: PoolStats
     large_pool: PoolStats
@@ -206,7 +207,8 @@ class AllocatorStats(_message.Message):
     device_calls_map: int
     device_calls_set_access: int
     device_calls_unmap: int
-    def __init__(self, all: _Optional[_Union[PoolStats, _Mapping]] = ..., small_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., large_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., pending_free_bytes: _Optional[int] = ..., pending_events: _Optional[int] = ..., pending_unmap_bytes: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., ooms: _Optional[int] = ..., device_mallocs: _Optional[int] = ..., device_frees: _Optional[int] = ..., sync_all_streams: _Optional[int] = ..., gc_reclaims: _Optional[int] = ..., gc_reclaimed_bytes: _Optional[int] = ..., empty_cache_calls: _Optional[int] = ..., allocations: _Optional[int] = ..., largest_free_block_bytes: _Optional[int] = ..., host_waits_device: _Optional[int] = ..., host_waits_stream: _Optional[int] = ..., host_waits_event: _Optional[int] = ..., stream_waits: _Optional[int] = ..., device_calls_segment_alloc: _Optional[int] = ..., device_calls_segment_free: _Optional[int] = ..., device_calls_create: _Optional[int] = ..., device_calls_release: _Optional[int] = ..., device_calls_map: _Optional[int] = ..., device_calls_set_access: _Optional[int] = ..., device_calls_unmap: _Optional[int] = ...) -> None: ...
+    host_waits_unmap_thread: int
+    def __init__(self, all: _Optional[_Union[PoolStats, _Mapping]] = ..., small_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., large_pool: _Optional[_Union[PoolStats, _Mapping]] = ..., pending_free_bytes: _Optional[int] = ..., pending_events: _Optional[int] = ..., pending_unmap_bytes: _Optional[int] = ..., alloc_retries: _Optional[int] = ..., ooms: _Optional[int] = ..., device_mallocs: _Optional[int] = ..., device_frees: _Optional[int] = ..., sync_all_streams: _Optional[int] = ..., gc_reclaims: _Optional[int] = ..., gc_reclaimed_bytes: _Optional[int] = ..., empty_cache_calls: _Optional[int] = ..., allocations: _Optional[int] = ..., largest_free_block_bytes: _Optional[int] = ..., host_waits_device: _Optional[int] = ..., host_waits_stream: _Optional[int] = ..., host_waits_event: _Optional[int] = ..., stream_waits: _Optional[int] = ..., device_calls_segment_alloc: _Optional[int] = ..., device_calls_segment_free: _Optional[int] = ..., device_calls_create: _Optional[int] = ..., device_calls_release: _Optional[int] = ..., device_calls_map: _Optional[int] = ..., device_calls_set_access: _Optional[int] = ..., device_calls_unmap: _Optional[int] = ..., host_waits_unmap_thread: _Optional[int] = ...) -> None: ...
 
 class AllocatorSettings(_message.Message):
     __slots__ = ("garbage_collection_threshold", "max_split_size_bytes", "expandable_segments", "config_string")
