@@ -200,6 +200,12 @@ def mapped_bytes(device: Any) -> int:
     return made("map_only") - unmapped + made("malloc") - made("free")
 
 
+# A long run's bar (bench/replay/steady_state.py; tune's verdict on a setting that keeps
+# mapping new addresses): once settled, what it reserves, and the address space it maps beyond
+# that, grow by at most this share.
+STEADY_GROWTH_MARGIN = 0.002
+
+
 def mapped_beyond_reserved(row: dict[str, Any]) -> int:
     """A pass row's address space mapped beyond its reserved memory at the pass's end: aliased
     pages' extra addresses (0 without aliases)."""

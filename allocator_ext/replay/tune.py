@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import allocator_ext._core as ae
-from allocator_ext.replay.engine import mapped_beyond_reserved, replay
+from allocator_ext.replay.engine import STEADY_GROWTH_MARGIN, mapped_beyond_reserved, replay
 from allocator_ext.replay.sizes import format_size
 from allocator_ext.replay.trace import Trace
 
@@ -78,12 +78,6 @@ def _pytorch_conf(settings: str) -> str:
     return ",".join(keys)
 
 
-# Growth of the address space mapped beyond reserved memory, from pass 2 (pass 1 with two
-# passes) to the last, that counts as a setting that keeps mapping its pages at new addresses:
-# steady_state's bar, as a share of the peak requested bytes.
-MAPPING_GROWTH_MARGIN = 0.002
-
-
 def keeps_mapping_new_addresses(c: Candidate) -> bool:
     """After several passes, aliased pages (alias_pages) still mapped at ever more addresses:
     the driver's mappings grow without bound while reserved memory does not. False after one
@@ -93,7 +87,9 @@ def keeps_mapping_new_addresses(c: Candidate) -> bool:
         return False
     base = passes[1] if len(passes) >= 3 else passes[0]
     grown = mapped_beyond_reserved(passes[-1]) - mapped_beyond_reserved(base)
-    return grown > MAPPING_GROWTH_MARGIN * c.report["peak_requested_bytes"]
+    # Beyond the steady-state bar's margin (of the peak requested bytes): from pass 2 (pass 1
+    # with two passes) to the last, it keeps mapping its pages at new addresses.
+    return grown > STEADY_GROWTH_MARGIN * c.report["peak_requested_bytes"]
 
 
 def survives(c: Candidate) -> bool:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from allocator_ext.replay import load_trace, replay
-from allocator_ext.replay.engine import mapped_beyond_reserved
+from allocator_ext.replay.engine import STEADY_GROWTH_MARGIN, mapped_beyond_reserved
 from allocator_ext.replay.progress import progress_bar
 from allocator_ext.replay.trace import peak_requested_bytes
 from bench import REPO
@@ -53,7 +53,7 @@ DEFAULT_TRACES = [str(EXAMPLE), str(REPO.parent / "shared/traces/*.pickle.gz"),
                   str(REPO / "tests/data/traces/*.pickle.gz")]
 SHOWN = ("create", "map_only", "unmap", "release", "synchronize")
 SETTLED_AFTER = 2        # passes that only grow the cache
-RESERVED_GROWTH_BAR = 0.002
+RESERVED_GROWTH_BAR = STEADY_GROWTH_MARGIN
 CALL_SHARE_BAR = 0.001
 
 
