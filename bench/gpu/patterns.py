@@ -170,8 +170,12 @@ def phase_row(result: dict[str, Any], phase: dict[str, Any], floor: float | None
               ) -> dict[str, Any]:
     ours = result["ours"]
     names = list(phase.get("phase_reserved_over_requested") or {})
-    others = [n for n in names if n != ours]
     left = phase.get("left", {})
+    # The processes in the order the run started them (the table's heading), those that left
+    # under the cap in their place: a phase lists only the processes still running.
+    started = [n for n in result.get("others") or [] if n != ours]
+    others = started + [n for n in dict.fromkeys([*names, *left]) if n != ours
+                        and n not in started]
     timed = {n: vs for n, vs in (phase.get("against") or {}).items()
              if vs is not None and n not in left}
     faster = max(timed, key=lambda n: timed[n]["step_time_s"][ours] / timed[n]["step_time_s"][n],
@@ -179,7 +183,7 @@ def phase_row(result: dict[str, Any], phase: dict[str, Any], floor: float | None
     vs = timed.get(faster) if faster else None
     return {
         "pattern": result["model"], "fraction_of_peak": phase["fraction_of_peak"],
-        "ours": ours, "others": others + [n for n in left if n not in others],
+        "ours": ours, "others": others,
         "reserved_over_requested": phase.get("phase_reserved_over_requested", {}),
         "floor": floor,
         "faster_other": faster,

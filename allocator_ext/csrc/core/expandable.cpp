@@ -178,7 +178,8 @@
 //   caches), hence more than the donor's stream. Uses that record_stream named were over before
 //   the block was free. Such an unrecorded read races with the new owner's writes exactly as
 //   it would race with PyTorch's reuse of the block on its own stream;
-// - with unmap_off_thread (off by default until measured on a GPU), the unmap call itself
+// - with unmap_off_thread (off by default: on an H100 the pipeline's page-moving steps were
+//   no faster for it; docs/benchmarks.md), the unmap call itself
 //   (20-40 us a mapping on an H100, most of what a move costs the host) is made by the
 //   allocator's own thread where the device allows it (core/unmapper.h): the allocation that
 //   finds the events complete hands the ranges over and goes on, and a later one finds them
