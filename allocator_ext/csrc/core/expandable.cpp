@@ -705,8 +705,8 @@ void CachingAllocator::finish_page_moves(bool wait) {
       const Device::UnmapThread where = device_->unmap_thread();
       if (config_.unmap_off_thread && where != Device::UnmapThread::caller) {
         it->unmap_ticket = unmapper_->submit(it->still_mapped);
-        // A replay's device: the same calls, in one order (not a wait a GPU run makes).
-        // (Not counted as a host wait: a GPU run never makes it.)
+        // A replay's device: the same calls, in one order (not a wait a GPU run makes, so
+        // not counted as one).
         if (where == Device::UnmapThread::own_in_lockstep) unmapper_->wait(it->unmap_ticket);
       } else {
         for (const Range& r : it->still_mapped) device_->unmap(r.ptr, r.size);

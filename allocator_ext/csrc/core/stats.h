@@ -83,8 +83,9 @@ struct DeviceStats {
   // Every wait the allocator makes on the host, by what it waits for: the whole device
   // (cudaDeviceSynchronize), one stream (cudaStreamSynchronize), one event
   // (cudaEventSynchronize), or the allocator's own unmapping thread (core/unmapper.h; waited
-  // for only where the whole cache is released: an explicit reclaim, a last retry). The training loop's CPU stalls for each. And the orderings
-  // it asks of the device instead (cudaStreamWaitEvent), which cost the host nothing.
+  // for only where the whole cache is released: an explicit reclaim, a last retry). The
+  // training loop's CPU stalls for each. And the orderings it asks of the device instead
+  // (cudaStreamWaitEvent), which cost the host nothing.
   std::int64_t num_host_waits_device = 0;
   std::int64_t num_host_waits_stream = 0;
   std::int64_t num_host_waits_event = 0;
