@@ -33,8 +33,8 @@ split the patterns among them) and writes one row per pattern and cap:
 - allocwatch's step time over the faster of the other two (the one of less total step time
   in those rounds): the median per-step ratio, with its 95 % interval over the rounds
   resampled (bench.gpu.lockstep_pool's), the bar being <= 1.00;
-- allocwatch's host waits a step (num_host_waits.device / .stream / .event, and its
-  device-side stream waits), n/a for PyTorch's allocators, which count none;
+- allocwatch's host waits a step (num_host_waits.device / .stream / .event / .unmap_thread,
+  and its device-side stream waits), n/a for PyTorch's allocators, which count none;
 - device calls a step (num_device_alloc + num_device_free + num_sync_all_streams: mappings,
   not calls) of each allocator, and allocwatch's driver calls a step behind them
   (num_device_calls.*: one a page mapped or unmapped, creates, releases, access grants, events
@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from allocator_ext.protocol.metrics import WAIT_SCOPES
 from bench import REPO
 from bench.lib.allocators import ALLOCATORS
 
@@ -281,10 +282,7 @@ def markdown(rows: list[dict[str, Any]], folders: list[Path]) -> str:
                     f"{row['rounds']} round{'s' if row['rounds'] != 1 else ''}")
         waits = row["host_waits_per_step"]
         shown = "n/a" if waits is None else (
-            " / ".join(_count(waits.get(k)) for k in ("num_host_waits.device",
-                                                       "num_host_waits.stream",
-                                                       "num_host_waits.event",
-                                                       "num_host_waits.unmap_thread"))
+            " / ".join(_count(waits.get(f"num_host_waits.{scope}")) for scope in WAIT_SCOPES)
             + f"; {_count(waits.get('num_stream_waits'))}")
         lines.append(f"| {row['pattern']} | {cap} | "
                      f"{_each(row, row['reserved_over_requested'], _ratio)} | "

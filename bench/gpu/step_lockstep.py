@@ -57,8 +57,9 @@ peak reserved / peak requested, over the timed rounds and over the whole phase (
 which met the largest shapes, included), and its allocation retries and out-of-memory errors
 since its process started (those its code caught and went on from count too: cuDNN then tries a
 smaller workspace or another plan, at a cost on the host); per step, allocwatch's host waits
-(num_host_waits.device / .stream / .event: the allocator's thread waiting for the device) and
-its device-side stream waits (num_stream_waits), which PyTorch's allocators do not count.
+(num_host_waits.device / .stream / .event / .unmap_thread: the allocator's thread waiting for
+the device, or for its own unmapping thread) and its device-side stream waits
+(num_stream_waits), which PyTorch's allocators do not count.
 Under a cap, a process of another allocator that runs out of memory is reported and leaves;
 the others go on, and where none is left the judged allocator's process goes on alone, for
 its memory and retries under the cap (no step ratio).
@@ -91,7 +92,7 @@ from pathlib import Path
 from typing import Any
 
 from allocator_ext.protocol.files import write_whole
-from allocator_ext.protocol.metrics import DEVICE_CALLS
+from allocator_ext.protocol.metrics import DEVICE_CALLS, WAIT_SCOPES
 from allocator_ext.workloads import NAMES
 from bench.gpu.lockstep_pool import Round, median_interval
 from bench.lib import source_tree
@@ -107,8 +108,7 @@ CALLS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 # thread waiting for the whole device, a stream, an event or (releasing the whole cache) the
 # allocator's unmapping thread, and a stream made to wait for another on the device (no host
 # wait).
-WAITS = ("num_host_waits.device", "num_host_waits.stream", "num_host_waits.event",
-         "num_host_waits.unmap_thread", "num_stream_waits")
+WAITS = (*(f"num_host_waits.{scope}" for scope in WAIT_SCOPES), "num_stream_waits")
 # The driver calls behind those device calls, where the allocator counts them (allocwatch's
 # num_device_calls.*): a mapping makes one a page, so a page move of 16 MiB is some 17 calls;
 # with them the events it records and queries (cross-stream orderings), which cost the host too.
