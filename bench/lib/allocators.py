@@ -20,6 +20,12 @@ ALLOCATORS = {
     # (unmap_off_thread): the A/B of that setting against the defaults.
     "allocwatch-unmap-off-thread": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
                                     "ALLOCWATCH_ALLOC_CONF": "unmap_off_thread:True"},
+    # Single 2 MiB pages, large blocks starting at page boundaries where that costs no page
+    # (align_to_pages; Note [page policy], alignment): what `allocwatch tune` offers a decoder.
+    "allocwatch-single-pages-aligned": {"PYTORCH_CUDA_ALLOC_CONF": "",
+                                        "ALLOCWATCH_BENCH_INSTALL": "1",
+                                        "ALLOCWATCH_ALLOC_CONF":
+                                            "expandable_chunk_mb:2,align_to_pages:True"},
     # The same core through PyTorch's CUDAPluggableAllocator, install()'s fallback.
     "allocwatch-pluggable": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
                              "ALLOCWATCH_NATIVE": "0"},

@@ -950,6 +950,37 @@ def test_chunks_pin_the_free_pages_of_a_range_partly_in_use() -> None:
     assert a.check_invariants() == ""
 
 
+SINGLE_PAGES = "native,expandable_segments:True,reuse_free_pages:True,expandable_large_page_mb:2," \
+               "expandable_chunk_mb:2"
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_align_to_pages_starts_a_large_block_at_a_page_boundary_where_it_costs_no_page(
+        aligned: bool) -> None:
+    # A block of just under 16 pages placed 1 MiB into a page spans 17; once its neighbour is
+    # gone, that partial page stays mapped for it alone. Aligned, it spans 16 and the 1 MiB
+    # before it stays free in the neighbour's page (Note [page policy], alignment).
+    _, a = native(config=SINGLE_PAGES + f",align_to_pages:{aligned}")
+    neighbour = a.malloc(3 * MiB)
+    kv = a.malloc(32 * MiB - 8 * KiB)
+    assert kv == neighbour + (4 * MiB if aligned else 3 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 36 * MiB   # the same pages either way
+    a.free(neighbour)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == (32 if aligned else 34) * MiB
+    assert a.check_invariants() == ""
+
+
+def test_align_to_pages_leaves_a_block_in_place_where_starting_later_would_need_a_page() -> None:
+    # 5 MiB from 3 MiB ends inside the fourth page; from 4 MiB it would need a fifth.
+    _, a = native(config=SINGLE_PAGES + ",align_to_pages:True")
+    neighbour = a.malloc(3 * MiB)
+    block = a.malloc(5 * MiB)
+    assert block == neighbour + 3 * MiB
+    assert a.stats()["reserved_bytes.all.current"] == 8 * MiB
+    assert a.check_invariants() == ""
+
+
 def test_near_the_memory_at_which_the_device_ran_out_growth_creates_single_pages() -> None:
     # Under a cap, memory pinned in partly used chunks is what later out-of-memory errors are
     # made of (a long run's later passes, docs/benchmarks.md): close to where the device once

@@ -350,6 +350,27 @@ bool CachingAllocator::get_free_block(AllocParams& p) {
   return true;
 }
 
+std::size_t CachingAllocator::page_alignment_gap(const Block* block, std::size_t size) const {
+  // align_to_pages (Note [page policy] in expandable.cpp, alignment): the bytes between the
+  // block's start and the next page boundary, where starting there costs no page now (the rest
+  // of the free block keeps as many whole pages); 0 where the block stays where it is.
+  if (block->pool->is_small || block->expandable == nullptr ||
+      block->expandable->tracks_aliases())
+    return 0;
+  const std::size_t page = block->expandable->page_size();
+  const std::uintptr_t base = block->expandable->base();
+  auto page_end = [page, base](std::uintptr_t p) {
+    return base + (p - base + page - 1) / page * page;
+  };
+  const std::uintptr_t aligned = page_end(block->ptr);
+  const std::uintptr_t end = block->ptr + block->size;
+  if (aligned == block->ptr || aligned + size > end) return 0;
+  if (page_end(aligned + size) != page_end(block->ptr + size)) return 0;
+  const std::size_t rest = end - (aligned + size);
+  if (rest != 0 && rest < kMinBlockSize) return 0;
+  return aligned - block->ptr;
+}
+
 bool CachingAllocator::should_split(const Block* block, std::size_t size) const {
   std::size_t remaining = block->size - size;
   if (block->pool->is_small || config_.expandable_segments) {
@@ -455,6 +476,20 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
   BlockPool* pool = p.pool;
   const PoolKind kind = pool->kind();
   Block* block = p.block;
+  if (split_remainder && config_.align_to_pages) {
+    if (const std::size_t gap = page_alignment_gap(block, size)) {
+      // The front, up to the page boundary, stays behind as a free block of its own.
+      if (p.cached) pool->blocks.erase(p.cached_at);
+      p.cached = false;
+      Block* front = new_block(block->stream, gap, pool, block->ptr);
+      front->expandable = block->expandable;
+      front->splice(block->prev, block);
+      pool->insert_into_blocks(front);
+      block->ptr += gap;
+      block->size -= gap;
+      split_remainder = block->size > size;
+    }
+  }
   const bool already_split = block->is_split();
   // A cached block split from its front keeps its place in the pool when the remainder still
   // sorts there; otherwise it leaves the pool and the remainder is inserted anew.

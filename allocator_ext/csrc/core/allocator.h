@@ -263,6 +263,7 @@ class CachingAllocator {
   // the lock.
   void drop_pool(MempoolId id);
   Block* alloc_found_block(AllocParams& p, bool split_remainder);
+  std::size_t page_alignment_gap(const Block* block, std::size_t size) const;
   bool should_split(const Block* block, std::size_t size) const;
   void free_block(Block* block);
   // free() of a block already taken out of allocated_.

@@ -58,6 +58,19 @@
 // for a workspace larger than the device) leaves growth chunked; a new memory fraction, or
 // growth past that ceiling (another process freed memory), forgets it.
 //
+// Alignment (align_to_pages, off by default). A large block placed where a free block starts
+// inside a page spans that page too: once its neighbours are freed and their whole pages taken
+// back, it holds one page more than its size needs (a decoder's KV-cache blocks of just under
+// 32 MiB, each isolated between taken-back pages: 17 pages each). With the setting it starts
+// at the next page boundary wherever that costs no page now (the free block's rest keeps as
+// many whole pages), and the bytes before it stay a free block in the neighbour's page. Those
+// bytes serve nothing while both blocks live, and blocks packed back to back (an MoE's
+// experts) pay them at every one: replayed, single pages with alignment bring the decoder to
+// its floor (1.021 -> 1.003 x) and hold 19 of 37 traces within their bar where single pages
+// alone hold 15, but MoE rises 1.014 -> 1.025, and with the defaults' chunks alignment helps
+// no trace into its bar. So it stays off, a candidate of `allocwatch tune` with single pages
+// (docs/benchmarks.md, "Each rule switched off").
+//
 // Memory fraction. With reuse_free_pages the fraction is checked in map_block, after the
 // take-back, against what growth really adds. PyTorch checks reserved memory plus the whole
 // request before, and over it frees every cached block and waits for every stream where moving

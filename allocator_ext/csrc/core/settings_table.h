@@ -132,6 +132,10 @@ enum class OnPytorchCall { resets, keeps };
     any_value(), false, true, allocwatch, keeps,                                                  \
     "with reuse_free_pages: a take-back that repeats one already made creates pages "             \
     "instead, once, so that a repeating workload stops moving pages")                             \
+  X(bool, align_to_pages, "align_to_pages",                                                       \
+    any_value(), false, false, allocwatch, keeps,                                                 \
+    "a large block carved from an expandable segment starts at a page boundary where that "       \
+    "leaves the rest of its free block as many whole pages, so that it spans no extra page")      \
   X(bool, unmap_off_thread, "unmap_off_thread",                                                   \
     any_value(), false, false, allocwatch, keeps,                                                 \
     "a moved page's old place is unmapped by a thread of the allocator's own once the device "    \
