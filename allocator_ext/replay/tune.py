@@ -45,7 +45,7 @@ CANDIDATES: list[tuple[str, str | None, bool]] = [
      False),
     ("allocwatch, 8 MiB pages", "expandable_large_page_mb:8,expandable_chunk_mb:0", False),
     ("allocwatch, 2 MiB pages one by one", "expandable_chunk_mb:0", False),
-    ("allocwatch, 2 MiB pages one by one, blocks aligned to them",
+    ("allocwatch, 2 MiB pages one by one, grown blocks aligned to them",
      "expandable_chunk_mb:0,align_to_pages:True", False),
     ("allocwatch, 2 MiB pages in 8 MiB chunks", "expandable_chunk_mb:8", False),
     ("allocwatch, 2 MiB pages in 20 MiB chunks", "expandable_chunk_mb:20", False),

@@ -957,17 +957,26 @@ SINGLE_PAGES = "native,expandable_segments:True,reuse_free_pages:True,expandable
 @pytest.mark.parametrize("aligned", [False, True])
 def test_align_to_pages_starts_a_large_block_at_a_page_boundary_where_it_costs_no_page(
         aligned: bool) -> None:
-    # A block of just under 16 pages placed 1 MiB into a page spans 17; once its neighbour is
-    # gone, that partial page stays mapped for it alone. Aligned, it spans 16 and the 1 MiB
-    # before it stays free in the neighbour's page (Note [page policy], alignment).
+    # A block of just under 16 pages that growth places 1 MiB into a page spans 17; once its
+    # neighbour is gone, that partial page stays mapped for it alone. Aligned, it spans 16 and
+    # the 1 MiB before it stays free in the neighbour's page (Note [page policy], alignment).
     _, a = native(config=SINGLE_PAGES + f",align_to_pages:{aligned}")
     neighbour = a.malloc(3 * MiB)
     kv = a.malloc(32 * MiB - 8 * KiB)
     assert kv == neighbour + (4 * MiB if aligned else 3 * MiB)
     assert a.stats()["reserved_bytes.all.current"] == 36 * MiB   # the same pages either way
+    if aligned:
+        # Only growth aligns: a cached block's pages exist already, shared with its neighbours,
+        # and a gap there would serve nothing while both live.
+        a.free(kv)
+        again = a.malloc(32 * MiB - 8 * KiB)
+        assert again == neighbour + 3 * MiB
+        a.free(again)
+        kv = a.malloc(64 * MiB)     # grows: from the first page that growth maps
+        assert kv == neighbour + 4 * MiB
     a.free(neighbour)
     a.empty_cache()
-    assert a.stats()["reserved_bytes.all.current"] == (32 if aligned else 34) * MiB
+    assert a.stats()["reserved_bytes.all.current"] == (64 if aligned else 34) * MiB
     assert a.check_invariants() == ""
 
 

@@ -58,18 +58,19 @@
 // for a workspace larger than the device) leaves growth chunked; a new memory fraction, or
 // growth past that ceiling (another process freed memory), forgets it.
 //
-// Alignment (align_to_pages, off by default). A large block placed where a free block starts
-// inside a page spans that page too: once its neighbours are freed and their whole pages taken
-// back, it holds one page more than its size needs (a decoder's KV-cache blocks of just under
-// 32 MiB, each isolated between taken-back pages: 17 pages each). With the setting it starts
-// at the next page boundary wherever that costs no page now (the free block's rest keeps as
-// many whole pages), and the bytes before it stay a free block in the neighbour's page. Those
-// bytes serve nothing while both blocks live, and blocks packed back to back (an MoE's
-// experts) pay them at every one: replayed, single pages with alignment bring the decoder to
-// its floor (1.021 -> 1.003 x) and hold 19 of 37 traces within their bar where single pages
-// alone hold 15, but MoE rises 1.014 -> 1.025, and with the defaults' chunks alignment helps
-// no trace into its bar. So it stays off, a candidate of `allocwatch tune` with single pages
-// (docs/benchmarks.md, "Each rule switched off").
+// Alignment (align_to_pages, off by default). Growth for a block that starts inside a page
+// (after the free end of a block in use) maps pages from that page on, and the block spans it
+// too: once its neighbours are freed and their whole pages taken back, it holds one page more
+// than its size needs (a decoder's KV-cache blocks of just under 32 MiB: 17 pages each). With
+// the setting such a block starts at the first page growth mapped wherever that needs no more
+// pages, and the bytes before it stay free in the neighbour's page. Only growth aligns: a
+// cached block's pages exist already, shared with its neighbours, and a gap there serves
+// nothing while both live (aligning those too put MoE's experts, packed back to back, at
+// 1.025 x). Replayed with single pages it holds 20 of 37 traces within their bar where single
+// pages alone hold 15 (convnet 1.012 -> 1.009, decode 1.021 -> 1.014, the record_stream
+// pipeline 1.355 -> 1.225), but calls cost over 2 % on 11 traces, as with single pages; with
+// the defaults' chunks it brings as many traces out of their bar as into it. So it stays off,
+// a candidate of `allocwatch tune` (docs/benchmarks.md, "Each rule switched off").
 //
 // Memory fraction. With reuse_free_pages the fraction is checked in map_block, after the
 // take-back, against what growth really adds. PyTorch checks reserved memory plus the whole
