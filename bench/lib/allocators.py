@@ -26,6 +26,10 @@ ALLOCATORS = {
                                         "ALLOCWATCH_BENCH_INSTALL": "1",
                                         "ALLOCWATCH_ALLOC_CONF":
                                             "expandable_chunk_mb:2,align_to_pages:True"},
+    # allocwatch's defaults with align_to_pages, which acts where growth maps single pages
+    # (under a memory fraction, near the device's ceiling): the A/B of that setting.
+    "allocwatch-aligned": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
+                           "ALLOCWATCH_ALLOC_CONF": "align_to_pages:True"},
     # The same core through PyTorch's CUDAPluggableAllocator, install()'s fallback.
     "allocwatch-pluggable": {"PYTORCH_CUDA_ALLOC_CONF": "", "ALLOCWATCH_BENCH_INSTALL": "1",
                              "ALLOCWATCH_NATIVE": "0"},

@@ -980,6 +980,19 @@ def test_align_to_pages_starts_a_large_block_at_a_page_boundary_where_it_costs_n
     assert a.check_invariants() == ""
 
 
+def test_align_to_pages_acts_only_where_growth_maps_single_pages() -> None:
+    # The defaults' chunks: growth stays where it starts. Under a memory fraction growth maps
+    # single pages (Note [page policy], page size and chunks), and the block is aligned there.
+    for fraction, offset in ((None, 3 * MiB), (0.5, 4 * MiB)):
+        _, a = native(capacity=8 * GiB, config="align_to_pages:True")
+        if fraction is not None:
+            a.set_memory_fraction(fraction)
+        neighbour = a.malloc(3 * MiB)
+        block = a.malloc(32 * MiB - 8 * KiB)
+        assert block == neighbour + offset, fraction
+        assert a.check_invariants() == ""
+
+
 def test_align_to_pages_leaves_a_block_in_place_where_starting_later_would_need_a_page() -> None:
     # 5 MiB from 3 MiB ends inside the fourth page; from 4 MiB it would need a fifth.
     _, a = native(config=SINGLE_PAGES + ",align_to_pages:True")

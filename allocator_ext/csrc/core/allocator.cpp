@@ -352,8 +352,8 @@ bool CachingAllocator::get_free_block(AllocParams& p) {
 
 std::size_t CachingAllocator::page_alignment_gap(const Block* block, std::size_t size) const {
   // align_to_pages (Note [page policy] in expandable.cpp, alignment): for a block that growth
-  // has just mapped pages for, the bytes between its start and the next page boundary, where
-  // starting there costs no page (the rest keeps as many whole pages); 0: it stays in place.
+  // has just mapped single pages for, the bytes between its start and the next page boundary,
+  // where starting there costs no page (the rest keeps as many whole pages); 0: it stays put.
   if (block->pool->is_small || block->expandable == nullptr ||
       block->expandable->tracks_aliases())
     return 0;
@@ -476,8 +476,10 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
   BlockPool* pool = p.pool;
   const PoolKind kind = pool->kind();
   Block* block = p.block;
-  if (split_remainder && config_.align_to_pages && !p.cached) {
-    if (const std::size_t gap = page_alignment_gap(block, size)) {
+  if (grown_in_single_pages_) {
+    grown_in_single_pages_ = false;
+    const std::size_t gap = split_remainder && !p.cached ? page_alignment_gap(block, size) : 0;
+    if (gap != 0) {
       // The front, up to the page boundary, stays behind as a free block of its own.
       Block* front = new_block(block->stream, gap, pool, block->ptr);
       front->expandable = block->expandable;

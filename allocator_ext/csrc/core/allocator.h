@@ -448,6 +448,9 @@ class CachingAllocator {
   // pages (a free block inside the run is part of the request, and one whose pages moved
   // cannot be mapped again before they are unmapped).
   Range growing_ {};
+  // align_to_pages: the growth just made mapped single pages only, so the block it serves
+  // starts at a page boundary where that costs no page (alloc_found_block).
+  bool grown_in_single_pages_ = false;
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;
   std::size_t device_total_ = 0;

@@ -63,14 +63,19 @@
 // too: once its neighbours are freed and their whole pages taken back, it holds one page more
 // than its size needs (a decoder's KV-cache blocks of just under 32 MiB: 17 pages each). With
 // the setting such a block starts at the first page growth mapped wherever that needs no more
-// pages, and the bytes before it stay free in the neighbour's page. Only growth aligns: a
-// cached block's pages exist already, shared with its neighbours, and a gap there serves
-// nothing while both live (aligning those too put MoE's experts, packed back to back, at
-// 1.025 x). Replayed with single pages it holds 20 of 37 traces within their bar where single
-// pages alone hold 15 (convnet 1.012 -> 1.009, decode 1.021 -> 1.014, the record_stream
-// pipeline 1.355 -> 1.225), but calls cost over 2 % on 11 traces, as with single pages; with
-// the defaults' chunks it brings as many traces out of their bar as into it. So it stays off,
-// a candidate of `allocwatch tune` (docs/benchmarks.md, "Each rule switched off").
+// pages, and the bytes before it stay free in the neighbour's page. Only growth in single pages
+// aligns (under a memory fraction below the whole device, near the device's ceiling, or with
+// expandable_chunk_mb:2): aligning chunked growth too took as many traces out of their bar as
+// into it. And only growth: a cached block's pages exist already, shared with its neighbours,
+// and a gap there serves nothing while both live (aligning those too put MoE's experts, packed
+// back to back, at 1.025 x). Replayed with single pages throughout it holds 20 of 37 traces
+// within their bar where single pages alone hold 15 (convnet 1.012 -> 1.009, decode 1.021 ->
+// 1.014, the record_stream pipeline 1.355 -> 1.225), but calls cost over 2 % on 11 traces, as
+// single pages' do. On the GPU single pages with alignment reserved less than the defaults on
+// the trainer, graph and KV-cache patterns, but the trainer's step ran slower, creating more
+// pages; beside the defaults, alignment under a cap moved pages in every step of the stream
+// pipeline (1.9 x its step). So it stays off, tried by `allocwatch tune` (docs/benchmarks.md,
+// "Each rule switched off").
 //
 // Memory fraction. With reuse_free_pages the fraction is checked in map_block, after the
 // take-back, against what growth really adds. PyTorch checks reserved memory plus the whole
@@ -434,6 +439,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size, std::size_t ne
     page_policy_.growth_refused(total_allocated_memory_ + device_free);
     chunk_pages = growth_chunk_pages(*to_map->pool, size, page);
   }
+  if (chunk_pages != 1) grown_in_single_pages_ = false;
   // The device had no memory left for pages below the high-water mark: take back after all.
   if (mapped.size == 0 && !took_back && config_.reuse_free_pages && !captures_underway() &&
       take_back_free_pages(to_map->pool, to_map, rest) > 0) {
@@ -486,11 +492,13 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   const bool settled = config_.settle_page_moves && page_policy_.growth_moved_before();
   Block* candidate = find_expandable_block(stream, pool, size, settled);
   growing_ = Range{candidate->ptr, size};
+  grown_in_single_pages_ = config_.align_to_pages;  // map_block clears it where it chunks
   // The candidate starts a run of free and unmapped blocks with at least `size` bytes:
   //   unmapped -> null | unmapped -> free -> ... | free -> unmapped -> ...
   if (!candidate->mapped &&
       !map_block(candidate, std::min(candidate->size, grow_size(pool, size)),
                  std::min(candidate->size, size))) {
+    grown_in_single_pages_ = false;
     return nullptr;
   }
   while (candidate->size < size) {
@@ -499,6 +507,7 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
     Block* next = candidate->next;
     if (!map_block(next, std::min(grow_size(pool, remaining), next->size),
                    std::min(remaining, next->size))) {
+      grown_in_single_pages_ = false;
       return nullptr;
     }
     candidate = next;

@@ -134,8 +134,8 @@ enum class OnPytorchCall { resets, keeps };
     "instead, once, so that a repeating workload stops moving pages")                             \
   X(bool, align_to_pages, "align_to_pages",                                                       \
     any_value(), false, false, allocwatch, keeps,                                                 \
-    "a large block that an expandable segment grows for starts at a page boundary where that "    \
-    "needs no more pages, so that it spans no extra page once its neighbours are gone")            \
+    "where growth maps single pages, the large block it serves starts at a page boundary if "     \
+    "that needs no more pages, so that it spans no extra page once its neighbours are gone")       \
   X(bool, unmap_off_thread, "unmap_off_thread",                                                   \
     any_value(), false, false, allocwatch, keeps,                                                 \
     "a moved page's old place is unmapped by a thread of the allocator's own once the device "    \
