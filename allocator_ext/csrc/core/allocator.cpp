@@ -354,8 +354,9 @@ std::size_t CachingAllocator::page_alignment_gap(const Block* block, std::size_t
   // align_to_pages (Note [page policy] in expandable.cpp, alignment): for a block that growth
   // has just mapped single pages for, the bytes between its start and the next page boundary,
   // where starting there costs no page (the rest keeps as many whole pages); 0: it stays put.
-  if (block->pool->is_small || block->expandable == nullptr ||
-      block->expandable->tracks_aliases())
+  if (block->pool->is_small || block->expandable->tracks_aliases() ||
+      !should_split(block, size) ||
+      (block->pool->owner != nullptr && block->pool->owner->no_split))
     return 0;
   const std::size_t page = block->expandable->page_size();
   const std::uintptr_t base = block->expandable->base();
@@ -476,20 +477,6 @@ Block* CachingAllocator::alloc_found_block(AllocParams& p, bool split_remainder)
   BlockPool* pool = p.pool;
   const PoolKind kind = pool->kind();
   Block* block = p.block;
-  if (grown_in_single_pages_) {
-    grown_in_single_pages_ = false;
-    const std::size_t gap = split_remainder && !p.cached ? page_alignment_gap(block, size) : 0;
-    if (gap != 0) {
-      // The front, up to the page boundary, stays behind as a free block of its own.
-      Block* front = new_block(block->stream, gap, pool, block->ptr);
-      front->expandable = block->expandable;
-      front->splice(block->prev, block);
-      pool->insert_into_blocks(front);
-      block->ptr += gap;
-      block->size -= gap;
-      split_remainder = block->size > size;
-    }
-  }
   const bool already_split = block->is_split();
   // A cached block split from its front keeps its place in the pool when the remainder still
   // sorts there; otherwise it leaves the pool and the remainder is inserted anew.

@@ -448,8 +448,8 @@ class CachingAllocator {
   // pages (a free block inside the run is part of the request, and one whose pages moved
   // cannot be mapped again before they are unmapped).
   Range growing_ {};
-  // align_to_pages: the growth just made mapped single pages only, so the block it serves
-  // starts at a page boundary where that costs no page (alloc_found_block).
+  // align_to_pages: the growth being made maps single pages only (map_block clears it where it
+  // chunks), so the block it serves starts at a page boundary where that costs no page.
   bool grown_in_single_pages_ = false;
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;

@@ -498,7 +498,6 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
   if (!candidate->mapped &&
       !map_block(candidate, std::min(candidate->size, grow_size(pool, size)),
                  std::min(candidate->size, size))) {
-    grown_in_single_pages_ = false;
     return nullptr;
   }
   while (candidate->size < size) {
@@ -507,12 +506,22 @@ Block* CachingAllocator::try_allocate_expandable_block(StreamId stream, BlockPoo
     Block* next = candidate->next;
     if (!map_block(next, std::min(grow_size(pool, remaining), next->size),
                    std::min(remaining, next->size))) {
-      grown_in_single_pages_ = false;
       return nullptr;
     }
     candidate = next;
   }
   pool->blocks.erase(candidate);
+  if (grown_in_single_pages_) {
+    if (const std::size_t gap = page_alignment_gap(candidate, size)) {
+      // The front, up to the page boundary, stays behind as a free block of its own.
+      Block* front = new_block(stream, gap, pool, candidate->ptr);
+      front->expandable = candidate->expandable;
+      front->splice(candidate->prev, candidate);
+      pool->insert_into_blocks(front);
+      candidate->ptr += gap;
+      candidate->size -= gap;
+    }
+  }
   return candidate;
 }
 
